@@ -1,0 +1,144 @@
+"""Join the process group described by the environment, the same way under any launcher.
+
+`torchrun` (and `tessera run`, its thin front) describes each worker with environment variables:
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. tessera's own local
+launcher (`tessera.launch`) sets the same variables, plus TESSERA_INIT_FILE, the path of a FileStore
+used for rendezvous (a file needs no free TCP port, so parallel test runs cannot race for one).
+`init()` reads them and returns a small immutable `Context`; a script calling it runs unchanged
+under either launcher, or as a plain `python script.py` (a world of one).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Context", "DEFAULT_TIMEOUT_S", "init", "shutdown"]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default bound of every blocking wait (5 minutes); TESSERA_TIMEOUT_S overrides it."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this process stands in the job."""
+
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """Number of processes in the job, over all machines."""
+    local_rank: int
+    """Rank among the processes of this machine; picks the GPU when there is one."""
+    local_world_size: int
+    """Number of processes on this machine."""
+    device: torch.device
+    """Where tensors of this rank live: `cuda:<local_rank>` with NCCL, else CPU."""
+    backend: str
+    """The torch.distributed backend: "gloo" on CPU, "nccl" on GPU."""
+    timeout_s: float
+    """Bound of blocking waits in the process group, in seconds."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, the rank that writes files and prints."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from exc
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def _init_method(world_size: int) -> str:
+    init_file = os.environ.get("TESSERA_INIT_FILE")
+    if init_file:
+        return f"file://{init_file}"
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return "env://"
+    if world_size == 1:
+        # A plain `python script.py`: a private store file, so collectives work on a world of one.
+        fd, path = tempfile.mkstemp(prefix="tessera-store-")
+        os.close(fd)
+        os.unlink(path)
+        return f"file://{path}"
+    raise RuntimeError(
+        f"WORLD_SIZE={world_size} but neither TESSERA_INIT_FILE nor MASTER_ADDR/MASTER_PORT is set: "
+        "start the job with `tessera run`, `torchrun` or `tessera.launch`"
+    )
+
+
+def _limit_threads(local_world_size: int) -> None:
+    """Share the cores among the ranks of this machine unless the user chose already.
+
+    Four ranks on two cores, each with torch's default of one thread per core, spend their time
+    preempting each other; torchrun sets OMP_NUM_THREADS=1 for the same reason.
+    """
+    if "OMP_NUM_THREADS" in os.environ or local_world_size <= 1:
+        return
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+def _current_context() -> Context:
+    backend = str(dist.get_backend())
+    rank = dist.get_rank()
+    local_rank = _env_int("LOCAL_RANK", rank)
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return Context(
+        rank=rank,
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()),
+        device=device,
+        backend=backend,
+        timeout_s=float(os.environ.get("TESSERA_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
+    )
+
+
+def init(backend: str | None = None, *, timeout_s: float | None = None) -> Context:
+    """Join the default process group from the environment and return this rank's `Context`.
+
+    Calling it again returns the context of the group already joined. `timeout_s` bounds every
+    blocking collective of the group (default 300 s, or TESSERA_TIMEOUT_S).
+    """
+    if dist.is_initialized():
+        return _current_context()
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("TESSERA_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    os.environ["TESSERA_TIMEOUT_S"] = str(timeout_s)
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    backend = backend or os.environ.get("TESSERA_BACKEND") or _default_backend()
+    _limit_threads(local_world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+    dist.init_process_group(
+        backend=backend,
+        init_method=_init_method(world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return _current_context()
+
+
+def shutdown() -> None:
+    """Leave the process group (a no-op if none was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,174 @@
+"""Run a function on N local ranks: the launcher of tests, notebooks and `tessera train`.
+
+Each rank is a fresh process (spawned, so nothing of the parent's threads or CUDA state is
+inherited) with the environment `torchrun` would give it, plus TESSERA_INIT_FILE, a FileStore
+path for rendezvous: no TCP port to pick, so parallel runs cannot collide. The function calls
+`tessera.init()` itself, exactly as it would under `torchrun`.
+
+Failure handling is the point of this module. A rank that raises sends its traceback to the
+parent; the parent then stops the other ranks (which are usually blocked in a collective waiting
+for the failed one) and raises `RankFailedError` naming the rank. A rank that dies without a word
+(killed, segfault) is reported by its exit code. The whole run has a deadline: past it every
+rank is stopped and `LaunchTimeout` names the ranks that had not finished.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tessera.errors import LaunchTimeout, RankFailedError
+
+__all__ = ["launch"]
+
+_GRACE_S = 1.0  # after a failure, how long other ranks may still report before they are stopped
+
+
+def _encode(value: Any) -> bytes:
+    # torch.save pickles tensors by value: no shared-memory handles that die with the child.
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _decode(payload: bytes) -> Any:
+    return torch.load(io.BytesIO(payload), weights_only=False)
+
+
+def _rank_main(
+    fn: Callable[..., Any],
+    args: tuple,
+    rank: int,
+    nproc: int,
+    init_file: str,
+    extra_env: dict[str, str],
+    results: mp.Queue,
+) -> None:
+    os.environ.update(extra_env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        GROUP_RANK="0",
+        TESSERA_INIT_FILE=init_file,
+    )
+    try:
+        value = fn(*args)
+        results.put(("ok", rank, _encode(value)))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        results.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        from tessera.runtime.context import shutdown
+
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - the group may be broken by the very failure reported
+            pass
+
+
+def _stop(processes: list[mp.Process]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `nproc` local ranks and return their return values, in rank order.
+
+    `fn` must be importable by name (a module-level function), since each rank is a new process.
+    `env` adds environment variables to every rank. Raises `RankFailedError` for the first rank
+    that raised (its traceback included) and `LaunchTimeout` past `timeout_s` seconds.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be at least 1, got {nproc}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    store_dir = tempfile.mkdtemp(prefix="tessera-launch-")
+    init_file = os.path.join(store_dir, "store")
+    extra_env = dict(env or {})
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(fn, args, rank, nproc, init_file, extra_env, results),
+            name=f"tessera-rank-{rank}",
+        )
+        for rank in range(nproc)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        return _collect(processes, results, timeout_s)
+    finally:
+        _stop(processes)
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _collect(processes: list[mp.Process], results: mp.Queue, timeout_s: float) -> list[Any]:
+    nproc = len(processes)
+    values: dict[int, Any] = {}
+    failures: list[tuple[int, str, str]] = []
+    deadline = time.monotonic() + timeout_s
+    silent_seen_at: float | None = None
+    while len(values) + len(failures) < nproc:
+        now = time.monotonic()
+        if now >= deadline:
+            if failures:
+                break
+            raise LaunchTimeout(timeout_s, [r for r in range(nproc) if r not in values])
+        try:
+            message = results.get(timeout=min(0.2, deadline - now))
+        except queue_module.Empty:
+            silent = _silent_deaths(processes, values, failures)
+            if silent:
+                # A rank's last message can still be in the pipe when its exit is seen: wait a
+                # moment before calling the death silent.
+                silent_seen_at = silent_seen_at or time.monotonic()
+                if time.monotonic() - silent_seen_at > _GRACE_S:
+                    failures.extend(silent)
+                    break
+            continue
+        if message[0] == "ok":
+            values[message[1]] = _decode(message[2])
+        else:
+            failures.append(message[1:])
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+    if failures:
+        rank, text, remote_traceback = failures[0]
+        raise RankFailedError(rank, text, remote_traceback)
+    return [values[rank] for rank in range(nproc)]
+
+
+def _silent_deaths(
+    processes: list[mp.Process], values: dict[int, Any], failures: list[tuple[int, str, str]]
+) -> list[tuple[int, str, str]]:
+    """Ranks whose process ended without reporting a result or an error."""
+    reported = set(values) | {rank for rank, _, _ in failures}
+    return [
+        (rank, f"process exited with code {process.exitcode} without reporting", "")
+        for rank, process in enumerate(processes)
+        if rank not in reported and process.exitcode is not None
+    ]
