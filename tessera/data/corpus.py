@@ -55,7 +55,9 @@ def stdlib_corpus_dir() -> Path:
 
 
 def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") or part == "__pycache__" for part in path.relative_to(root).parts)
+    return any(
+        part.startswith(".") or part == "__pycache__" for part in path.relative_to(root).parts
+    )
 
 
 def _files_under(root: Path, pattern: str) -> list[Path]:

@@ -36,7 +36,9 @@ class CNNConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         object.__setattr__(self, "channels", tuple(self.channels))
         if not self.channels or any(int(c) <= 0 for c in self.channels):
-            raise ValueError(f"channels must be a non-empty list of positive ints, got {self.channels}")
+            raise ValueError(
+                f"channels must be a non-empty list of positive ints, got {self.channels}"
+            )
 
 
 class CNN(nn.Module):

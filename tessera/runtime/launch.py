@@ -92,18 +92,19 @@ def launch(
     fn: Callable[..., Any],
     nproc: int,
     *args: Any,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = 300.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` local ranks and return their return values, in rank order.
 
     `fn` must be importable by name (a module-level function), since each rank is a new process.
     `env` adds environment variables to every rank. Raises `RankFailedError` for the first rank
-    that raised (its traceback included) and `LaunchTimeout` past `timeout_s` seconds.
+    that raised (its traceback included) and `LaunchTimeout` past `timeout_s` seconds (`None`: no
+    deadline for the whole run; blocking waits inside it still time out by the group's timeout).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    if timeout_s <= 0:
+    if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     context = mp.get_context("spawn")
     results: mp.Queue = context.Queue()
@@ -127,18 +128,20 @@ def launch(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _collect(processes: list[mp.Process], results: mp.Queue, timeout_s: float) -> list[Any]:
+def _collect(
+    processes: list[mp.Process], results: mp.Queue, timeout_s: float | None
+) -> list[Any]:
     nproc = len(processes)
     values: dict[int, Any] = {}
     failures: list[tuple[int, str, str]] = []
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
     silent_seen_at: float | None = None
     while len(values) + len(failures) < nproc:
         now = time.monotonic()
         if now >= deadline:
             if failures:
                 break
-            raise LaunchTimeout(timeout_s, [r for r in range(nproc) if r not in values])
+            raise LaunchTimeout(timeout_s or 0.0, [r for r in range(nproc) if r not in values])
         try:
             message = results.get(timeout=min(0.2, deadline - now))
         except queue_module.Empty:

@@ -1,0 +1,145 @@
+"""The `tessera` command: `train` (the main job) and `run` (a thin front of torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any
+
+from tessera.errors import TesseraError
+
+__all__ = ["main"]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One flag per config field, typed and documented from the dataclass itself."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        annotation = hints[field.name]
+        if dataclasses.is_dataclass(annotation):
+            _add_config_flags(parser, annotation, prefix=f"{field.name}.")
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = f"{field.metadata.get('help', '')} (default: {default})"
+        dest = prefix + field.name
+        if annotation is bool:
+            parser.add_argument(_flag(field.name), dest=dest, default=None, help=help_text,
+                                action=argparse.BooleanOptionalAction)
+            continue
+        kind = {int: int, float: float}.get(annotation, str)
+        parser.add_argument(_flag(field.name), dest=dest, type=kind, default=None,
+                            metavar=field.name.upper(), help=help_text)
+
+
+def _flag_layer(args: argparse.Namespace) -> dict[str, Any]:
+    """The config values given on the command line, nested like the YAML file."""
+    layer: dict[str, Any] = {}
+    for dest, value in vars(args).items():
+        if value is None or dest in ("command", "config", "resume", "handler"):
+            continue
+        *parents, leaf = dest.split(".")
+        target = layer
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return layer
+
+
+def _train(args: argparse.Namespace) -> int:
+    from tessera.train.config import build_config, load_yaml
+    from tessera.train.run import config_layers_for_resume, print_summary, run_training
+
+    layers = []
+    if args.resume:
+        layers.append(config_layers_for_resume(args.resume))
+    if args.config:
+        layers.append(load_yaml(args.config))
+    flags = _flag_layer(args)
+    if args.resume:
+        flags["out"] = args.resume
+    layers.append(flags)
+    config = build_config(*layers)
+    summary = run_training(config, resume=bool(args.resume))
+    if summary is not None:
+        print_summary(summary)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Hand the job to torch.distributed.run (torchrun's elastic agent)."""
+    from torch.distributed import run as torchrun
+
+    argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", args.nnodes,
+            "--node-rank", str(args.node_rank), "--max-restarts", str(args.max_restarts)]
+    if args.rdzv_endpoint:
+        argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-endpoint", args.rdzv_endpoint,
+                 "--rdzv-id", args.rdzv_id]
+    elif args.nnodes in ("1", "1:1"):
+        argv += ["--standalone"]
+    else:
+        raise TesseraError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT")
+    if args.module:
+        argv.append("--module")
+    argv += [args.script, *args.script_args]
+    torchrun.main(argv)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    from tessera.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(
+        prog="tessera", description="Distributed training, every strategy in readable Python."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train",
+        help="train the character-level GPT (the main job)",
+        description="Train a small GPT on Python's own source. Flags override --config, which "
+        "overrides the defaults. Writes runs/<timestamp>/ (config.yaml, metrics.jsonl, "
+        "loss.png, checkpoint.pt, sample.txt).",
+    )
+    train.add_argument("--config", metavar="FILE.yaml", help="YAML file of config values")
+    train.add_argument("--resume", metavar="DIR", help="continue the run in DIR up to --steps")
+    _add_config_flags(train, TrainConfig)
+    train.set_defaults(handler=_train)
+
+    run = commands.add_parser(
+        "run",
+        help="run a script on N processes per node (a thin front of torchrun)",
+        description="Start SCRIPT on N local processes through torch.distributed.run; for several "
+        "machines, start it on each with --nnodes, --node-rank and --rdzv-endpoint.",
+    )
+    run.add_argument("-n", "--nproc-per-node", default="1", help="processes on this node")
+    run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (elastic)")
+    run.add_argument("--node-rank", type=int, default=0, help="rank of this node")
+    run.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous")
+    run.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default c10d)")
+    run.add_argument("--rdzv-id", default="tessera", help="job id shared by all nodes")
+    run.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure")
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    run.add_argument("script", help="the script (or module with -m) to run")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    run.set_defaults(handler=_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `tessera` command."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except TesseraError as exc:
+        print(f"tessera: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

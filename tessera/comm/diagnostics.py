@@ -1,0 +1,233 @@
+"""Nothing hangs silently: a record of every collective, timeouts and mismatches that explain.
+
+Each rank keeps the last `HISTORY` collectives it called (sequence number, op, algorithm, shape,
+dtype, call site) in a ring buffer, `history()`. Two checks turn the classic silent failures into
+typed errors:
+
+- Mismatch: each collective carries a small descriptor (sequence number, op, algorithm, reduction,
+  dtype, root, shape) to its ring neighbour with the first message (shm: through the segment).
+  If ring neighbours agree, all ranks agree; otherwise `CollectiveMismatch` says what each called.
+- Timeout: every wait has a deadline. A watchdog thread notices waits that last longer than a
+  moment and posts "rank r waits in collective #s" to the process group's store; the rank whose
+  deadline passes reads those posts and names the ranks that never reached #s.
+
+`set_checks(False)` (or TESSERA_COMM_CHECK=0) turns the descriptor exchange off for speed.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tessera.comm._ops import OPS, SUPPORTED_DTYPES
+from tessera.errors import CollectiveMismatch, CollectiveTimeout
+
+__all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
+
+HISTORY = 64
+_KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "shared_buffer")
+_ALGOS = ("ring", "tree", "butterfly", "all_to_all", "master_worker", "round_robin", "shm", "native")
+DESCRIPTOR_LEN = 16  # int64 words; see `describe`
+_MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class Record:
+    """One collective as this rank called it."""
+
+    seq: int
+    kind: str
+    algorithm: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group_ranks: tuple[int, ...]
+    call_site: str
+
+
+_history: collections.deque[Record] = collections.deque(maxlen=HISTORY)
+_checks = os.environ.get("TESSERA_COMM_CHECK", "1") not in ("0", "false", "off")
+
+
+def set_checks(enabled: bool) -> None:
+    """Turn the cross-rank descriptor check on or off (must be the same on every rank)."""
+    global _checks
+    _checks = bool(enabled)
+
+
+def checks_enabled() -> bool:
+    """Whether collectives exchange descriptors to detect mismatched calls."""
+    return _checks
+
+
+def history() -> list[Record]:
+    """The last `HISTORY` collectives this rank called, oldest first."""
+    return list(_history)
+
+
+def _call_site() -> str:
+    # The first frame outside tessera/comm: the line of user (or strategy) code that called us.
+    frame = sys._getframe(2)
+    here = os.path.dirname(__file__)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def record(
+    seq: int, kind: str, algorithm: str, op: str, tensor: torch.Tensor, ranks: tuple[int, ...]
+) -> Record:
+    """Append one collective to this rank's history and return its record."""
+    entry = Record(seq, kind, algorithm, op, tuple(tensor.shape), tensor.dtype, ranks, _call_site())
+    _history.append(entry)
+    return entry
+
+
+# ----------------------------------------------------------------------------------- descriptors
+def describe(entry: Record, root: int = -1) -> torch.Tensor:
+    """The int64 descriptor sent to the ring neighbour: what this rank is about to do."""
+    words = [
+        entry.seq,
+        _KINDS.index(entry.kind),
+        _ALGOS.index(entry.algorithm),
+        OPS.index(entry.op) if entry.op in OPS else -1,
+        SUPPORTED_DTYPES.index(entry.dtype) if entry.dtype in SUPPORTED_DTYPES else -1,
+        root,
+        len(entry.shape),
+        0,
+    ]
+    shape = list(entry.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
+    if len(entry.shape) > _MAX_DIMS:  # fold the remaining dims into the last word
+        shape[-1] = int(torch.tensor(entry.shape[_MAX_DIMS - 1 :]).prod())
+    return torch.tensor(words + shape, dtype=torch.int64)
+
+
+def explain(words: list[int]) -> str:
+    """A readable form of a descriptor, for error messages."""
+    seq, kind, algo, op, dtype, root, ndim = words[:7]
+    shape = tuple(words[8 : 8 + min(ndim, _MAX_DIMS)])
+
+    def pick(names: tuple, i: int) -> str:
+        return str(names[i]) if 0 <= i < len(names) else "?"
+
+    text = f"#{seq} {pick(_KINDS, kind)}(shape={shape}, dtype={pick(SUPPORTED_DTYPES, dtype)}"
+    text += f", op={pick(OPS, op)}, algorithm={pick(_ALGOS, algo)}"
+    return text + (f", root={root})" if root >= 0 else ")")
+
+
+def compare(mine: torch.Tensor, theirs: torch.Tensor, rank: int, peer: int) -> None:
+    """Raise `CollectiveMismatch` unless the peer's descriptor equals this rank's."""
+    if torch.equal(mine, theirs):
+        return
+    raise CollectiveMismatch(
+        f"rank {rank} called {explain(mine.tolist())} but rank {peer} called "
+        f"{explain(theirs.tolist())}: every rank of a group must call the same collectives, "
+        "in the same order, with the same shapes, dtypes and ops"
+    )
+
+
+# --------------------------------------------------------------------------------- timeouts
+class _Watchdog:
+    """Posts to the store which collective this rank has been waiting in for a while."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: tuple[str, int, float, float] | None = None  # key, seq, since, patience
+        self._posted: tuple[str, int] | None = None
+        self._thread: threading.Thread | None = None
+
+    def begin(self, key: str, seq: int, timeout_s: float) -> None:
+        # Called on every wait: two attribute writes, nothing more, on the fast path.
+        self._waiting = (key, seq, time.monotonic(), min(1.0, timeout_s / 4))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tessera-comm-watchdog")
+            self._thread.daemon = True
+            self._thread.start()
+
+    def end(self) -> None:
+        self._waiting = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.1)
+            waiting = self._waiting
+            if waiting is None:
+                continue
+            key, seq, since, patience = waiting
+            if time.monotonic() - since > patience and self._posted != (key, seq):
+                self._posted = (key, seq)
+                post_progress(key, seq)
+
+
+_watchdog = _Watchdog()
+
+
+def waiting(key: str, seq: int, timeout_s: float) -> None:
+    """Mark the start of a blocking wait in collective `seq` of the group `key`."""
+    _watchdog.begin(key, seq, timeout_s)
+
+
+def done_waiting() -> None:
+    """Mark the end of a blocking wait."""
+    _watchdog.end()
+
+
+def _store() -> dist.Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis; the error still names us
+        return None
+
+
+def post_progress(key: str, seq: int) -> None:
+    """Tell the other ranks, through the store, that this rank reached collective `seq`."""
+    store = _store()
+    if store is not None:
+        try:
+            store.set(f"tessera/comm/{key}/{dist.get_rank()}", str(seq))
+        except Exception:  # noqa: BLE001 - best effort: diagnosis must never mask the timeout
+            pass
+
+
+def missing_ranks(key: str, seq: int, ranks: tuple[int, ...]) -> list[int] | None:
+    """Global ranks of the group that have not been seen at collective `seq` (None: unknown)."""
+    store = _store()
+    if store is None:
+        return None
+    missing = []
+    try:
+        for rank in ranks:
+            name = f"tessera/comm/{key}/{rank}"
+            if rank == dist.get_rank():
+                continue
+            if not store.check([name]) or int(store.get(name).decode()) < seq:
+                missing.append(rank)
+    except Exception:  # noqa: BLE001
+        return None
+    return missing
+
+
+def timeout_error(
+    key: str, seq: int, ranks: tuple[int, ...], op: str, timeout_s: float, peer: int | None
+) -> CollectiveTimeout:
+    """Build the `CollectiveTimeout` of this rank, naming the peer and the ranks not arrived."""
+    post_progress(key, seq)
+    time.sleep(0.2)  # let the other waiting ranks' watchdogs post too
+    detail = f"collective #{seq}"
+    if peer is not None:
+        detail += f", waiting for rank {peer}"
+    missing = missing_ranks(key, seq, ranks)
+    if missing:
+        detail += f"; ranks {missing} have not reached collective #{seq} (never called it?)"
+    elif missing is not None:
+        detail += "; every rank reached it: a peer may have died or the network stalled"
+    return CollectiveTimeout(dist.get_rank(), op, timeout_s, detail)

@@ -1,0 +1,190 @@
+"""The training configuration: typed, loadable from YAML, overridable from the command line.
+
+Every check that can fail runs here, in the launching process, before any worker starts: a wrong
+type or an impossible value costs the user one clear message instead of N tracebacks from ranks.
+Precedence: defaults < the YAML file (`--config`) < command-line flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tessera.errors import ConfigError
+
+__all__ = ["ModelSettings", "TrainConfig", "build_config", "config_to_dict", "load_yaml"]
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _option(default: Any, help_text: str) -> Any:
+    """A config field whose help text is shown by `tessera train --help`."""
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelSettings:
+    """Shape of the character-level GPT; the vocabulary comes from the corpus."""
+
+    n_layer: int = _option(4, "Number of transformer blocks.")
+    n_head: int = _option(4, "Attention heads per block; must divide n_embd.")
+    n_embd: int = _option(128, "Width of the residual stream.")
+    block_size: int = _option(128, "Context length in characters and length of each window.")
+    dropout: float = _option(0.0, "Dropout probability (0 keeps runs comparable bit for bit).")
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be at least 1, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """One training run of `tessera train`."""
+
+    strategy: str = _option("torch-ddp", "How training is split over ranks (see STRATEGIES).")
+    nproc: int = _option(2, "Local processes to spawn (under torchrun its world size wins).")
+    steps: int = _option(300, "Total optimizer steps; a resumed run continues up to this number.")
+    seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
+    batch_size: int = _option(32, "Global batch in sequences per step, split over the ranks.")
+    optimizer: str = _option("adamw", "adamw, or sgd (momentum 0.9).")
+    lr: float = _option(3e-3, "Peak learning rate, reached after warmup_steps.")
+    warmup_steps: int = _option(10, "Linear learning-rate warmup, in steps.")
+    decay_steps: int = _option(
+        300,
+        "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant. "
+        "Independent of --steps, so that extending a run by --resume changes nothing before.",
+    )
+    weight_decay: float = _option(0.1, "Decoupled weight decay of AdamW (ignored by SGD).")
+    grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
+    corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
+    corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
+    log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
+    checkpoint_every: int = _option(50, "Checkpoint every this many steps (and at the end).")
+    sample_tokens: int = _option(200, "Characters to generate at the end; 0 skips the sample.")
+    timeout_s: float = _option(300.0, "Bound in seconds of every blocking wait between ranks.")
+    out: str | None = _option(None, "Run folder (default runs/<timestamp>).")
+    progress: bool = _option(True, "Show a progress bar on rank 0.")
+    model: ModelSettings = field(
+        default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
+    )
+
+    def __post_init__(self) -> None:
+        from tessera.train.strategy import STRATEGIES
+
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"unknown strategy {self.strategy!r}; choose one of {sorted(STRATEGIES)}"
+            )
+        if self.nproc < 1:
+            raise ConfigError(f"nproc must be at least 1, got {self.nproc}")
+        if self.strategy == "single" and self.nproc != 1:
+            raise ConfigError(f"strategy 'single' runs one process; got nproc={self.nproc}")
+        for name in ("steps", "batch_size", "log_every", "corpus_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in (
+            "warmup_steps", "decay_steps", "checkpoint_every", "sample_tokens", "grad_clip"
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        for name in ("lr", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        self.check_world_size(self.nproc)
+        if self.corpus != "stdlib" and not Path(self.corpus).exists():
+            raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a world size that cannot split the global batch evenly."""
+        if self.batch_size % world_size:
+            raise ConfigError(
+                f"batch_size ({self.batch_size}) must be divisible by the number of ranks "
+                f"({world_size})"
+            )
+
+
+def _type_matches(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_matches(value, arm) for arm in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{where}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown config key {name!r}; valid keys: {sorted(known)}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            value = _build(annotation, value, f"{name}.")
+        elif not _type_matches(value, annotation):
+            wanted = getattr(annotation, "__name__", str(annotation))
+            raise ConfigError(f"config key {name!r} must be {wanted}, got {value!r}")
+        elif annotation is float:
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict, with a clear error for a missing or malformed one."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
+    return data
+
+
+def build_config(*layers: dict[str, Any]) -> TrainConfig:
+    """Merge config layers (later ones win, nested `model:` merged key by key) and validate."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = _merge(merged, layer)
+    return _build(TrainConfig, merged, "")
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """The config as plain data, for config.yaml and checkpoints."""
+    return dataclasses.asdict(config)

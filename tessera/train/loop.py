@@ -1,0 +1,204 @@
+"""The training loop of `tessera train`: one function every rank runs, whatever the strategy.
+
+Resume is exact by construction: the batch of a step is a pure function of (seed, step), and a
+checkpoint holds the model, the optimizer, every rank's RNG state and the step, so a resumed run
+takes the same path as one that never stopped (bit for bit on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tessera.data import CharTokenizer, LMBatches, load_corpus
+from tessera.errors import CheckpointError
+from tessera.models import GPT, GPTConfig
+from tessera.runtime.context import Context, init
+from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+from tessera.train.config import TrainConfig, config_to_dict
+from tessera.train.metrics import MetricsLog, gather_rank_metrics, peak_memory_mb, read_metrics
+from tessera.train.strategy import STRATEGIES, Engine
+
+__all__ = ["CHECKPOINT_NAME", "lr_at", "make_optimizer", "train_worker"]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of 0-based `step`: linear warmup, then constant or cosine to lr/10."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.decay_steps == 0:
+        return config.lr
+    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
+    low = config.lr / 10
+    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer the config names, over `params`."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+
+
+def _broadcast_object(value: Any, ctx: Context) -> Any:
+    if ctx.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_objects(value: Any, ctx: Context) -> list[Any]:
+    if ctx.world_size == 1:
+        return [value]
+    boxes: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(boxes, value)
+    return boxes
+
+
+def _save(engine: Engine, ctx: Context, path: Path, step: int, extra: dict[str, Any]) -> None:
+    """Collective: every rank contributes its RNG state; rank 0 writes the file atomically."""
+    state = engine.state_dict()
+    rng_states = _gather_objects(torch.get_rng_state(), ctx)
+    if ctx.is_main:
+        save_checkpoint(path, {"step": step, "engine": state, "rng": rng_states, **extra})
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
+def _restore(engine: Engine, ctx: Context, path: Path, tokenizer: CharTokenizer) -> int:
+    state = load_checkpoint(path)
+    if state.get("tokenizer") != tokenizer.to_dict():
+        raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
+    engine.load_state_dict(state["engine"])
+    if len(state["rng"]) == ctx.world_size:
+        torch.set_rng_state(state["rng"][ctx.rank])
+    return int(state["step"])
+
+
+def _progress_bar(config: TrainConfig, ctx: Context, start: int) -> Any:
+    if not (ctx.is_main and config.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=config.steps, initial=start, desc=f"{config.strategy} x{ctx.world_size}",
+                unit="step", dynamic_ncols=True)
+
+
+def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 writes the run folder and returns the summary."""
+    ctx = init(timeout_s=config.timeout_s)
+    config.check_world_size(ctx.world_size)
+    out = Path(run_dir)
+    text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    tokenizer = CharTokenizer.from_text(text)
+    batches = LMBatches(tokenizer.encode_tensor(text), block_size=config.model.block_size,
+                        global_batch_size=config.batch_size, seed=config.seed)
+    torch.manual_seed(config.seed)
+    model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
+    model = GPT(model_config).to(ctx.device)
+    engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx)
+    checkpoint = out / CHECKPOINT_NAME
+    start = _restore(engine, ctx, checkpoint, tokenizer) if resume else 0
+    log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
+    extra = {"tokenizer": tokenizer.to_dict(), "config": config_to_dict(config)}
+    tokens_per_step = config.batch_size * config.model.block_size
+    bar = _progress_bar(config, ctx, start)
+    wall_start = time.perf_counter()
+    for step in range(start, config.steps):
+        x, y = batches.batch(step, ctx.rank, ctx.world_size)
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        began = time.perf_counter()
+        logits = engine(x)  # (b, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        engine.backward(loss)
+        if config.grad_clip:
+            engine.clip_grad_norm(config.grad_clip)
+        engine.step(lr_at(step, config))
+        step_s = time.perf_counter() - began
+        done = step + 1
+        if done % config.log_every == 0 or done == config.steps:
+            ranks = gather_rank_metrics(
+                {"loss": loss.item(), "step_s": step_s, "comm_s": engine.comm_seconds,
+                 "peak_mem_mb": peak_memory_mb(ctx.device)}, ctx.device)
+            record = _record(done, ranks, tokens_per_step, lr_at(step, config))
+            if log is not None:
+                log.write(record)
+            if bar is not None:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if bar is not None:
+            bar.update(1)
+        if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+            _save(engine, ctx, checkpoint, done, extra)
+    if bar is not None:
+        bar.close()
+    if not ctx.is_main:
+        return None
+    sample = _sample(engine, tokenizer, config, ctx)
+    (out / "sample.txt").write_text(sample)
+    return _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
+
+
+def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) -> dict[str, Any]:
+    slowest = max(r["step_s"] for r in ranks)  # a synchronous step lasts as long as its slowest rank
+    comm = max(r["comm_s"] for r in ranks)
+    return {
+        "step": step,
+        "loss": statistics.fmean(r["loss"] for r in ranks),  # equal shards: mean = global loss
+        "lr": lr,
+        "tokens_per_s": tokens / slowest,
+        "step_s": slowest,
+        "compute_s": max(0.0, slowest - comm),
+        "comm_s": comm,
+        "peak_mem_mb": [round(r["peak_mem_mb"], 1) for r in ranks],
+    }
+
+
+def _sample(engine: Engine, tokenizer: CharTokenizer, config: TrainConfig, ctx: Context) -> str:
+    if config.sample_tokens == 0:
+        return ""
+    prompt = "def " if set("def ") <= set(tokenizer.chars) else tokenizer.chars[0]
+    idx = tokenizer.encode_tensor(prompt)[None, :].to(ctx.device)  # (1, len(prompt))
+    generator = torch.Generator(device=ctx.device).manual_seed(config.seed)
+    engine.module.eval()
+    out = engine.module.generate(idx, config.sample_tokens, temperature=0.8, top_k=20,
+                                 generator=generator)
+    engine.module.train()
+    return tokenizer.decode(out[0])
+
+
+def _summary(out: Path, config: TrainConfig, ctx: Context, sample: str, wall_s: float,
+             start: int) -> dict[str, Any]:
+    from tessera.viz import plot_loss
+
+    records = read_metrics(out / "metrics.jsonl")
+    plot_loss(records, out / "loss.png", title=f"{config.strategy}, {ctx.world_size} ranks")
+    this_run = [r for r in records if r["step"] > start] or records
+    median = statistics.median
+    return {
+        "run_dir": str(out),
+        "strategy": config.strategy,
+        "world_size": ctx.world_size,
+        "steps": config.steps,
+        "steps_this_run": config.steps - start,
+        "first_loss": records[0]["loss"] if records else float("nan"),
+        "final_loss": records[-1]["loss"] if records else float("nan"),
+        "tokens_per_s": median(r["tokens_per_s"] for r in this_run),
+        "step_s": median(r["step_s"] for r in this_run),
+        "comm_s": median(r["comm_s"] for r in this_run),
+        "peak_mem_mb": this_run[-1]["peak_mem_mb"],
+        "wall_s": wall_s,
+        "sample": sample,
+    }

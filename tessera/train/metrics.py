@@ -1,0 +1,65 @@
+"""Per-step metrics: gathered from every rank, written by rank 0 as one JSON object per line."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MetricsLog", "gather_rank_metrics", "peak_memory_mb", "read_metrics"]
+
+RANK_FIELDS = ("loss", "step_s", "comm_s", "peak_mem_mb")
+"""What each rank reports per logged step, in the order of the gathered vector."""
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this rank: allocator peak on CUDA, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kibibytes, macOS bytes.
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def gather_rank_metrics(values: dict[str, float], device: torch.device) -> list[dict[str, float]]:
+    """All-gather this rank's `RANK_FIELDS` values; return one dict per rank, in rank order."""
+    local = torch.tensor([values[name] for name in RANK_FIELDS], dtype=torch.float64, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        rows = [local]
+    else:
+        rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, local)
+    return [dict(zip(RANK_FIELDS, row.tolist())) for row in rows]
+
+
+class MetricsLog:
+    """Appends records to `metrics.jsonl`; on resume, drops records past the checkpoint's step.
+
+    A run that died after its last checkpoint logged steps that the resumed run will redo;
+    keeping both would give two records for one step.
+    """
+
+    def __init__(self, path: Path, *, resume_from_step: int = 0) -> None:
+        self.path = path
+        kept = [r for r in read_metrics(path) if r["step"] <= resume_from_step]
+        with path.open("w") as file:
+            for record in kept:
+                file.write(json.dumps(record) + "\n")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record and flush it, so a crash loses at most the current step."""
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (empty if it does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

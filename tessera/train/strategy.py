@@ -1,0 +1,126 @@
+"""The strategy interface: what the training loop drives, whatever splits the work underneath.
+
+A strategy is a function `(module, make_optimizer, context) -> Engine`. It receives a plain
+`nn.Module` (same initial weights on every rank) and a factory that builds an optimizer over the
+parameters it is given, and returns an `Engine`, which the loop uses as
+
+    logits = engine(inputs); engine.backward(loss); engine.clip_grad_norm(c); engine.step(lr)
+
+and checkpoints through `engine.state_dict()` / `engine.load_state_dict()`. The loop never asks
+which strategy runs. Later strategies (tessera's own DDP, ZeRO, pipelines) register themselves
+with `@register_strategy(name)`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.runtime.context import Context
+
+__all__ = [
+    "STRATEGIES",
+    "Engine",
+    "OptimizerFactory",
+    "TorchDDPEngine",
+    "register_strategy",
+]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+StrategyFactory = Callable[[nn.Module, OptimizerFactory, Context], "Engine"]
+
+STRATEGIES: dict[str, StrategyFactory] = {}
+"""Strategy name -> factory; `tessera train --strategy NAME` picks from these."""
+
+
+def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]:
+    """Class or function decorator adding a strategy to `STRATEGIES` under `name`."""
+
+    def add(factory: StrategyFactory) -> StrategyFactory:
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} is registered twice")
+        STRATEGIES[name] = factory
+        return factory
+
+    return add
+
+
+@register_strategy("single")
+class Engine:
+    """One process, no communication: the reference every other strategy must equal.
+
+    Subclasses override what their strategy changes; the defaults here are plain PyTorch.
+    """
+
+    def __init__(self, module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> None:
+        self.module = module
+        """The user's model, unwrapped: its weights are the trained ones (used for sampling)."""
+        self.ctx = ctx
+        self.optimizer = make_optimizer(module.parameters())
+        self.comm_seconds = 0.0
+        """Communication the last step waited for (not hidden behind compute), in seconds."""
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Forward pass."""
+        return self.module(*inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass; after it every parameter's `.grad` is what the optimizer should use."""
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+        return float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+
+    def step(self, lr: float) -> None:
+        """Apply the optimizer with learning rate `lr`, then clear the gradients."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full model and optimizer state, complete at least on rank 0."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (every rank loads the same full state)."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+@register_strategy("torch-ddp")
+class TorchDDPEngine(Engine):
+    """PyTorch's own DistributedDataParallel: the anchor tessera's strategies are compared with.
+
+    DDP broadcasts rank 0's weights at construction and all-reduces gradient buckets during
+    backward. The exposed communication time is measured from outside DDP: a post-accumulate hook
+    on every parameter records when the last gradient was produced; what remains of backward after
+    that is DDP waiting for its last buckets, i.e. communication that compute did not hide.
+    """
+
+    def __init__(self, module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> None:
+        super().__init__(module, make_optimizer, ctx)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        self.ddp = nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        self._last_gradient_at = 0.0
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(self._mark_gradient)
+
+    def _mark_gradient(self, _parameter: torch.Tensor) -> None:
+        self._last_gradient_at = time.perf_counter()
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Forward through DDP, which prepares the gradient reduction of this step."""
+        return self.ddp(*inputs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward; DDP's hooks all-reduce (average) gradients as buckets fill."""
+        self._last_gradient_at = time.perf_counter()
+        loss.backward()
+        self.comm_seconds = max(0.0, time.perf_counter() - self._last_gradient_at)
