@@ -29,12 +29,23 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
         help_text = f"{field.metadata.get('help', '')} (default: {default})"
         dest = prefix + field.name
         if annotation is bool:
-            parser.add_argument(_flag(field.name), dest=dest, default=None, help=help_text,
-                                action=argparse.BooleanOptionalAction)
+            parser.add_argument(
+                _flag(field.name),
+                dest=dest,
+                default=None,
+                help=help_text,
+                action=argparse.BooleanOptionalAction,
+            )
             continue
         kind = {int: int, float: float}.get(annotation, str)
-        parser.add_argument(_flag(field.name), dest=dest, type=kind, default=None,
-                            metavar=field.name.upper(), help=help_text)
+        parser.add_argument(
+            _flag(field.name),
+            dest=dest,
+            type=kind,
+            default=None,
+            metavar=field.name.upper(),
+            help=help_text,
+        )
 
 
 def _flag_layer(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,11 +86,25 @@ def _run(args: argparse.Namespace) -> int:
     """Hand the job to torch.distributed.run (torchrun's elastic agent)."""
     from torch.distributed import run as torchrun
 
-    argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", args.nnodes,
-            "--node-rank", str(args.node_rank), "--max-restarts", str(args.max_restarts)]
+    argv = [
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--nnodes",
+        args.nnodes,
+        "--node-rank",
+        str(args.node_rank),
+        "--max-restarts",
+        str(args.max_restarts),
+    ]
     if args.rdzv_endpoint:
-        argv += ["--rdzv-backend", args.rdzv_backend, "--rdzv-endpoint", args.rdzv_endpoint,
-                 "--rdzv-id", args.rdzv_id]
+        argv += [
+            "--rdzv-backend",
+            args.rdzv_backend,
+            "--rdzv-endpoint",
+            args.rdzv_endpoint,
+            "--rdzv-id",
+            args.rdzv_id,
+        ]
     elif args.nnodes in ("1", "1:1"):
         argv += ["--standalone"]
     else:

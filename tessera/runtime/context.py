@@ -76,8 +76,8 @@ def _init_method(world_size: int) -> str:
         os.unlink(path)
         return f"file://{path}"
     raise RuntimeError(
-        f"WORLD_SIZE={world_size} but neither TESSERA_INIT_FILE nor MASTER_ADDR/MASTER_PORT is set: "
-        "start the job with `tessera run`, `torchrun` or `tessera.launch`"
+        f"WORLD_SIZE={world_size} but neither TESSERA_INIT_FILE nor MASTER_ADDR/MASTER_PORT "
+        "is set: start the job with `tessera run`, `torchrun` or `tessera.launch`"
     )
 
 

@@ -128,9 +128,7 @@ def launch(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _collect(
-    processes: list[mp.Process], results: mp.Queue, timeout_s: float | None
-) -> list[Any]:
+def _collect(processes: list[mp.Process], results: mp.Queue, timeout_s: float | None) -> list[Any]:
     nproc = len(processes)
     values: dict[int, Any] = {}
     failures: list[tuple[int, str, str]] = []
@@ -160,9 +158,20 @@ def _collect(
             failures.append(message[1:])
             deadline = min(deadline, time.monotonic() + _GRACE_S)
     if failures:
-        rank, text, remote_traceback = failures[0]
-        raise RankFailedError(rank, text, remote_traceback)
+        raise _root_cause(failures + _silent_deaths(processes, values, failures))
     return [values[rank] for rank in range(nproc)]
+
+
+def _root_cause(failures: list[tuple[int, str, str]]) -> RankFailedError:
+    """The failure to report first, with the others listed after it.
+
+    A rank that died without a word is the likelier cause: its peers then fail with connection
+    errors that merely echo its death. Otherwise the first rank to report is the cause.
+    """
+    failures = sorted(failures, key=lambda failure: failure[2] != "")  # stable: silent first
+    rank, text, remote_traceback = failures[0]
+    others = "".join(f"\n  then rank {r}: {t.splitlines()[0][:200]}" for r, t, _ in failures[1:])
+    return RankFailedError(rank, text + others, remote_traceback)
 
 
 def _silent_deaths(

@@ -96,7 +96,11 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in (
-            "warmup_steps", "decay_steps", "checkpoint_every", "sample_tokens", "grad_clip"
+            "warmup_steps",
+            "decay_steps",
+            "checkpoint_every",
+            "sample_tokens",
+            "grad_clip",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")

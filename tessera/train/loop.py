@@ -93,8 +93,13 @@ def _progress_bar(config: TrainConfig, ctx: Context, start: int) -> Any:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=config.steps, initial=start, desc=f"{config.strategy} x{ctx.world_size}",
-                unit="step", dynamic_ncols=True)
+    return tqdm(
+        total=config.steps,
+        initial=start,
+        desc=f"{config.strategy} x{ctx.world_size}",
+        unit="step",
+        dynamic_ncols=True,
+    )
 
 
 def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
@@ -104,8 +109,12 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
     out = Path(run_dir)
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
-    batches = LMBatches(tokenizer.encode_tensor(text), block_size=config.model.block_size,
-                        global_batch_size=config.batch_size, seed=config.seed)
+    batches = LMBatches(
+        tokenizer.encode_tensor(text),
+        block_size=config.model.block_size,
+        global_batch_size=config.batch_size,
+        seed=config.seed,
+    )
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
     model = GPT(model_config).to(ctx.device)
@@ -131,8 +140,14 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
             ranks = gather_rank_metrics(
-                {"loss": loss.item(), "step_s": step_s, "comm_s": engine.comm_seconds,
-                 "peak_mem_mb": peak_memory_mb(ctx.device)}, ctx.device)
+                {
+                    "loss": loss.item(),
+                    "step_s": step_s,
+                    "comm_s": engine.comm_seconds,
+                    "peak_mem_mb": peak_memory_mb(ctx.device),
+                },
+                ctx.device,
+            )
             record = _record(done, ranks, tokens_per_step, lr_at(step, config))
             if log is not None:
                 log.write(record)
@@ -140,7 +155,9 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if bar is not None:
             bar.update(1)
-        if done == config.steps or (config.checkpoint_every and done % config.checkpoint_every == 0):
+        if done == config.steps or (
+            config.checkpoint_every and done % config.checkpoint_every == 0
+        ):
             _save(engine, ctx, checkpoint, done, extra)
     if bar is not None:
         bar.close()
@@ -152,7 +169,9 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
 
 
 def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) -> dict[str, Any]:
-    slowest = max(r["step_s"] for r in ranks)  # a synchronous step lasts as long as its slowest rank
+    slowest = max(
+        r["step_s"] for r in ranks
+    )  # a synchronous step lasts as long as its slowest rank
     comm = max(r["comm_s"] for r in ranks)
     return {
         "step": step,
@@ -173,14 +192,16 @@ def _sample(engine: Engine, tokenizer: CharTokenizer, config: TrainConfig, ctx: 
     idx = tokenizer.encode_tensor(prompt)[None, :].to(ctx.device)  # (1, len(prompt))
     generator = torch.Generator(device=ctx.device).manual_seed(config.seed)
     engine.module.eval()
-    out = engine.module.generate(idx, config.sample_tokens, temperature=0.8, top_k=20,
-                                 generator=generator)
+    out = engine.module.generate(
+        idx, config.sample_tokens, temperature=0.8, top_k=20, generator=generator
+    )
     engine.module.train()
     return tokenizer.decode(out[0])
 
 
-def _summary(out: Path, config: TrainConfig, ctx: Context, sample: str, wall_s: float,
-             start: int) -> dict[str, Any]:
+def _summary(
+    out: Path, config: TrainConfig, ctx: Context, sample: str, wall_s: float, start: int
+) -> dict[str, Any]:
     from tessera.viz import plot_loss
 
     records = read_metrics(out / "metrics.jsonl")

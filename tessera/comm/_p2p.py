@@ -1,0 +1,175 @@
+"""Point-to-point messages with deadlines: the only way the algorithms talk (besides shm).
+
+`Comm` is made once per collective call. It knows the group (group-relative ranks, translated to
+global ranks for torch.distributed), the deadline, and the collective's descriptor: the first
+message to the right neighbour carries it (on its own tag, posted before any data), and the first
+wait checks the left neighbour's, so mismatched calls fail fast instead of exchanging garbage.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tessera.comm import diagnostics
+
+__all__ = ["Comm", "GroupInfo", "group_info"]
+
+_DATA_TAG = 0
+_CHECK_TAG = 0x7E55  # descriptors travel on their own tag: never mixed up with data
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """Where this process stands in a group: group-relative rank and the global ranks."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    ranks: tuple[int, ...]  # global rank of each group rank
+    key: str  # names the group in the store and in caches
+
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of group rank `group_rank` (what torch.distributed's p2p wants)."""
+        return self.ranks[group_rank]
+
+
+_infos: dict[object, GroupInfo] = {}
+_seqs: dict[str, int] = {}
+
+
+def group_info(group: dist.ProcessGroup | None) -> GroupInfo:
+    """The (cached) `GroupInfo` of `group`; None means the default (world) group."""
+    cache_key = group if group is not None else "world"
+    info = _infos.get(cache_key)
+    if info is None:
+        if not dist.is_initialized():
+            raise RuntimeError("tessera.comm needs a process group: call tessera.init() first")
+        g = group if group is not None else dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(g))
+        rank = dist.get_rank(g)
+        if rank < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the group {ranks}")
+        info = GroupInfo(group, rank, len(ranks), ranks, "-".join(map(str, ranks)))
+        _infos[cache_key] = info
+    return info
+
+
+def next_seq(info: GroupInfo) -> int:
+    """The sequence number of the group's next collective (the same on every member)."""
+    seq = _seqs.get(info.key, 0) + 1
+    _seqs[info.key] = seq
+    return seq
+
+
+class Comm:
+    """Sends and receives of one collective call, with one deadline and a descriptor check."""
+
+    def __init__(
+        self, info: GroupInfo, seq: int, op_name: str, timeout_s: float, descriptor=None
+    ) -> None:
+        self.info = info
+        self.rank = info.rank
+        self.size = info.size
+        self.seq = seq
+        self.op_name = op_name
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self._descriptor = descriptor
+        self._check: tuple[dist.Work, torch.Tensor] | None = None
+        self._pending: list[dist.Work] = []
+        if descriptor is not None and info.size > 1:
+            self._post_check(descriptor)
+
+    # ------------------------------------------------------------------------------ checks
+    def _post_check(self, descriptor: torch.Tensor) -> None:
+        right = self.info.global_rank((self.rank + 1) % self.size)
+        left = self.info.global_rank((self.rank - 1) % self.size)
+        theirs = torch.empty_like(descriptor)
+        # The send's completion is awaited in `finish` (gloo needs the buffer alive till then).
+        self._pending.append(dist.isend(descriptor, right, group=self.info.group, tag=_CHECK_TAG))
+        self._check = (dist.irecv(theirs, left, group=self.info.group, tag=_CHECK_TAG), theirs)
+
+    def verify(self) -> None:
+        """Wait for the left neighbour's descriptor and compare it with ours (once per call)."""
+        if self._check is None:
+            return
+        work, theirs = self._check
+        self._check = None
+        left = (self.rank - 1) % self.size
+        self._wait(work, left)
+        diagnostics.compare(self._descriptor, theirs, dist.get_rank(), self.info.global_rank(left))
+
+    # ---------------------------------------------------------------------------- messages
+    def isend(self, tensor: torch.Tensor, peer: int) -> dist.Work | None:
+        """Start sending `tensor` (contiguous) to group rank `peer`; empty tensors send nothing."""
+        if tensor.numel() == 0:
+            return None
+        work = dist.isend(tensor, self.info.global_rank(peer), group=self.info.group, tag=_DATA_TAG)
+        self._pending.append(work)
+        return work
+
+    def irecv(self, tensor: torch.Tensor, peer: int) -> tuple[dist.Work, int] | None:
+        """Start receiving into `tensor` (contiguous) from group rank `peer`; wait with `wait`."""
+        if tensor.numel() == 0:
+            return None
+        work = dist.irecv(tensor, self.info.global_rank(peer), group=self.info.group, tag=_DATA_TAG)
+        return work, peer
+
+    def wait(self, handle: tuple[dist.Work, int] | None) -> None:
+        """Wait for a receive started by `irecv` (checks the descriptor first)."""
+        self.verify()
+        if handle is not None:
+            self._wait(handle[0], handle[1])
+
+    def send(self, tensor: torch.Tensor, peer: int) -> None:
+        """Send and return once the message is out (the buffer may then be reused)."""
+        work = self.isend(tensor, peer)
+        if work is not None:
+            self._pending.remove(work)
+            self._wait(work, peer)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> None:
+        """Receive into `tensor` from group rank `peer`, blocking until it arrived."""
+        self.wait(self.irecv(tensor, peer))
+
+    def sendrecv(
+        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int
+    ) -> None:
+        """Send to `dst` while receiving from `src` (the step of every exchange algorithm)."""
+        handle = self.irecv(recv, src)
+        self.isend(send, dst)
+        self.wait(handle)
+
+    def finish(self) -> None:
+        """Wait for every outstanding send (and the descriptor) before the call returns."""
+        self.verify()
+        pending, self._pending = self._pending, []
+        for work in pending:
+            self._wait(work, None)
+
+    def wait_native(self, work: dist.Work) -> None:
+        """Wait for an async torch.distributed collective under this call's deadline."""
+        self.verify()
+        self._wait(work, None)
+
+    def _wait(self, work: dist.Work, peer: int | None) -> None:
+        remaining = self.deadline - time.monotonic()
+        info = self.info
+        peer_global = None if peer is None else info.global_rank(peer)
+        diagnostics.waiting(info.key, self.seq, self.timeout_s)
+        try:
+            if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
+                raise RuntimeError("timeout")
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise
+            raise diagnostics.timeout_error(
+                info.key, self.seq, info.ranks, self.op_name, self.timeout_s, peer_global
+            ) from exc
+        finally:
+            diagnostics.done_waiting()

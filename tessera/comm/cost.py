@@ -1,0 +1,164 @@
+"""The alpha-beta-gamma cost model of every allreduce, `calibrate`, and the choice of "auto".
+
+α: seconds per message (latency, including Python's per-message overhead), β: seconds per byte
+sent, γ: seconds per byte reduced (Hockney's model extended by Thakur, Rabenseifner & Gropp
+2005, whose formulas each algorithm's module quotes). Two extra terms describe this library's
+other paths: σ, one shared-memory barrier, and μ, seconds per byte of a memory copy, for `shm`;
+and α_native for gloo's own (C++) ring, whose per-message cost is lower than ours.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CostParams", "DEFAULT_PARAMS", "calibrate", "choose", "params_for", "predict"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class CostParams:
+    """Machine constants of the cost model (seconds; per byte where it says so)."""
+
+    alpha: float = 2.0e-4
+    """Latency of one point-to-point message sent by tessera's Python algorithms."""
+    beta: float = 1.5e-9
+    """Seconds per byte sent point to point (1 / link bandwidth)."""
+    gamma: float = 2.5e-10
+    """Seconds per byte reduced (one `add_` of two vectors, per byte of one vector)."""
+    mu: float = 1.5e-10
+    """Seconds per byte of a memory copy (`copy_`), for the shm transport."""
+    sigma: float = 3.0e-5
+    """One shared-memory barrier (named-pipe tokens)."""
+    alpha_native: float = 1.8e-4
+    """Latency of one message inside gloo's own allreduce."""
+    cores: int = 2
+    """Cores of the host: more ranks than cores serialise the shm reduction."""
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma", "mu", "sigma", "alpha_native"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative")
+        if self.cores < 1:
+            raise ValueError("cores must be at least 1")
+
+
+DEFAULT_PARAMS = CostParams()
+
+
+def predict(
+    algorithm: str,
+    nbytes: float,
+    world: int,
+    params: CostParams | None = None,
+    *,
+    shared: bool = False,
+) -> float:
+    """Predicted seconds of an allreduce of `nbytes` per rank over `world` ranks.
+
+    `shared`: the tensor comes from `shared_buffer` (shm skips the copies in and out).
+    """
+    c = params or DEFAULT_PARAMS
+    p, n = world, float(nbytes)
+    if p <= 1:
+        return 0.0
+    a, b, g = c.alpha, c.beta, c.gamma
+    lg = math.ceil(math.log2(p))
+    frac = (p - 1) / p
+    if algorithm == "ring":
+        return 2 * (p - 1) * a + 2 * n * frac * b + n * frac * g
+    if algorithm == "tree":
+        return 2 * lg * a + 2 * n * lg * b + n * lg * g
+    if algorithm == "butterfly":
+        pof2 = 1 << (p.bit_length() - 1)
+        fold = 0.0 if pof2 == p else 2 * a + 2 * n * b + n * g
+        lgp = int(math.log2(pof2))
+        if n < 64 * 1024 or n / 4 < pof2:  # recursive doubling
+            return fold + lgp * (a + n * b + n * g)
+        f2 = (pof2 - 1) / pof2
+        return fold + 2 * lgp * a + 2 * n * f2 * b + n * f2 * g
+    if algorithm == "all_to_all":
+        return (p - 1) * (a + n * b) + (p - 1) * n * g
+    if algorithm == "master_worker":
+        return 2 * (p - 1) * (a + n * b) + (p - 1) * n * g
+    if algorithm == "round_robin":
+        return (p - 1) * (a + n * b + n * g) + lg * (a + n * b)
+    if algorithm == "native":
+        return 2 * (p - 1) * c.alpha_native + 2 * n * frac * b + n * frac * g
+    if algorithm == "shm":
+        crowd = max(1.0, p / c.cores)  # ranks beyond the cores take turns
+        copies = 1.0 if shared else 3.0  # copy in, write back into every slot, copy out
+        return 2 * c.sigma + crowd * n * (copies * c.mu + frac * g)
+    raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def choose(
+    nbytes: float,
+    world: int,
+    params: CostParams | None = None,
+    *,
+    candidates: tuple[str, ...] = ("ring", "tree", "butterfly", "native", "shm"),
+    shared: bool = False,
+) -> str:
+    """The candidate with the smallest predicted time (ties: the earlier candidate)."""
+    return min(candidates, key=lambda name: predict(name, nbytes, world, params, shared=shared))
+
+
+_calibrated: dict[str, CostParams] = {}
+
+
+def params_for(key: str) -> CostParams:
+    """The calibrated parameters of a group (by key), else the defaults."""
+    return _calibrated.get(key, DEFAULT_PARAMS)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(group: dist.ProcessGroup | None = None, *, repeats: int = 9) -> CostParams:
+    """Measure α, β, γ, μ, σ and α_native on the live group; cache and return them.
+
+    Collective: every rank of `group` must call it. α and β come from a ping-pong between group
+    ranks 0 and 1 through tessera's own message path (small and 4 MB messages), γ and μ from a
+    local `add_` and `copy_` of 16 MB, σ from shm barriers, α_native from gloo's allreduce of one
+    element. Rank 0's numbers are broadcast, so every rank makes the same choices.
+    """
+    from tessera.comm import api  # late: api imports this module
+    from tessera.comm._p2p import group_info
+
+    info = group_info(group)
+    big = torch.ones(4 << 20)  # 16 MB
+    other = torch.ones(4 << 20)
+    gamma = _median_time(lambda: big.add_(other), repeats) / big.nbytes
+    mu = _median_time(lambda: big.copy_(other), repeats) / big.nbytes
+    values = [DEFAULT_PARAMS.alpha, DEFAULT_PARAMS.beta, gamma, mu, DEFAULT_PARAMS.sigma,
+              DEFAULT_PARAMS.alpha_native]
+    if info.size > 1:
+        small, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
+        t_small = _median_time(lambda: api._ping_pong(small, info), repeats) / 2
+        t_large = _median_time(lambda: api._ping_pong(large, info), max(3, repeats // 3)) / 2
+        values[0] = t_small
+        values[1] = max(1e-12, (t_large - t_small) / large.nbytes)
+        one = torch.zeros(1)
+        t_native = _median_time(lambda: dist.all_reduce(one, group=group), repeats)
+        values[5] = t_native / (2 * (info.size - 1))
+        sigma = api._shm_barrier_time(info, repeats)
+        if sigma is not None:
+            values[4] = sigma
+    shared = torch.tensor(values, dtype=torch.float64)
+    dist.broadcast(shared, info.global_rank(0), group=group)
+    params = replace(
+        DEFAULT_PARAMS,
+        **dict(zip(("alpha", "beta", "gamma", "mu", "sigma", "alpha_native"), shared.tolist())),
+    )
+    _calibrated[info.key] = params
+    return params

@@ -1,0 +1,23 @@
+"""Shared test helpers: the multi-rank runner every distributed test uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import tessera
+
+SPAWN_TIMEOUT_S = 120.0
+"""Hard bound of one multi-rank test: a hang fails the test instead of the whole suite."""
+
+
+@pytest.fixture
+def run_ranks() -> Callable[..., list[Any]]:
+    """`run_ranks(fn, nproc, *args)`: `tessera.launch` with the suite's hard timeout."""
+
+    def run(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = SPAWN_TIMEOUT_S):
+        return tessera.launch(fn, nproc, *args, timeout_s=timeout_s)
+
+    return run

@@ -1,0 +1,55 @@
+"""Checkpoints: round trip, and refusal of truncated, corrupt and foreign files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.errors import CheckpointError
+from tessera.train import load_checkpoint, save_checkpoint
+
+
+def _state() -> dict:
+    return {"step": 7, "weights": torch.arange(10.0), "nested": {"names": ["a", "b"]}}
+
+
+def test_round_trip(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 7 and loaded["nested"] == {"names": ["a", "b"]}
+    assert torch.equal(loaded["weights"], torch.arange(10.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
+
+
+def test_truncated_checkpoint_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_checkpoint(path)
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_checkpoint(path)
+
+
+def test_foreign_file_is_refused(tmp_path):
+    path = tmp_path / "plain.pt"
+    torch.save(_state(), path)
+    with pytest.raises(CheckpointError, match="not a tessera checkpoint"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    before = path.read_bytes()
+    with pytest.raises(Exception):  # noqa: B017 - whatever pickling raises
+        save_checkpoint(path, {"unpicklable": lambda: None})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]

@@ -1,0 +1,67 @@
+"""Config: YAML + flags precedence, and every bad input refused with one message, before spawn."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tessera.cli import main
+from tessera.errors import ConfigError
+from tessera.train import build_config, load_yaml
+
+
+def test_flags_override_the_file_which_overrides_defaults(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 7\nlr: 0.1\nmodel:\n  n_layer: 2\n  n_embd: 64\n")
+    config = build_config(load_yaml(path), {"steps": 9, "model": {"n_embd": 32}})
+    assert (config.steps, config.lr, config.model.n_layer, config.model.n_embd) == (9, 0.1, 2, 32)
+    assert config.batch_size == 32 and config.model.n_head == 4  # defaults kept
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "flags", "message"),
+    [
+        ("bogus: 1\n", [], "unknown config key 'bogus'"),
+        ("model:\n  n_layers: 2\n", [], "unknown config key 'model.n_layers'"),
+        ('steps: "ten"\n', [], "config key 'steps' must be int, got 'ten'"),
+        ("", ["--nproc", "0"], "nproc must be at least 1, got 0"),
+        (
+            "",
+            ["--nproc", "4", "--batch-size", "10"],
+            r"batch_size \(10\) must be divisible by the number of ranks \(4\)",
+        ),
+        ("", ["--corpus", "/no/such/corpus.txt"], "corpus not found: /no/such/corpus.txt"),
+        ("", ["--strategy", "single"], "strategy 'single' runs one process; got nproc=2"),
+        ("", ["--strategy", "zero9"], "unknown strategy 'zero9'"),
+        ("", ["--n-embd", "30"], r"model.n_embd \(30\) must be divisible by model.n_head \(4\)"),
+        ("", ["--lr", "-1"], "lr must be positive, got -1.0"),
+        ("- a\n- b\n", [], "must hold a mapping"),
+    ],
+)
+def test_bad_config_stops_with_one_message_before_any_process(
+    tmp_path, monkeypatch, capsys, yaml_text, flags, message
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text(yaml_text)
+    assert main(["train", "--config", "run.yaml", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tessera: error: ") and err.count("\n") == 1
+    assert re.search(message, err), err
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_missing_config_file_and_resume_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "absent.yaml"]) == 2
+    assert "config file not found: absent.yaml" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", "empty"]) == 2
+    assert "cannot resume empty: no config.yaml there" in capsys.readouterr().err
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        build_config({"steps": 0})
+    with pytest.raises(ConfigError, match="dropout must be in"):
+        build_config({"model": {"dropout": 1.5}})

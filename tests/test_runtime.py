@@ -1,0 +1,133 @@
+"""Launch and init: return values, rank failures, silent deaths, timeouts, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tessera
+from tessera.errors import LaunchTimeout, RankFailedError
+
+
+def _allreduce_ranks(offset: float) -> tuple:
+    ctx = tessera.init()
+    value = torch.tensor([ctx.rank + offset])
+    dist.all_reduce(value)
+    return ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend, str(ctx.device), value.item()
+
+
+def test_launch_returns_every_rank_value_in_order(run_ranks):
+    results = run_ranks(_allreduce_ranks, 3, 10.0)
+    assert [r[:5] for r in results] == [(r, 3, r, "gloo", "cpu") for r in range(3)]
+    assert all(r[5] == 0 + 1 + 2 + 3 * 10.0 for r in results)
+
+
+def _rank_one_raises() -> None:
+    ctx = tessera.init()
+    if ctx.rank == 1:
+        raise RuntimeError("rank one gives up")
+    dist.all_reduce(torch.ones(1))  # rank 0 blocks here, waiting for rank 1 forever
+
+
+def test_failing_rank_is_named_and_others_are_stopped(run_ranks):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_rank_one_raises, 2)
+    assert info.value.rank == 1
+    assert "rank 1 failed: RuntimeError: rank one gives up" in str(info.value)
+    assert "_rank_one_raises" in info.value.remote_traceback
+    assert time.monotonic() - started < 30  # rank 0 was stopped, not left to its 300 s timeout
+
+
+def _rank_zero_dies() -> None:
+    ctx = tessera.init()
+    if ctx.rank == 0:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_rank_dying_without_a_word_is_reported(run_ranks):
+    with pytest.raises(RankFailedError, match="rank 0 failed: process exited with code 3"):
+        run_ranks(_rank_zero_dies, 2)
+
+
+def _rank_one_hangs() -> None:
+    ctx = tessera.init()
+    if ctx.rank == 1:
+        time.sleep(600)
+
+
+def test_launch_deadline_names_unfinished_ranks(run_ranks):
+    with pytest.raises(LaunchTimeout) as info:
+        run_ranks(_rank_one_hangs, 2, timeout_s=5)
+    assert info.value.unfinished_ranks == [1]
+
+
+def _collective_with_absent_peer() -> None:
+    ctx = tessera.init(timeout_s=2)
+    if ctx.rank == 1:
+        time.sleep(30)  # never joins the all_reduce
+        return
+    dist.all_reduce(torch.ones(1))
+
+
+def test_blocking_collective_times_out_with_the_group_timeout(run_ranks):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_ranks(_collective_with_absent_peer, 2)
+    assert info.value.rank == 0
+    assert time.monotonic() - started < 25  # the 2 s group timeout fired, not the 30 s sleep
+
+
+def test_init_in_a_plain_process_is_a_world_of_one():
+    script = textwrap.dedent(
+        """
+        import json, tessera, torch, torch.distributed as dist
+        ctx = tessera.init()
+        t = torch.tensor([5.0]); dist.all_reduce(t)
+        print(json.dumps([ctx.rank, ctx.world_size, ctx.backend, t.item()]))
+        tessera.shutdown()
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, 1, "gloo", 5.0]
+
+
+def test_init_under_tessera_run_matches_the_launcher(tmp_path):
+    script = tmp_path / "report.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+        import json, tessera, torch, torch.distributed as dist
+        ctx = tessera.init()
+        t = torch.tensor([float(ctx.rank)]); dist.all_reduce(t)
+        with open(r"{tmp_path}/rank" + str(ctx.rank) + ".json", "w") as f:
+            json.dump([ctx.rank, ctx.world_size, ctx.local_rank, ctx.backend, t.item()], f)
+        tessera.shutdown()
+        """
+        )
+    )
+    subprocess.run(
+        [sys.executable, "-m", "tessera", "run", "-n", "2", str(script)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports == [[r, 2, r, "gloo", 1.0] for r in range(2)]
