@@ -32,7 +32,7 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
             r"batch_size \(10\) must be divisible by the number of ranks \(4\)",
         ),
         ("", ["--corpus", "/no/such/corpus.txt"], "corpus not found: /no/such/corpus.txt"),
-        ("", ["--strategy", "single"], "strategy 'single' runs one process; got nproc=2"),
+        ("", ["--strategy", "single"], "strategy 'single' runs one process; got 2 ranks"),
         ("", ["--strategy", "zero9"], "unknown strategy 'zero9'"),
         ("", ["--n-embd", "30"], r"model.n_embd \(30\) must be divisible by model.n_head \(4\)"),
         ("", ["--lr", "-1"], "lr must be positive, got -1.0"),

@@ -137,9 +137,7 @@ class Comm:
         """Receive into `tensor` from group rank `peer`, blocking until it arrived."""
         self.wait(self.irecv(tensor, peer))
 
-    def sendrecv(
-        self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int
-    ) -> None:
+    def sendrecv(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Send to `dst` while receiving from `src` (the step of every exchange algorithm)."""
         handle = self.irecv(recv, src)
         self.isend(send, dst)

@@ -140,8 +140,14 @@ def calibrate(group: dist.ProcessGroup | None = None, *, repeats: int = 9) -> Co
     other = torch.ones(4 << 20)
     gamma = _median_time(lambda: big.add_(other), repeats) / big.nbytes
     mu = _median_time(lambda: big.copy_(other), repeats) / big.nbytes
-    values = [DEFAULT_PARAMS.alpha, DEFAULT_PARAMS.beta, gamma, mu, DEFAULT_PARAMS.sigma,
-              DEFAULT_PARAMS.alpha_native]
+    values = [
+        DEFAULT_PARAMS.alpha,
+        DEFAULT_PARAMS.beta,
+        gamma,
+        mu,
+        DEFAULT_PARAMS.sigma,
+        DEFAULT_PARAMS.alpha_native,
+    ]
     if info.size > 1:
         small, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
         t_small = _median_time(lambda: api._ping_pong(small, info), repeats) / 2

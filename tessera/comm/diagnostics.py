@@ -33,7 +33,16 @@ __all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
 
 HISTORY = 64
 _KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "shared_buffer")
-_ALGOS = ("ring", "tree", "butterfly", "all_to_all", "master_worker", "round_robin", "shm", "native")
+_ALGOS = (
+    "ring",
+    "tree",
+    "butterfly",
+    "all_to_all",
+    "master_worker",
+    "round_robin",
+    "shm",
+    "native",
+)
 DESCRIPTOR_LEN = 16  # int64 words; see `describe`
 _MAX_DIMS = 8
 

@@ -185,8 +185,9 @@ class ShmGroup:
         rows = self.descriptors
         for peer in range(self.info.size):
             if not torch.equal(rows[peer], descriptor):
-                diagnostics.compare(descriptor, rows[peer].clone(), dist.get_rank(),
-                                    self.info.ranks[peer])
+                diagnostics.compare(
+                    descriptor, rows[peer].clone(), dist.get_rank(), self.info.ranks[peer]
+                )
                 raise CollectiveMismatch("shm descriptors differ")  # pragma: no cover
 
     # --------------------------------------------------------------------------- collectives
@@ -232,7 +233,7 @@ class ShmGroup:
             other = slices[q] if slices[q].dtype == acc_dtype else slices[q].to(acc_dtype)
             combine(acc, other, op)
         finish_mean(acc, op, len(slices))
-        for q, part in enumerate(slices):
+        for part in slices:
             if part.data_ptr() != acc.data_ptr():
                 part.copy_(acc)
 

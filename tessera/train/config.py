@@ -90,8 +90,6 @@ class TrainConfig:
             )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be at least 1, got {self.nproc}")
-        if self.strategy == "single" and self.nproc != 1:
-            raise ConfigError(f"strategy 'single' runs one process; got nproc={self.nproc}")
         for name in ("steps", "batch_size", "log_every", "corpus_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -114,7 +112,9 @@ class TrainConfig:
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
 
     def check_world_size(self, world_size: int) -> None:
-        """Refuse a world size that cannot split the global batch evenly."""
+        """Refuse a world size this config cannot run on (also checked on ranks under torchrun)."""
+        if self.strategy == "single" and world_size != 1:
+            raise ConfigError(f"strategy 'single' runs one process; got {world_size} ranks")
         if self.batch_size % world_size:
             raise ConfigError(
                 f"batch_size ({self.batch_size}) must be divisible by the number of ranks "

@@ -1,0 +1,35 @@
+"""Collectives written over point-to-point messages and shared memory, with a cost model.
+
+`all_reduce(tensor, op, algorithm=...)` runs one of `ALGORITHMS` (ring, tree, butterfly,
+all_to_all, master_worker, round_robin, shm, native) or "auto", the cost model's fastest.
+"""
+
+from tessera.comm.api import (
+    ALGORITHMS,
+    BROADCAST_ALGORITHMS,
+    all_gather,
+    all_reduce,
+    broadcast,
+    reduce,
+    reduce_scatter,
+    shared_buffer,
+)
+from tessera.comm.cost import CostParams, calibrate, choose, predict
+from tessera.comm.diagnostics import history, set_checks
+
+__all__ = [
+    "ALGORITHMS",
+    "BROADCAST_ALGORITHMS",
+    "CostParams",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "calibrate",
+    "choose",
+    "history",
+    "predict",
+    "reduce",
+    "reduce_scatter",
+    "set_checks",
+    "shared_buffer",
+]

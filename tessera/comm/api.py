@@ -1,0 +1,347 @@
+"""The public collectives: argument checks, algorithm choice, records, dtype and layout handling.
+
+The algorithm modules see only a contiguous 1-D buffer in the accumulation dtype and a `Comm`;
+this module turns any tensor (non-contiguous, bf16, 0-d, empty) into that buffer and back, picks
+the algorithm ("auto": the cost model's fastest), and records the call for diagnosis.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tessera.comm import cost, diagnostics
+from tessera.comm._ops import accumulate_dtype, check_op, finish_mean, native_op
+from tessera.comm._p2p import Comm, GroupInfo, group_info, next_seq
+from tessera.comm.all_to_all import all_reduce_all_to_all
+from tessera.comm.butterfly import all_reduce_butterfly
+from tessera.comm.master_worker import (
+    all_reduce_master_worker,
+    broadcast_flat,
+    reduce_master_worker,
+)
+from tessera.comm.ring import all_gather_ring, all_reduce_ring, reduce_scatter_ring, split_bounds
+from tessera.comm.round_robin import all_reduce_round_robin
+from tessera.comm.shm import shm_group
+from tessera.comm.tree import all_reduce_tree, broadcast_tree, reduce_tree
+
+__all__ = [
+    "ALGORITHMS",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "shared_buffer",
+]
+
+ALGORITHMS = (
+    "ring",
+    "tree",
+    "butterfly",
+    "all_to_all",
+    "master_worker",
+    "round_robin",
+    "shm",
+    "native",
+)
+"""Every algorithm `all_reduce` (and `reduce`) accepts, besides "auto"."""
+
+BROADCAST_ALGORITHMS = ("tree", "master_worker", "shm", "native")
+"""The algorithms `broadcast` accepts, besides "auto" ("master_worker": the root sends to all)."""
+
+_ALL_REDUCE: dict[str, Callable[[torch.Tensor, str, Comm], None]] = {
+    "ring": all_reduce_ring,
+    "tree": all_reduce_tree,
+    "butterfly": all_reduce_butterfly,
+    "all_to_all": all_reduce_all_to_all,
+    "master_worker": all_reduce_master_worker,
+    "round_robin": all_reduce_round_robin,
+}
+
+
+def _timeout(timeout: float | None) -> float:
+    if timeout is None:
+        return float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return float(timeout)
+
+
+def _check_algorithm(algorithm: str, allowed: tuple[str, ...]) -> None:
+    if algorithm != "auto" and algorithm not in allowed:
+        raise ValueError(f"algorithm must be 'auto' or one of {allowed}, got {algorithm!r}")
+
+
+def _same_host(info: GroupInfo) -> bool:
+    return shm_group(info).same_host
+
+
+def _auto_all_reduce(tensor: torch.Tensor, info: GroupInfo) -> str:
+    # Deterministic on every rank: same size, same world, same (broadcast) cost parameters.
+    candidates = ("ring", "tree", "butterfly", "native")
+    shared = False
+    if _same_host(info):
+        candidates += ("shm",)
+        shared = shm_group(info).find(tensor) is not None
+    nbytes = tensor.numel() * accumulate_dtype(tensor.dtype).itemsize
+    params = cost.params_for(info.key)
+    return cost.choose(nbytes, info.size, params, candidates=candidates, shared=shared)
+
+
+def _start(
+    kind: str, tensor: torch.Tensor, op: str, algorithm: str, info: GroupInfo, root: int = -1
+) -> tuple[int, torch.Tensor | None]:
+    seq = next_seq(info)
+    entry = diagnostics.record(seq, kind, algorithm, op, tensor, info.ranks)
+    if info.size == 1 or not diagnostics.checks_enabled():
+        return seq, None
+    return seq, diagnostics.describe(entry, root)
+
+
+def _work_buffer(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    """A contiguous 1-D buffer in the accumulation dtype: `tensor` itself when possible."""
+    acc = accumulate_dtype(tensor.dtype)
+    if not copy and tensor.is_contiguous() and tensor.dtype == acc:
+        return tensor.view(-1)
+    return tensor.reshape(-1).to(acc, copy=True)
+
+
+def _write_back(tensor: torch.Tensor, buf: torch.Tensor) -> None:
+    if buf.data_ptr() != tensor.data_ptr() or buf.dtype != tensor.dtype or tensor.numel() == 0:
+        tensor.copy_(buf.view(tensor.shape))
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
+) -> torch.Tensor:
+    """Reduce `tensor` over the group, in place on every rank, and return it.
+
+    `algorithm`: one of `ALGORITHMS`, or "auto" (the cost model's fastest for this size, world
+    and dtype). bf16/fp16 accumulate in float32. Raises `CollectiveTimeout` past `timeout`
+    seconds (default: TESSERA_TIMEOUT_S, 300) and `CollectiveMismatch` if ranks disagree.
+    """
+    check_op(op, tensor.dtype)
+    _check_algorithm(algorithm, ALGORITHMS)
+    timeout_s = _timeout(timeout)
+    info = group_info(group)
+    if info.size == 1:
+        _start("all_reduce", tensor, op, "native" if algorithm == "auto" else algorithm, info)
+        return tensor
+    if algorithm == "auto":
+        algorithm = _auto_all_reduce(tensor, info)
+    seq, descriptor = _start("all_reduce", tensor, op, algorithm, info)
+    if algorithm == "shm":
+        group_shm = shm_group(info)
+        if group_shm.same_host:
+            group_shm.all_reduce(tensor, op, seq, timeout_s, descriptor)
+            return tensor
+        algorithm = "ring"  # ranks on several hosts: every rank falls back alike
+    comm = Comm(info, seq, "all_reduce", timeout_s, descriptor)
+    if algorithm == "native":
+        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        work = dist.all_reduce(buf, op=native_op(op), group=group, async_op=True)
+        comm.wait_native(work)
+        comm.finish()
+        finish_mean(buf, op, info.size)
+        _write_back(tensor, buf)
+        return tensor
+    buf = _work_buffer(tensor, copy=False)
+    _ALL_REDUCE[algorithm](buf, op, comm)
+    comm.finish()
+    finish_mean(buf, op, info.size)
+    _write_back(tensor, buf)
+    return tensor
+
+
+def _group_rank(info: GroupInfo, global_rank: int, what: str) -> int:
+    if global_rank not in info.ranks:
+        raise ValueError(f"{what}={global_rank} is not a rank of the group {list(info.ranks)}")
+    return info.ranks.index(global_rank)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: str = "sum",
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Reduce `tensor` over the group into global rank `dst`'s tensor (others: unchanged).
+
+    "tree": binomial tree; "master_worker": every rank sends to `dst`; "native": torch's; any
+    other allreduce algorithm runs on a copy and `dst` keeps the result. "auto": shm on one
+    host, else tree.
+    """
+    check_op(op, tensor.dtype)
+    _check_algorithm(algorithm, ALGORITHMS)
+    info = group_info(group)
+    root = _group_rank(info, dst, "dst")
+    timeout_s = _timeout(None)
+    if info.size == 1:
+        _start("reduce", tensor, op, "native" if algorithm == "auto" else algorithm, info, root)
+        return tensor
+    if algorithm == "auto":
+        algorithm = "shm" if _same_host(info) else "tree"
+    if algorithm not in ("tree", "master_worker", "native"):
+        scratch = tensor.clone()
+        all_reduce(scratch, op, algorithm=algorithm, group=group, timeout=timeout_s)
+        if info.rank == root:
+            tensor.copy_(scratch)
+        return tensor
+    seq, descriptor = _start("reduce", tensor, op, algorithm, info, root)
+    comm = Comm(info, seq, "reduce", timeout_s, descriptor)
+    if algorithm == "native":
+        buf = tensor.clone(memory_format=torch.contiguous_format)
+        work = dist.reduce(buf, dst, op=native_op(op), group=group, async_op=True)
+        comm.wait_native(work)
+    else:
+        buf = _work_buffer(tensor, copy=True)
+        fn = reduce_tree if algorithm == "tree" else reduce_master_worker
+        fn(buf, root, op, comm)
+    comm.finish()
+    if info.rank == root:
+        finish_mean(buf, op, info.size)
+        _write_back(tensor, buf)
+    return tensor
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Copy global rank `src`'s `tensor` into every rank's `tensor`, in place, and return it.
+
+    `algorithm`: one of `BROADCAST_ALGORITHMS` or "auto" (shm on one host, else tree).
+    """
+    _check_algorithm(algorithm, BROADCAST_ALGORITHMS)
+    info = group_info(group)
+    root = _group_rank(info, src, "src")
+    timeout_s = _timeout(None)
+    if info.size == 1:
+        _start("broadcast", tensor, "", "native" if algorithm == "auto" else algorithm, info, root)
+        return tensor
+    if algorithm == "auto":
+        algorithm = "shm" if _same_host(info) else "tree"
+    seq, descriptor = _start("broadcast", tensor, "", algorithm, info, root)
+    if algorithm == "shm":
+        group_shm = shm_group(info)
+        if group_shm.same_host:
+            group_shm.broadcast(tensor, root, seq, timeout_s, descriptor)
+            return tensor
+        algorithm = "tree"
+    comm = Comm(info, seq, "broadcast", timeout_s, descriptor)
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    if algorithm == "native":
+        comm.wait_native(dist.broadcast(buf, src, group=group, async_op=True))
+    elif algorithm == "tree":
+        broadcast_tree(buf.view(-1), root, comm)
+    else:
+        broadcast_flat(buf.view(-1), root, comm)
+    comm.finish()
+    if buf.data_ptr() != tensor.data_ptr():
+        tensor.copy_(buf)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The group's tensors (same shape on every rank) concatenated along dim 0 in rank order.
+
+    Ring all-gather: (p-1)α + n(p-1)/p·β for n bytes of output. A 0-d tensor counts as shape (1,).
+    """
+    info = group_info(group)
+    timeout_s = _timeout(None)
+    rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    seq, descriptor = _start("all_gather", rows, "", "ring", info)
+    out = torch.empty((info.size * rows.shape[0], *rows.shape[1:]), dtype=tensor.dtype)
+    flat = out.view(-1)
+    bounds = split_bounds(flat.numel(), info.size)
+    lo, hi = bounds[info.rank]
+    flat[lo:hi].copy_(rows.reshape(-1))
+    if info.size > 1:
+        comm = Comm(info, seq, "all_gather", timeout_s, descriptor)
+        all_gather_ring(flat, bounds, comm)
+        comm.finish()
+    return out
+
+
+def reduce_scatter(
+    tensor: torch.Tensor, op: str = "sum", *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Rank r's share of the reduced `tensor`: the reduction of `tensor.tensor_split(p)[r]`.
+
+    Ring reduce-scatter, (p-1)α + n(p-1)/p·(β + γ); uneven splits follow `tensor_split` (the
+    first `len % p` ranks get one more row). Returns a new tensor; the input is not modified.
+    """
+    check_op(op, tensor.dtype)
+    if tensor.dim() == 0:
+        raise ValueError("reduce_scatter needs a tensor with at least one dimension")
+    info = group_info(group)
+    timeout_s = _timeout(None)
+    seq, descriptor = _start("reduce_scatter", tensor, op, "ring", info)
+    unit = tensor[0].numel() if tensor.shape[0] else 0
+    bounds = split_bounds(tensor.numel(), info.size, unit) if unit else [(0, 0)] * info.size
+    buf = _work_buffer(tensor, copy=True)
+    if info.size > 1:
+        comm = Comm(info, seq, "reduce_scatter", timeout_s, descriptor)
+        reduce_scatter_ring(buf, bounds, op, comm)
+        comm.finish()
+    lo, hi = bounds[info.rank]
+    mine = buf[lo:hi]
+    finish_mean(mine, op, info.size)
+    rows = (hi - lo) // unit if unit else tensor.tensor_split(info.size)[info.rank].shape[0]
+    return mine.to(tensor.dtype).view(rows, *tensor.shape[1:])
+
+
+def shared_buffer(
+    numel: int, dtype: torch.dtype = torch.float32, *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """A zeroed (numel,) tensor living in the group's shared-memory segment (collective call).
+
+    Filling it in place and calling `all_reduce(..., algorithm="shm")` (or "auto") skips the copy
+    into and out of the segment. Every rank must call it with the same arguments, in the same
+    order. Without shared memory (one rank, several hosts) it returns an ordinary tensor.
+    """
+    if numel < 0:
+        raise ValueError(f"numel must be non-negative, got {numel}")
+    info = group_info(group)
+    if info.size == 1 or not _same_host(info):
+        return torch.zeros(numel, dtype=dtype)
+    return shm_group(info).shared_buffer(numel, dtype, _timeout(None))
+
+
+# ------------------------------------------------------------------- calibration helpers
+def _ping_pong(tensor: torch.Tensor, info: GroupInfo) -> None:
+    """One round trip of `tensor` between group ranks 0 and 1 (others: nothing)."""
+    comm = Comm(info, 0, "ping_pong", _timeout(None))
+    if info.rank == 0:
+        comm.send(tensor, 1)
+        comm.recv(tensor, 1)
+    elif info.rank == 1:
+        comm.recv(tensor, 0)
+        comm.send(tensor, 0)
+    comm.finish()
+
+
+def _shm_barrier_time(info: GroupInfo, repeats: int) -> float | None:
+    group_shm = shm_group(info)
+    if not group_shm.same_host:
+        return None
+    count = 10 * repeats
+    start = time.perf_counter()
+    for _ in range(count):
+        group_shm.barrier("calibrate", 0, _timeout(None))
+    return (time.perf_counter() - start) / count
