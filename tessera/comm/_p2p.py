@@ -3,7 +3,9 @@
 `Comm` is made once per collective call. It knows the group (group-relative ranks, translated to
 global ranks for torch.distributed), the deadline, and the collective's descriptor: the first
 message to the right neighbour carries it (on its own tag, posted before any data), and the first
-wait checks the left neighbour's, so mismatched calls fail fast instead of exchanging garbage.
+data message waits until the left neighbour's descriptor arrived and matched. Posting data first
+would save one latency, but gloo aborts the whole process when a message is larger than the
+buffer posted for it, so a shape mismatch must be caught before any data moves.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class Comm:
         """Start sending `tensor` (contiguous) to group rank `peer`; empty tensors send nothing."""
         if tensor.numel() == 0:
             return None
+        self.verify()  # no data before the descriptors agree (see the module docstring)
         work = dist.isend(tensor, self.info.global_rank(peer), group=self.info.group, tag=_DATA_TAG)
         self._pending.append(work)
         return work
@@ -117,6 +120,7 @@ class Comm:
         """Start receiving into `tensor` (contiguous) from group rank `peer`; wait with `wait`."""
         if tensor.numel() == 0:
             return None
+        self.verify()
         work = dist.irecv(tensor, self.info.global_rank(peer), group=self.info.group, tag=_DATA_TAG)
         return work, peer
 
@@ -151,8 +155,7 @@ class Comm:
             self._wait(work, None)
 
     def wait_native(self, work: dist.Work) -> None:
-        """Wait for an async torch.distributed collective under this call's deadline."""
-        self.verify()
+        """Wait for an async torch.distributed collective (started after `verify`)."""
         self._wait(work, None)
 
     def _wait(self, work: dist.Work, peer: int | None) -> None:

@@ -148,7 +148,8 @@ def all_reduce(
         algorithm = "ring"  # ranks on several hosts: every rank falls back alike
     comm = Comm(info, seq, "all_reduce", timeout_s, descriptor)
     if algorithm == "native":
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+        buf = _work_buffer(tensor, copy=False)  # bf16/fp16: reduced in float32 here too
+        comm.verify()  # gloo aborts the process on mismatched sizes: check first
         work = dist.all_reduce(buf, op=native_op(op), group=group, async_op=True)
         comm.wait_native(work)
         comm.finish()
@@ -202,7 +203,8 @@ def reduce(
     seq, descriptor = _start("reduce", tensor, op, algorithm, info, root)
     comm = Comm(info, seq, "reduce", timeout_s, descriptor)
     if algorithm == "native":
-        buf = tensor.clone(memory_format=torch.contiguous_format)
+        buf = _work_buffer(tensor, copy=True)
+        comm.verify()
         work = dist.reduce(buf, dst, op=native_op(op), group=group, async_op=True)
         comm.wait_native(work)
     else:
@@ -246,6 +248,7 @@ def broadcast(
     comm = Comm(info, seq, "broadcast", timeout_s, descriptor)
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
     if algorithm == "native":
+        comm.verify()
         comm.wait_native(dist.broadcast(buf, src, group=group, async_op=True))
     elif algorithm == "tree":
         broadcast_tree(buf.view(-1), root, comm)

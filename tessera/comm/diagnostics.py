@@ -7,6 +7,9 @@ typed errors:
 - Mismatch: each collective carries a small descriptor (sequence number, op, algorithm, reduction,
   dtype, root, shape) to its ring neighbour with the first message (shm: through the segment).
   If ring neighbours agree, all ranks agree; otherwise `CollectiveMismatch` says what each called.
+  At least one rank raises; a rank whose left neighbour happens to match it may instead time out
+  waiting for a peer that raised. With 2 or 3 ranks no data moves between disagreeing ranks; with
+  4 or more, two groups of ranks that each agree internally could still exchange data.
 - Timeout: every wait has a deadline. A watchdog thread notices waits that last longer than a
   moment and posts "rank r waits in collective #s" to the process group's store; the rank whose
   deadline passes reads those posts and names the ranks that never reached #s.

@@ -43,6 +43,11 @@ def lr_at(step: int, config: TrainConfig) -> float:
     return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-character prediction: logits (b, T, vocab), targets (b, T)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
     """The optimizer the config names, over `params`."""
     if config.optimizer == "sgd":
@@ -130,9 +135,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         x, y = batches.batch(step, ctx.rank, ctx.world_size)
         x, y = x.to(ctx.device), y.to(ctx.device)
         began = time.perf_counter()
-        logits = engine(x)  # (b, T, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        engine.backward(loss)
+        loss = engine.train_step(x, y, next_token_loss)
         if config.grad_clip:
             engine.clip_grad_norm(config.grad_clip)
         engine.step(lr_at(step, config))
@@ -141,7 +144,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         if done % config.log_every == 0 or done == config.steps:
             ranks = gather_rank_metrics(
                 {
-                    "loss": loss.item(),
+                    "loss": loss,
                     "step_s": step_s,
                     "comm_s": engine.comm_seconds,
                     "peak_mem_mb": peak_memory_mb(ctx.device),
@@ -161,9 +164,11 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
             _save(engine, ctx, checkpoint, done, extra)
     if bar is not None:
         bar.close()
+    weights = engine.full_model_state()  # collective for strategies that shard the model
     if not ctx.is_main:
         return None
-    sample = _sample(engine, tokenizer, config, ctx)
+    weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}
+    sample = _sample(weights, model_config, tokenizer, config)
     (out / "sample.txt").write_text(sample)
     return _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
 
@@ -185,17 +190,22 @@ def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) ->
     }
 
 
-def _sample(engine: Engine, tokenizer: CharTokenizer, config: TrainConfig, ctx: Context) -> str:
+def _sample(
+    weights: dict[str, torch.Tensor],
+    model_config: GPTConfig,
+    tokenizer: CharTokenizer,
+    config: TrainConfig,
+) -> str:
+    """Generate from a fresh copy of the trained model, whatever split trained it."""
     if config.sample_tokens == 0:
         return ""
+    model = GPT(model_config)
+    model.load_state_dict(weights)
+    model.eval()
     prompt = "def " if set("def ") <= set(tokenizer.chars) else tokenizer.chars[0]
-    idx = tokenizer.encode_tensor(prompt)[None, :].to(ctx.device)  # (1, len(prompt))
-    generator = torch.Generator(device=ctx.device).manual_seed(config.seed)
-    engine.module.eval()
-    out = engine.module.generate(
-        idx, config.sample_tokens, temperature=0.8, top_k=20, generator=generator
-    )
-    engine.module.train()
+    idx = tokenizer.encode_tensor(prompt)[None, :]  # (1, len(prompt))
+    generator = torch.Generator().manual_seed(config.seed)
+    out = model.generate(idx, config.sample_tokens, temperature=0.8, top_k=20, generator=generator)
     return tokenizer.decode(out[0])
 
 

@@ -4,11 +4,13 @@ A strategy is a function `(module, make_optimizer, context) -> Engine`. It recei
 `nn.Module` (same initial weights on every rank) and a factory that builds an optimizer over the
 parameters it is given, and returns an `Engine`, which the loop uses as
 
-    logits = engine(inputs); engine.backward(loss); engine.clip_grad_norm(c); engine.step(lr)
+    loss = engine.train_step(inputs, targets, loss_fn)   # forward and backward
+    engine.clip_grad_norm(max_norm); engine.step(lr)
 
 and checkpoints through `engine.state_dict()` / `engine.load_state_dict()`. The loop never asks
-which strategy runs. Later strategies (tessera's own DDP, ZeRO, pipelines) register themselves
-with `@register_strategy(name)`.
+which strategy runs. `train_step` is the unit (not separate forward and backward) because a
+pipeline interleaves the forwards and backwards of micro-batches inside one step.
+Later strategies (tessera's own DDP, ZeRO, pipelines) register with `@register_strategy(name)`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tessera.runtime.context import Context
 __all__ = [
     "STRATEGIES",
     "Engine",
+    "LossFn",
     "OptimizerFactory",
     "TorchDDPEngine",
     "register_strategy",
@@ -32,6 +35,7 @@ __all__ = [
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 StrategyFactory = Callable[[nn.Module, OptimizerFactory, Context], "Engine"]
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 STRATEGIES: dict[str, StrategyFactory] = {}
 """Strategy name -> factory; `tessera train --strategy NAME` picks from these."""
@@ -72,6 +76,12 @@ class Engine:
         """Backward pass; after it every parameter's `.grad` is what the optimizer should use."""
         loss.backward()
 
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
+        """Forward and backward of this rank's batch; return its mean loss."""
+        loss = loss_fn(self(inputs), targets)
+        self.backward(loss)
+        return loss.item()
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
         return float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
@@ -82,6 +92,10 @@ class Engine:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's `state_dict` (plain module keys), complete at least on rank 0."""
+        return self.module.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """Full model and optimizer state, complete at least on rank 0."""

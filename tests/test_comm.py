@@ -1,0 +1,352 @@
+"""tessera.comm against torch.distributed's own collectives, on 1-5 gloo ranks.
+
+Spawning a rank costs ~2-3 s, so each world size runs one launched function that loops over
+every case: all algorithms x ops x dtypes x odd lengths x contiguous / strided inputs. The case
+list is drawn in the parent from a seeded RNG (edge lengths always included) and passed to
+every rank, so all ranks run the same cases; each rank's values come from a generator seeded by
+(case, rank). Every result is compared with the exact reduction of all ranks' inputs (gathered
+with torch's all_gather, computed in float64) and with torch's own all_reduce.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tessera
+from tessera import comm
+from tessera.errors import CollectiveMismatch, CollectiveTimeout
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+OPS = ("sum", "mean", "max", "min", "product")
+SEED = 20261122
+
+# Tolerances against the exact (float64) result. Floats are reduced in different orders by
+# different algorithms: float32 sums of <= 5 values of magnitude <= 10 agree to ~1e-6 relative;
+# bf16/fp16 are accumulated in float32 and rounded once, so one rounding step (2^-8 / 2^-11).
+TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float64: (1e-12, 1e-12),
+    torch.bfloat16: (1e-2, 1e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def _lengths(world: int, rng: random.Random) -> list[int]:
+    edge = [0, 1, max(1, world - 1), 13, 97]
+    return edge + [rng.randrange(2, 3000) for _ in range(3)]
+
+
+def make_cases(world: int, seed: int = SEED) -> list[tuple]:
+    """(algorithm, op, dtype, length, strided) cases, every combination of the first three."""
+    rng = random.Random(seed + world)
+    lengths = _lengths(world, rng)
+    cases = []
+    for algorithm in comm.ALGORITHMS + ("auto",):
+        for op in OPS:
+            for dtype in DTYPES:
+                length = lengths[len(cases) % len(lengths)]
+                cases.append((algorithm, op, dtype, length, rng.random() < 0.3))
+    return cases
+
+
+def _values(case_id: int, rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(case_id * 1000 + rank)
+    if op == "product":  # stay far from overflow and underflow
+        if dtype.is_floating_point:
+            return (torch.rand(n, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+        return torch.randint(-2, 3, (n,), generator=gen).to(dtype)
+    if dtype.is_floating_point:
+        return (torch.randn(n, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    return torch.randint(-100, 100, (n,), generator=gen).to(dtype)
+
+
+def _exact(parts: list[torch.Tensor], op: str, world: int) -> torch.Tensor:
+    """The reduction of the gathered inputs: float64 for floats, exact integers otherwise."""
+    dtype = parts[0].dtype
+    wide = torch.stack(
+        [p.to(torch.float64 if dtype.is_floating_point else torch.int64) for p in parts]
+    )
+    if op in ("sum", "mean"):
+        out = wide.sum(0)
+        if op == "mean":
+            out = (
+                out / world
+                if dtype.is_floating_point
+                else torch.div(out, world, rounding_mode="floor")
+            )
+    elif op == "max":
+        out = wide.max(0).values
+    elif op == "min":
+        out = wide.min(0).values
+    else:
+        out = wide.prod(0)
+    return out.to(dtype)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str, slack: float = 1.0) -> None:
+    if got.dtype in TOL:
+        rtol, atol = TOL[got.dtype]
+        torch.testing.assert_close(got, want, rtol=rtol * slack, atol=atol * slack, msg=what)
+    else:
+        assert torch.equal(got, want), f"{what}: {got} != {want}"
+
+
+def _native(x: torch.Tensor, op: str, world: int, group=None) -> torch.Tensor:
+    ops = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+    y = x.clone()
+    dist.all_reduce(y, op=getattr(dist.ReduceOp, ops[op]), group=group)
+    if op == "mean":
+        y = y / world if y.is_floating_point() else torch.div(y, world, rounding_mode="floor")
+    return y.to(x.dtype)
+
+
+def _gather(x: torch.Tensor, world: int, group=None) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return parts
+
+
+def _check_all_reduce(cases: list[tuple], group=None) -> int:
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    for case_id, (algorithm, op, dtype, n, strided) in enumerate(cases):
+        x = _values(case_id, rank, n, dtype, op)
+        what = f"all_reduce {algorithm} {op} {dtype} n={n} strided={strided} world={world}"
+        want = _exact(_gather(x, world, group), op, world)
+        native = _native(x, op, world, group)
+        if strided:  # a non-contiguous view whose neighbours must stay untouched
+            holder = torch.full((n, 2), 7, dtype=dtype)
+            target = holder[:, 1]
+            target.copy_(x)
+        else:
+            target = x.clone()
+        out = comm.all_reduce(target, op, algorithm=algorithm, group=group, timeout=60)
+        assert out is target, what
+        _assert_close(target, want, what + " vs exact")
+        # torch's own result: low precision accumulates in its own order (bf16: a few ulps)
+        _assert_close(target, native, what + " vs torch", slack=8.0)
+        if strided:
+            assert torch.all(holder[:, 0] == 7), what + ": wrote outside the view"
+    return len(cases)
+
+
+def _check_others(world: int, group=None) -> int:
+    """reduce, broadcast, all_gather, reduce_scatter against torch's results."""
+    rank = dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    count = 0
+    for case_id, n in enumerate([0, 1, max(1, world - 1), 11, 257]):
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for op in ("sum", "max", "mean"):
+                x = _values(case_id, rank, n, dtype, op)
+                want = _exact(_gather(x, world, group), op, world)
+                for k, algorithm in enumerate(("auto", "tree", "master_worker", "native", "ring")):
+                    dst = ranks[(case_id + k) % world]
+                    y = x.clone()
+                    comm.reduce(y, dst, op, algorithm=algorithm, group=group)
+                    expect = want if dist.get_rank() == dst else x
+                    _assert_close(y, expect, f"reduce {algorithm} {op} {dtype} n={n} dst={dst}")
+                    count += 1
+            for k, algorithm in enumerate(("auto",) + comm.BROADCAST_ALGORITHMS):
+                src = ranks[(case_id + k + 1) % world]
+                y = _values(case_id, rank, n, dtype, "sum")
+                ref = y.clone()
+                dist.broadcast(ref, src, group=group)
+                comm.broadcast(y, src, algorithm=algorithm, group=group)
+                assert torch.equal(y, ref), f"broadcast {algorithm} {dtype} n={n} src={src}"
+                count += 1
+            for shape in ((n,), (n, 3), ()):
+                if shape == () and n != 1:
+                    continue
+                x = _values(case_id, rank, max(1, n) * (3 if len(shape) == 2 else 1), dtype, "sum")
+                x = x[: torch.Size(shape).numel()].reshape(shape)
+                got = comm.all_gather(x, group=group)
+                parts = _gather(x.reshape(-1, *shape[1:]) if shape else x.reshape(1), world, group)
+                assert torch.equal(got, torch.cat(parts)), f"all_gather {dtype} {shape}"
+                count += 1
+            for rows in (0, 1, world - 1, world + 1, 2 * world + 3):
+                x = _values(case_id + rows, rank, rows * 2, dtype, "sum").reshape(rows, 2)
+                full = _exact(_gather(x, world, group), "sum", world)
+                got = comm.reduce_scatter(x, "sum", group=group)
+                mine = full.tensor_split(world)[rank]
+                assert got.shape == mine.shape, f"reduce_scatter shape {got.shape} {mine.shape}"
+                _assert_close(got, mine, f"reduce_scatter {dtype} rows={rows}")
+                count += 1
+    return count
+
+
+def _rank_world(cases: list[tuple], subgroup_ranks: list[int] | None) -> int:
+    ctx = tessera.init()
+    count = _check_all_reduce(cases) + _check_others(ctx.world_size)
+    if subgroup_ranks:
+        group = dist.new_group(subgroup_ranks)
+        if ctx.rank in subgroup_ranks:
+            sub_cases = [c for i, c in enumerate(cases) if i % 4 == 0]
+            count += _check_all_reduce(sub_cases, group) + _check_others(len(subgroup_ranks), group)
+    dist.barrier()
+    return count
+
+
+@pytest.mark.parametrize(
+    "world, subgroup",
+    [
+        (1, None),
+        (2, None),
+        (3, [0, 2]),
+        (4, [2, 3]),
+        pytest.param(5, [1, 3, 4], marks=pytest.mark.slow),
+    ],
+)
+def test_collectives_match_torch(world, subgroup):
+    cases = make_cases(world)
+    counts = tessera.launch(_rank_world, world, cases, subgroup, timeout_s=240)
+    assert counts[0] >= len(cases)
+
+
+# --------------------------------------------------------------------------- shared buffers
+def _rank_shared_buffer() -> list:
+    ctx = tessera.init()
+    results = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        a = comm.shared_buffer(1000, dtype)
+        b = comm.shared_buffer(37, dtype)  # a second bucket must not alias the first
+        for op in ("sum", "max", "mean"):
+            a.copy_(torch.arange(1000) * (ctx.rank + 1))
+            b.fill_(ctx.rank + 1)
+            comm.all_reduce(a, op, algorithm="shm")
+            comm.all_reduce(b, op)  # auto
+            results.append((dtype, op, a.clone(), b.clone()))
+    big = torch.ones(3000, dtype=torch.float32) * ctx.rank  # grows the scratch segment
+    comm.all_reduce(big, algorithm="shm")
+    results.append(("big", big[0].item()))
+    return results
+
+
+def test_shared_buffer_all_reduce():
+    world = 3
+    results = tessera.launch(_rank_shared_buffer, world, timeout_s=60)
+    scale = sum(range(1, world + 1))
+    for rank_results in results:
+        for entry in rank_results[:-1]:
+            dtype, op, a, b = entry
+            base = torch.arange(1000).to(torch.float64)
+            want_a = {"sum": base * scale, "max": base * world, "mean": base * scale / world}[op]
+            want_b = {"sum": scale, "max": world, "mean": scale / world}[op]
+            if not dtype.is_floating_point:
+                want_a = want_a.floor()
+                want_b = float(int(want_b))
+            torch.testing.assert_close(a.double(), want_a, rtol=1e-2, atol=0, msg=f"{dtype} {op}")
+            assert torch.all(b.double() == want_b), (dtype, op, b[:3])
+        assert rank_results[-1] == ("big", float(sum(range(world))))
+
+
+# ---------------------------------------------------------------------- timeouts, mismatches
+def _rank_absent() -> str:
+    ctx = tessera.init()
+    comm.all_reduce(torch.ones(8), algorithm="shm")  # the shm group exists on every rank
+    if ctx.rank == 2:
+        time.sleep(8)  # never joins the next collectives; stays alive past the others' timeout
+        return ""
+    messages = []
+    for algorithm in ("shm", "ring"):
+        start = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(8), algorithm=algorithm, timeout=1.5)
+        except CollectiveTimeout as exc:
+            messages.append((str(exc), time.monotonic() - start))
+    return messages
+
+
+def test_timeout_names_the_missing_rank():
+    start = time.monotonic()
+    results = tessera.launch(_rank_absent, 3, timeout_s=60)
+    assert time.monotonic() - start < 30
+    for rank in (0, 1):
+        assert len(results[rank]) == 2, results[rank]
+        for message, seconds in results[rank]:
+            assert "rank 2" in message or "[2]" in message, message
+            assert f"rank {rank}" in message and "all_reduce" in message, message
+            assert seconds < 6, (message, seconds)
+
+
+def _rank_mismatch() -> list[str]:
+    ctx = tessera.init()
+    scenarios = [
+        ("shape", lambda g: comm.all_reduce(torch.ones(4 + ctx.rank), algorithm="ring", group=g)),
+        (
+            "op",
+            lambda g: comm.all_reduce(
+                torch.ones(4), ("sum", "max")[ctx.rank], algorithm="tree", group=g
+            ),
+        ),
+        (
+            "dtype",
+            lambda g: comm.all_reduce(
+                torch.ones(4, dtype=(torch.float32, torch.int64)[ctx.rank]),
+                algorithm="butterfly",
+                group=g,
+            ),
+        ),
+        (
+            "shm-shape",
+            lambda g: comm.all_reduce(torch.ones(4 + ctx.rank), algorithm="shm", group=g),
+        ),
+        (
+            "kind",
+            lambda g: (
+                comm.all_reduce(torch.ones(4), algorithm="tree", group=g)
+                if ctx.rank == 0
+                else comm.broadcast(torch.ones(4), 0, algorithm="tree", group=g)
+            ),
+        ),
+    ]
+    messages = []
+    for name, call in scenarios:
+        group = dist.new_group([0, 1])  # a fresh group: leftover messages cannot leak across
+        try:
+            call(group)
+            messages.append(f"{name}: no error")
+        except CollectiveMismatch as exc:
+            messages.append(f"{name}: {exc}")
+    return messages
+
+
+def test_mismatch_is_reported():
+    results = tessera.launch(_rank_mismatch, 2, timeout_s=60)
+    for rank_messages in results:
+        names = [m.split(":")[0] for m in rank_messages]
+        assert names == ["shape", "op", "dtype", "shm-shape", "kind"]
+        for message in rank_messages:
+            assert "no error" not in message, message
+        assert "shape=(4,)" in rank_messages[0] and "shape=(5,)" in rank_messages[0]
+        assert "op=sum" in rank_messages[1] and "op=max" in rank_messages[1]
+        assert "broadcast" in rank_messages[4] and "all_reduce" in rank_messages[4]
+
+
+def _rank_history() -> list:
+    tessera.init()
+    comm.all_reduce(torch.ones(3), algorithm="ring")
+    comm.broadcast(torch.ones(2), 0)
+    return [(r.seq, r.kind, r.algorithm, r.shape, r.call_site) for r in comm.history()[-2:]]
+
+
+def test_history_records_calls():
+    for records in tessera.launch(_rank_history, 2, timeout_s=60):
+        (seq1, kind1, algo1, shape1, site1), (seq2, kind2, *_rest) = records
+        assert (kind1, algo1, shape1, kind2) == ("all_reduce", "ring", (3,), "broadcast")
+        assert seq2 == seq1 + 1 and site1.startswith("test_comm.py:")
+
+
+def test_bad_arguments_raise_before_any_message():
+    x = torch.ones(3)
+    with pytest.raises(ValueError, match="op must be"):
+        comm.all_reduce(x, "median")
+    with pytest.raises(ValueError, match="algorithm must be"):
+        comm.all_reduce(x, algorithm="carrier-pigeon")
+    with pytest.raises(ValueError, match="algorithm must be"):
+        comm.broadcast(x, 0, algorithm="butterfly")
