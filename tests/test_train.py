@@ -52,21 +52,30 @@ def _tessera(*args: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
-def test_torch_ddp_on_two_ranks_equals_one_process_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [
+        ("torch-ddp", {}),
+        ("ddp", {"bucket_cap_mb": 0.01}),
+        # Local SGD averaging every step with SGD-momentum is linear in the gradients, so it
+        # equals one process too (without clipping, which acts on each rank's own gradient).
+        ("local-sgd", {"average_every": 1, "grad_clip": 0.0}),
+    ],
+)
+def test_data_parallel_strategies_equal_one_process_on_the_global_batch(tmp_path, strategy, extra):
     # SGD with momentum, not Adam: Adam turns reduction-order noise in a gradient that should be
     # zero (attention key biases) into full-size updates (see DESIGN.md, Testing).
     common = {**TINY_CONFIG, "steps": 6, "optimizer": "sgd", "lr": 0.05, "warmup_steps": 0}
-    run_training(
-        build_config(common, {"strategy": "single", "nproc": 1, "out": str(tmp_path / "a")})
-    )
-    run_training(
-        build_config(common, {"strategy": "torch-ddp", "nproc": 2, "out": str(tmp_path / "b")})
-    )
-    single, ddp = _params(tmp_path / "a"), _params(tmp_path / "b")
-    assert single.keys() == ddp.keys()
-    for name in single:
+    common.update({k: v for k, v in extra.items() if k == "grad_clip"})
+    single = {"strategy": "single", "nproc": 1, "out": str(tmp_path / "a")}
+    run_training(build_config(common, single))
+    parallel = {"strategy": strategy, "nproc": 2, "out": str(tmp_path / "b"), **extra}
+    run_training(build_config(common, parallel))
+    one, two = _params(tmp_path / "a"), _params(tmp_path / "b")
+    assert one.keys() == two.keys()
+    for name in one:
         # Two-rank averaging reorders float sums: equal up to float32 rounding, not bit for bit.
-        torch.testing.assert_close(ddp[name], single[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
     losses = [[r["loss"] for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in "ab"]
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
     assert losses[0][-1] < losses[0][0]

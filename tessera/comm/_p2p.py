@@ -104,7 +104,9 @@ class Comm:
         self._check = None
         left = (self.rank - 1) % self.size
         self._wait(work, left)
-        diagnostics.compare(self._descriptor, theirs, dist.get_rank(), self.info.global_rank(left))
+        diagnostics.compare(
+            self._descriptor.tolist(), theirs.tolist(), dist.get_rank(), self.info.global_rank(left)
+        )
 
     # ---------------------------------------------------------------------------- messages
     def isend(self, tensor: torch.Tensor, peer: int) -> dist.Work | None:

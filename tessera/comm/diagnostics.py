@@ -84,11 +84,13 @@ def history() -> list[Record]:
     return list(_history)
 
 
+_HERE = os.path.dirname(__file__)
+
+
 def _call_site() -> str:
     # The first frame outside tessera/comm: the line of user (or strategy) code that called us.
     frame = sys._getframe(2)
-    here = os.path.dirname(__file__)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -107,6 +109,11 @@ def record(
 # ----------------------------------------------------------------------------------- descriptors
 def describe(entry: Record, root: int = -1) -> torch.Tensor:
     """The int64 descriptor sent to the ring neighbour: what this rank is about to do."""
+    return torch.tensor(describe_words(entry, root), dtype=torch.int64)
+
+
+def describe_words(entry: Record, root: int = -1) -> list[int]:
+    """The descriptor as `DESCRIPTOR_LEN` integers (shm writes them into its control page)."""
     words = [
         entry.seq,
         _KINDS.index(entry.kind),
@@ -120,7 +127,7 @@ def describe(entry: Record, root: int = -1) -> torch.Tensor:
     shape = list(entry.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
     if len(entry.shape) > _MAX_DIMS:  # fold the remaining dims into the last word
         shape[-1] = int(torch.tensor(entry.shape[_MAX_DIMS - 1 :]).prod())
-    return torch.tensor(words + shape, dtype=torch.int64)
+    return words + shape
 
 
 def explain(words: list[int]) -> str:
@@ -136,13 +143,13 @@ def explain(words: list[int]) -> str:
     return text + (f", root={root})" if root >= 0 else ")")
 
 
-def compare(mine: torch.Tensor, theirs: torch.Tensor, rank: int, peer: int) -> None:
-    """Raise `CollectiveMismatch` unless the peer's descriptor equals this rank's."""
-    if torch.equal(mine, theirs):
+def compare(mine: list[int], theirs: list[int], rank: int, peer: int) -> None:
+    """Raise `CollectiveMismatch` unless the peer's descriptor words equal this rank's."""
+    if mine == theirs:
         return
     raise CollectiveMismatch(
-        f"rank {rank} called {explain(mine.tolist())} but rank {peer} called "
-        f"{explain(theirs.tolist())}: every rank of a group must call the same collectives, "
+        f"rank {rank} called {explain(mine)} but rank {peer} called "
+        f"{explain(theirs)}: every rank of a group must call the same collectives, "
         "in the same order, with the same shapes, dtypes and ops"
     )
 

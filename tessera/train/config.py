@@ -69,6 +69,9 @@ class TrainConfig:
     )
     weight_decay: float = _option(0.1, "Decoupled weight decay of AdamW (ignored by SGD).")
     grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
+    bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
+    comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
+    average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
     log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
@@ -90,7 +93,7 @@ class TrainConfig:
             )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be at least 1, got {self.nproc}")
-        for name in ("steps", "batch_size", "log_every", "corpus_bytes"):
+        for name in ("steps", "batch_size", "log_every", "corpus_bytes", "average_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in (
@@ -102,11 +105,17 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s"):
+        for name in ("lr", "timeout_s", "bucket_cap_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        from tessera.comm import ALGORITHMS
+
+        if self.comm_algorithm != "auto" and self.comm_algorithm not in ALGORITHMS:
+            raise ConfigError(
+                f"unknown comm_algorithm {self.comm_algorithm!r}; use auto or one of {ALGORITHMS}"
+            )
         self.check_world_size(self.nproc)
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")

@@ -123,7 +123,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
     model = GPT(model_config).to(ctx.device)
-    engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx)
+    engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
     checkpoint = out / CHECKPOINT_NAME
     start = _restore(engine, ctx, checkpoint, tokenizer) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None

@@ -1,8 +1,9 @@
 """The strategy interface: what the training loop drives, whatever splits the work underneath.
 
-A strategy is a function `(module, make_optimizer, context) -> Engine`. It receives a plain
-`nn.Module` (same initial weights on every rank) and a factory that builds an optimizer over the
-parameters it is given, and returns an `Engine`, which the loop uses as
+A strategy is a function `(module, make_optimizer, context, config) -> Engine`. It receives a plain
+`nn.Module` (same initial weights on every rank), a factory that builds an optimizer over the
+parameters it is given, this rank's `Context` and the run's `TrainConfig` (for its own knobs, such
+as `bucket_cap_mb`), and returns an `Engine`, which the loop uses as
 
     loss = engine.train_step(inputs, targets, loss_fn)   # forward and backward
     engine.clip_grad_norm(max_norm); engine.step(lr)
@@ -17,12 +18,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tessera.runtime.context import Context
+
+if TYPE_CHECKING:
+    from tessera.train.config import TrainConfig
 
 __all__ = [
     "STRATEGIES",
@@ -34,7 +38,7 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-StrategyFactory = Callable[[nn.Module, OptimizerFactory, Context], "Engine"]
+StrategyFactory = Callable[[nn.Module, OptimizerFactory, Context, Any], "Engine"]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 STRATEGIES: dict[str, StrategyFactory] = {}
@@ -60,10 +64,18 @@ class Engine:
     Subclasses override what their strategy changes; the defaults here are plain PyTorch.
     """
 
-    def __init__(self, module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        make_optimizer: OptimizerFactory,
+        ctx: Context,
+        config: TrainConfig | None = None,
+    ) -> None:
         self.module = module
         """The user's model, unwrapped: its weights are the trained ones (used for sampling)."""
         self.ctx = ctx
+        self.config = config
+        """The run's config (None when built outside the trainer): strategies read knobs here."""
         self.optimizer = make_optimizer(module.parameters())
         self.comm_seconds = 0.0
         """Communication the last step waited for (not hidden behind compute), in seconds."""
@@ -117,8 +129,14 @@ class TorchDDPEngine(Engine):
     that is DDP waiting for its last buckets, i.e. communication that compute did not hide.
     """
 
-    def __init__(self, module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> None:
-        super().__init__(module, make_optimizer, ctx)
+    def __init__(
+        self,
+        module: nn.Module,
+        make_optimizer: OptimizerFactory,
+        ctx: Context,
+        config: TrainConfig | None = None,
+    ) -> None:
+        super().__init__(module, make_optimizer, ctx, config)
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         self.ddp = nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
         self._last_gradient_at = 0.0
@@ -138,3 +156,7 @@ class TorchDDPEngine(Engine):
         self._last_gradient_at = time.perf_counter()
         loss.backward()
         self.comm_seconds = max(0.0, time.perf_counter() - self._last_gradient_at)
+
+
+# Strategies defined next to their algorithms register themselves on import.
+from tessera.data_parallel import engine as _data_parallel_engine  # noqa: E402, F401

@@ -1,0 +1,304 @@
+"""`tessera bench comm`: every allreduce algorithm against gloo's own, sizes 4 KB to 64 MB.
+
+For each world size (2 and 4 local ranks) and message size, every algorithm runs in turn
+(A B C … A B C …, `repeats` rounds, after one warm-up), each sample timing enough back-to-back
+calls to last ~20 ms; a sample's time is the slowest rank's. Reported: the median time, algbw =
+S/t and busbw = algbw·2(p-1)/p (nccl-tests' definitions, S bytes per rank), the ratio of busbw to
+`native` (torch.distributed.all_reduce on gloo), the cost model's prediction after `calibrate`,
+and the machine's memory-bandwidth limit (a 64 MB `copy_` on every rank at once) with shm's busbw
+as a fraction of it. Writes benchmarks/results/comm.json, comm.md and comm.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["FULL_SIZES", "QUICK_SIZES", "main", "run"]
+
+FULL_SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KB .. 64 MB
+QUICK_SIZES = (4096, 65536, 1 << 20, 16 << 20)
+VARIANTS = (
+    "native",
+    "ring",
+    "tree",
+    "butterfly",
+    "all_to_all",
+    "master_worker",
+    "round_robin",
+    "shm",
+    "shm_shared",  # shm on a tensor from shared_buffer: no copy in or out
+    "auto",
+)
+_SAMPLE_S = 0.02
+
+
+def _label(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
+
+
+def _memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """Bytes per second one rank copies while every rank copies at the same time."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
+    import tessera
+    from tessera import comm
+    from tessera.comm import api, cost
+    from tessera.comm._p2p import group_info
+
+    ctx = tessera.init()
+    world = ctx.world_size
+    comm.set_checks(True)
+    params = comm.calibrate()
+    copy_bw = _memory_bandwidth()
+    info = group_info(None)
+    rows = []
+    for nbytes in sizes:
+        numel = nbytes // 4
+        plain = torch.zeros(numel)
+        shared = comm.shared_buffer(numel)
+        choice = api._auto_all_reduce(plain, info)
+
+        def call(variant: str, plain=plain, shared=shared) -> None:
+            if variant == "shm_shared":
+                comm.all_reduce(shared, algorithm="shm")
+            else:
+                comm.all_reduce(plain, algorithm=variant)
+
+        # warm-up, and how many calls make one ~20 ms sample (the same count on every rank)
+        counts = torch.zeros(len(VARIANTS), dtype=torch.float64)
+        for i, variant in enumerate(VARIANTS):
+            dist.barrier()
+            start = time.perf_counter()
+            call(variant)
+            counts[i] = time.perf_counter() - start
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        calls = [max(1, min(200, int(_SAMPLE_S / max(t, 1e-6)))) for t in counts.tolist()]
+        samples = torch.zeros(repeats, len(VARIANTS), dtype=torch.float64)
+        for r in range(repeats):
+            for i, variant in enumerate(VARIANTS):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(calls[i]):
+                    call(variant)
+                samples[r, i] = (time.perf_counter() - start) / calls[i]
+        dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # a sample lasts as long as its slowest rank
+        medians = samples.median(dim=0).values.tolist()
+        native_s = medians[0]
+        for i, variant in enumerate(VARIANTS):
+            algorithm = {"shm_shared": "shm", "auto": choice}.get(variant, variant)
+            predicted = cost.predict(
+                algorithm, nbytes, world, params, shared=variant == "shm_shared"
+            )
+            algbw = nbytes / medians[i] / 1e9
+            rows.append(
+                {
+                    "world": world,
+                    "bytes": nbytes,
+                    "variant": variant,
+                    "algorithm": algorithm,
+                    "time_s": medians[i],
+                    "algbw_GBps": algbw,
+                    "busbw_GBps": algbw * 2 * (world - 1) / world,
+                    "ratio_to_native": native_s / medians[i],
+                    "predicted_s": predicted,
+                    "calls_per_sample": calls[i],
+                }
+            )
+        del shared
+    if ctx.rank != 0:
+        return None
+    return {
+        "world": world,
+        "params": {k: getattr(params, k) for k in ("alpha", "beta", "gamma", "mu", "sigma")}
+        | {"alpha_native": params.alpha_native},
+        "copy_GBps_per_rank": copy_bw / 1e9,
+        "rows": rows,
+    }
+
+
+def run(sizes: tuple[int, ...], worlds: tuple[int, ...], repeats: int) -> dict:
+    """Run the benchmark on each world size (spawning local ranks) and return the results."""
+    import tessera
+
+    results = {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+        },
+        "sizes": list(sizes),
+        "repeats": repeats,
+        "worlds": [],
+    }
+    for world in worlds:
+        start = time.perf_counter()
+        out = tessera.launch(_bench_rank, world, list(sizes), repeats, timeout_s=3600)[0]
+        out["seconds"] = time.perf_counter() - start
+        results["worlds"].append(out)
+    return results
+
+
+def _row(result: dict, variant: str, nbytes: int) -> dict:
+    return next(r for r in result["rows"] if r["variant"] == variant and r["bytes"] == nbytes)
+
+
+def markdown(results: dict) -> str:
+    """The tables of BENCHMARKS.md: busbw and ratio to native, predictions, headline ratios."""
+    lines = [
+        "### Allreduce (float32, sum): busbw GB/s and (ratio to native)",
+        "",
+        f"Machine: {results['machine']['platform']}, {results['machine']['cpus']} CPUs, "
+        f"torch {results['machine']['torch']}; median of {results['repeats']} interleaved "
+        "repeats; a sample is the slowest rank's time. `shm_shared`: the tensor comes from "
+        "`shared_buffer`. `auto`: the algorithm the cost model picked.",
+        "",
+    ]
+    for result in results["worlds"]:
+        world = result["world"]
+        lines += [
+            f"**{world} ranks** (memory copy limit: {result['copy_GBps_per_rank']:.2f} "
+            "GB/s per rank, all ranks copying at once)",
+            "",
+        ]
+        lines.append("| size | native ms | " + " | ".join(VARIANTS[1:]) + " | auto picks |")
+        lines.append("|---" * (len(VARIANTS) + 2) + "|")
+        for nbytes in results["sizes"]:
+            native = _row(result, "native", nbytes)
+            cells = [_label(nbytes), f"{native['time_s'] * 1e3:.3f}"]
+            for variant in VARIANTS[1:]:
+                row = _row(result, variant, nbytes)
+                cells.append(f"{row['busbw_GBps']:.2f} ({row['ratio_to_native']:.2f}x)")
+            cells.append(_row(result, "auto", nbytes)["algorithm"])
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        shm_frac = [
+            _row(result, v, n)["busbw_GBps"] / result["copy_GBps_per_rank"]
+            for v in ("shm", "shm_shared")
+            for n in results["sizes"]
+            if n >= 1 << 20
+        ]
+        if shm_frac:
+            lines.append(
+                f"shm busbw as a fraction of the copy limit at >= 1 MB: "
+                f"{min(shm_frac):.2f} .. {max(shm_frac):.2f}"
+            )
+            lines.append("")
+    lines += [
+        "### Cost model: predicted / measured time (median over sizes, [min, max])",
+        "",
+        "| ranks | " + " | ".join(VARIANTS) + " |",
+        "|---" * (len(VARIANTS) + 1) + "|",
+    ]
+    for result in results["worlds"]:
+        cells = [str(result["world"])]
+        for variant in VARIANTS:
+            ratios = [
+                r["predicted_s"] / r["time_s"] for r in result["rows"] if r["variant"] == variant
+            ]
+            cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    p = results["worlds"][0]["params"]
+    lines.append(
+        "Calibrated (2 ranks): "
+        + ", ".join(f"{k} = {v:.3g}" for k, v in p.items())
+        + " (seconds, per byte for beta/gamma/mu)."
+    )
+    lines += [
+        "",
+        "### Headline ratios to native (busbw)",
+        "",
+        "| ranks | size | shm | shm_shared | ring | auto |",
+        "|---|---|---|---|---|---|",
+    ]
+    for result in results["worlds"]:
+        for nbytes in (1 << 20, 16 << 20):
+            if nbytes not in results["sizes"]:
+                continue
+            cells = [str(result["world"]), _label(nbytes)]
+            cells += [
+                f"{_row(result, v, nbytes)['ratio_to_native']:.2f}x"
+                for v in ("shm", "shm_shared", "ring", "auto")
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """busbw against size, one panel per world size, one line per algorithm (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = results["worlds"]
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], worlds):
+        for variant in VARIANTS:
+            rows = [r for r in result["rows"] if r["variant"] == variant]
+            style = "-" if variant in ("native", "shm", "shm_shared", "auto", "ring") else ":"
+            ax.plot(
+                [r["bytes"] for r in rows],
+                [r["busbw_GBps"] for r in rows],
+                style,
+                marker="o",
+                markersize=3,
+                label=variant,
+                linewidth=2 if variant == "native" else 1,
+            )
+        ax.axhline(result["copy_GBps_per_rank"], color="grey", linestyle="--", label="copy_ limit")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("bytes per rank")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"allreduce, {result['world']} ranks (gloo, CPU)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Command line: `python benchmarks/comm.py [--quick] [--worlds 2 4] [--repeats 5]`."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 sizes (4 KB, 64 KB, 1 MB, 16 MB)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    results = run(sizes, tuple(args.worlds), max(1, args.repeats))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "comm.json").write_text(json.dumps(results, indent=1))
+    table = markdown(results)
+    (args.out / "comm.md").write_text(table)
+    plot(results, args.out / "comm.png")
+    print(table)
+    print(f"wrote {args.out / 'comm.json'}, comm.md, comm.png")
+    return results
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,156 @@
+"""The reducer: autograd hooks that launch each bucket's all-reduce as soon as it is complete.
+
+During backward, a post-accumulate-grad hook on every parameter marks its gradient as arrived.
+When the last member of a bucket arrives, that bucket (and any later ones already complete) is
+handed to a single communication thread, strictly in bucket order, so every rank issues the same
+collectives in the same order while backward keeps computing the gradients of earlier layers. At
+the end of backward (an autograd engine callback) the reducer waits for the buckets still in
+flight: that wait is the communication backward could not hide (`exposed_comm_s`).
+
+One thread, not one per bucket: collectives on a group must be issued in the same order on every
+rank, and a FIFO worker gives that order for free. The reduction itself (tessera's collectives,
+or gloo's) releases the GIL while it waits on sockets or shared memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+from torch import nn
+
+from tessera.data_parallel.bucket import Bucket, BufferFactory, assign_buckets
+from tessera.errors import CollectiveTimeout
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    """Bucketed, overlapped gradient reduction for a list of parameters."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        cap_bytes: int,
+        reduce_bucket: Callable[[Bucket], None],
+        rank: int,
+        timeout_s: float,
+        allocate: BufferFactory | None = None,
+    ) -> None:
+        kwargs = {"allocate": allocate} if allocate is not None else {}
+        self.buckets = assign_buckets(named_params, cap_bytes, **kwargs)
+        self._where = {
+            id(param): (bucket, position)
+            for bucket in self.buckets
+            for position, param in enumerate(bucket.params)
+        }
+        self._reduce_bucket = reduce_bucket
+        self._rank = rank
+        self._timeout_s = timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-ddp")
+        self._futures: list[Future] = []
+        self._next_launch = 0
+        self._callback_queued = False
+        self._lock = threading.Lock()  # hooks of one backward may run on autograd worker threads
+        self.sync_enabled = True
+        """False inside `no_sync()`: gradients accumulate locally, nothing is launched."""
+        self.exposed_comm_s = 0.0
+        """Seconds the end of the last backward waited for reductions still in flight."""
+        self._handles = [
+            param.register_post_accumulate_grad_hook(self._on_gradient) for _, param in named_params
+        ]
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def prepare_for_backward(self, unused: Sequence[nn.Parameter] = ()) -> None:
+        """Start a new reduction round; `unused` parameters count as arrived (zero gradient)."""
+        self._futures = []
+        self._next_launch = 0
+        self._callback_queued = False
+        for bucket in self.buckets:
+            bucket.reset()
+        for param in unused:
+            bucket, position = self._where[id(param)]
+            self._adopt_gradient(param, bucket, position)
+            self._mark(bucket, position)
+
+    @staticmethod
+    def _adopt_gradient(param: nn.Parameter, bucket: Bucket, position: int) -> None:
+        """Make `param.grad` the bucket's view, moving a freshly allocated gradient into it."""
+        view = bucket.view(position)
+        grad = param.grad
+        if grad is None:
+            view.zero_()  # unused this step: contributes zero, and the buffer may hold old values
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)  # after zero_grad(set_to_none=True) autograd allocated a new tensor
+        else:
+            return
+        param.grad = view
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        bucket, position = self._where[id(param)]
+        with self._lock:
+            self._adopt_gradient(param, bucket, position)
+            if not self.sync_enabled:
+                return
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+                self._callback_queued = True
+            self._mark(bucket, position)
+
+    def _mark(self, bucket: Bucket, position: int) -> None:
+        if bucket.ready[position]:
+            return
+        bucket.ready[position] = True
+        bucket.pending -= 1
+        while (
+            self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
+        ):
+            launched = self.buckets[self._next_launch]
+            self._futures.append(self._executor.submit(self._reduce_bucket, launched))
+            self._next_launch += 1
+
+    def _finish(self) -> None:
+        """End of backward: every gradient must have arrived; wait for the reductions."""
+        self._callback_queued = False
+        if self._next_launch < len(self.buckets):
+            missing = [
+                name
+                for bucket in self.buckets[self._next_launch :]
+                for name, ready in zip(bucket.names, bucket.ready)
+                if not ready
+            ]
+            raise RuntimeError(
+                f"rank {self._rank}: parameters received no gradient in this backward: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. If the model "
+                "does not use them every step, pass find_unused_parameters=True."
+            )
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until every launched bucket is reduced; re-raise a failed reduction."""
+        began = time.perf_counter()
+        for index, future in enumerate(self._futures):
+            try:
+                future.result(timeout=self._timeout_s)
+            except FutureTimeout:
+                raise CollectiveTimeout(
+                    self._rank,
+                    f"all_reduce of gradient bucket {index}",
+                    self._timeout_s,
+                    "another rank has not finished its backward (or has failed)",
+                ) from None
+        self._futures = []
+        self.exposed_comm_s = time.perf_counter() - began
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (the module can then be wrapped again)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._executor.shutdown(wait=False)

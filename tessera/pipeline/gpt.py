@@ -1,0 +1,63 @@
+"""The reference GPT as an `nn.Sequential` a pipeline can cut: embed, blocks, head.
+
+`gpt_as_sequential(gpt)` shares the GPT's own modules (no copies): layer 0 holds `wte`, `wpe`,
+`drop` and runs `GPT.embed`; layers 1..n are the blocks; layer n+1 holds `ln_f` and `lm_head` and
+runs `GPT.head`. The output head is tied to the token embedding, so the same parameter sits in the
+first and the last layer: a `Pipeline` finds it and adds the two stages' gradients after backward
+(Megatron-LM's embedding all-reduce, Shoeybi et al. 2019), which keeps both copies equal to the
+unsplit model's single matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.models import GPT
+
+__all__ = ["gpt_as_sequential", "gpt_state_from_sequential"]
+
+
+class _Embed(nn.Module):
+    """Token ids (B, T) -> residual stream (B, T, C): the GPT's own `embed`, on its modules."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.config = gpt.config
+        self.wte, self.wpe, self.drop = gpt.wte, gpt.wpe, gpt.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Run `GPT.embed` with this module's (shared) embeddings."""
+        return GPT.embed(self, idx)  # type: ignore[arg-type]  # duck-typed: same attributes
+
+
+class _Head(nn.Module):
+    """Residual stream (B, T, C) -> logits (B, T, vocab): the GPT's own `head`."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run `GPT.head` with this module's (shared) layers."""
+        return GPT.head(self, x)  # type: ignore[arg-type]
+
+
+def gpt_as_sequential(gpt: GPT) -> nn.Sequential:
+    """`[embed, *blocks, head]` over the GPT's own modules; same forward as `gpt(idx)`."""
+    return nn.Sequential(_Embed(gpt), *gpt.blocks, _Head(gpt))
+
+
+def gpt_state_from_sequential(
+    state: dict[str, torch.Tensor], n_layer: int
+) -> dict[str, torch.Tensor]:
+    """Rename a `gpt_as_sequential` state dict to the GPT's own keys (`blocks.i.…`, `wte.…`)."""
+    renamed = {}
+    for key, value in state.items():
+        index, _, rest = key.partition(".")
+        i = int(index)
+        if i == 0 or i == n_layer + 1:
+            renamed[rest] = value
+        else:
+            renamed[f"blocks.{i - 1}.{rest}"] = value
+    return renamed

@@ -1,0 +1,268 @@
+"""The pipeline runner: each rank runs one stage through a schedule's action list.
+
+`Pipeline(model, num_microbatches=m, schedule="1f1b")` cuts an `nn.Sequential` into one stage per
+rank of `group`. `train_step(inputs, targets, loss_fn)` splits the batch into m micro-batches and
+executes this stage's actions (`schedule.schedule`): `F i` receives micro-batch i's activation from
+the previous stage (stage 0 reads the input), runs the layers and posts the output to the next
+stage (the last stage computes the loss instead); `B i` receives the output's gradient from the
+next stage (the last stage starts from its loss), back-propagates and posts the input's gradient
+to the previous stage. Sends never block (isend); receives wait with a deadline. Gradients of the
+micro-batches accumulate, each loss weighted by its share of the batch, so the step equals one
+process on the whole batch for a mean-reduced loss.
+
+Cost per step and stage boundary: m activations forward and m gradients backward, each
+`b/m x (activation size)`, plus one small metadata message (shapes) and one broadcast of the loss.
+Schedules: naive (layer splitting), GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et
+al. 2021); see `schedule.py` for their bubbles and memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.pipeline.partition import balance_by_cost, check_balance, parameter_costs, stage_bounds
+from tessera.pipeline.schedule import Action, _check
+from tessera.pipeline.schedule import schedule as make_schedule
+from tessera.pipeline.stage import (
+    Links,
+    decode_meta,
+    encode_meta,
+    meta_length,
+    shared_parameters,
+    slice_stage,
+)
+from tessera.pipeline.timeline import Event
+
+__all__ = ["Pipeline"]
+
+_META_TAG, _TIED_TAG = 1 << 20, 1 << 21
+
+
+class Pipeline:
+    """One stage of a pipeline-parallel `nn.Sequential` per rank of `group`."""
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        *,
+        num_microbatches: int,
+        schedule: str = "1f1b",
+        group: dist.ProcessGroup | None = None,
+        balance: Sequence[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Sequential):
+            raise ValueError(f"Pipeline needs an nn.Sequential, got {type(model).__name__}")
+        num_stages = dist.get_world_size(group) if dist.is_initialized() else 1
+        _check(schedule, num_stages, num_microbatches)
+        if balance is None:
+            if len(model) < num_stages:
+                raise ValueError(f"{len(model)} layers cannot fill {num_stages} stages")
+            balance = balance_by_cost(parameter_costs(model), num_stages)
+        self.balance = check_balance(balance, len(model), num_stages)
+        self.schedule_name = schedule
+        self.num_microbatches = num_microbatches
+        self.num_stages = num_stages
+        self.stage_index = dist.get_rank(group) if dist.is_initialized() else 0
+        bounds = stage_bounds(self.balance)
+        self._stage = slice_stage(model, bounds, self.stage_index)
+        self.module: nn.Sequential = self._stage.module
+        """This rank's stage: the model's own layers; build the optimizer on its parameters."""
+        self.actions: list[Action] = make_schedule(schedule, num_stages, num_microbatches)[
+            self.stage_index
+        ]
+        all_params = list(model.parameters())
+        self._tied = [
+            (all_params[k], stages)
+            for k, stages in shared_parameters(model, bounds)
+            if self.stage_index in stages
+        ]
+        self._tied_ids = {id(p) for p, _ in self._tied}
+        timeout_s = timeout_s or float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        self.links = Links(group, timeout_s) if num_stages > 1 else None
+        self.group = group
+        self.timeline: list[Event] = []
+        """This stage's measured events of the last step (`gather_timeline` collects all)."""
+
+    @property
+    def is_first(self) -> bool:
+        """True on the stage that reads the inputs."""
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the stage that computes the loss."""
+        return self.stage_index == self.num_stages - 1
+
+    def _record(self, kind: str, microbatch: int, start: float) -> None:
+        self.timeline.append(Event(self.stage_index, kind, microbatch, start, time.perf_counter()))
+
+    def train_step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    ) -> float:
+        """Forward and backward of all micro-batches; return the batch's mean loss on every rank.
+
+        The first stage needs `inputs`, the last `targets`; others may pass None. Gradients
+        accumulate into `.grad` of `self.module`'s parameters; the caller steps its optimizer.
+        """
+        sizes = self._microbatch_sizes(inputs if self.is_first else targets)
+        m = self.num_microbatches
+        x_parts = list(torch.split(inputs, sizes)) if self.is_first and sizes else None
+        y_parts = list(torch.split(targets, sizes)) if self.is_last and sizes else None
+        self.timeline = []
+        stage_inputs: dict[int, torch.Tensor] = {}
+        stage_outputs: dict[int, torch.Tensor] = {}
+        sends: list[dist.Work] = []
+        total = torch.zeros(())
+        in_shape: tuple[torch.dtype, list[int]] | None = None
+        batch = sum(sizes) if sizes else 0
+        meta_sent = False
+        for action in self.actions:
+            i, began = action.microbatch, time.perf_counter()
+            if action.kind == "F":
+                if self.is_first:
+                    x = x_parts[i]
+                else:
+                    if in_shape is None:
+                        meta = self.links.recv(
+                            (meta_length(m),), torch.int64, self.stage_index - 1, _META_TAG
+                        )
+                        dtype, rest, sizes = decode_meta(meta)
+                        in_shape, batch = (dtype, rest), sum(sizes)
+                    x = self.links.recv(
+                        (sizes[i], *in_shape[1]), in_shape[0], self.stage_index - 1, 2 * i
+                    )
+                    x.requires_grad_(x.is_floating_point())
+                    self._record("recv", i, began)
+                    began = time.perf_counter()
+                    stage_inputs[i] = x
+                out = self.module(x)
+                if self.is_last:
+                    out = loss_fn(out, y_parts[i]) * (sizes[i] / batch)
+                    total += out.detach()
+                self._record("F", i, began)
+                if not self.is_last:
+                    began = time.perf_counter()
+                    if not meta_sent:  # shapes first: gloo needs the exact receive size
+                        meta = encode_meta(out, sizes)
+                        sends.append(self.links.send(meta, self.stage_index + 1, _META_TAG))
+                        meta_sent = True
+                    sends.append(self.links.send(out.detach(), self.stage_index + 1, 2 * i))
+                    self._record("send", i, began)
+                stage_outputs[i] = out
+            else:
+                out = stage_outputs.pop(i)
+                if self.is_last:
+                    out.backward()
+                else:
+                    grad = self.links.recv(out.shape, out.dtype, self.stage_index + 1, 2 * i + 1)
+                    self._record("recv", i, began)
+                    began = time.perf_counter()
+                    torch.autograd.backward(out, grad)
+                self._record("B", i, began)
+                if not self.is_first:
+                    x = stage_inputs.pop(i)
+                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                    began = time.perf_counter()
+                    sends.append(self.links.send(grad, self.stage_index - 1, 2 * i + 1))
+                    self._record("send", i, began)
+        for work in sends:
+            self.links.wait(work, "pipeline send")
+        self._sum_tied_gradients()
+        return self._broadcast_loss(total)
+
+    def _microbatch_sizes(self, batch_tensor: torch.Tensor | None) -> list[int]:
+        """Dim-0 sizes of the micro-batches (ValueError if the batch is smaller than m)."""
+        if batch_tensor is None:
+            if self.is_first or self.is_last:
+                raise ValueError("the first stage needs inputs and the last stage targets")
+            return []  # a middle stage learns them from the previous stage's metadata
+        batch = batch_tensor.shape[0]
+        if self.num_microbatches > batch:
+            raise ValueError(
+                f"num_microbatches ({self.num_microbatches}) is larger than the batch ({batch})"
+            )
+        return [len(c) for c in torch.arange(batch).tensor_split(self.num_microbatches)]
+
+    def _sum_tied_gradients(self) -> None:
+        """Add the gradients of parameters held by several stages (e.g. tied embeddings)."""
+        for k, (param, stages) in enumerate(self._tied):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            others = [s for s in stages if s != self.stage_index]
+            sends = [self.links.send(grad.detach(), s, _TIED_TAG + k) for s in others]
+            parts = {self.stage_index: grad}
+            for s in others:
+                parts[s] = self.links.recv(grad.shape, grad.dtype, s, _TIED_TAG + k)
+            for work in sends:
+                self.links.wait(work, "pipeline tied-gradient send")
+            total = parts[stages[0]].clone()
+            for s in stages[1:]:  # the same order on every holder: identical sums
+                total += parts[s]
+            param.grad = total
+
+    def _broadcast_loss(self, total: torch.Tensor) -> float:
+        if self.num_stages == 1:
+            return float(total)
+        value = total.reshape(1).clone()
+        dist.broadcast(value, src=self.links.ranks[-1], group=self.group)
+        return float(value)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """This stage's share of the squared global gradient norm (tied parameters counted once)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.module.parameters():
+            if p.grad is None:
+                continue
+            if id(p) in self._tied_ids and self._tied_owner(p) != self.stage_index:
+                continue
+            total += p.grad.detach().double().pow(2).sum()
+        return total
+
+    def _tied_owner(self, param: nn.Parameter) -> int:
+        return next(stages[0] for p, stages in self._tied if p is param)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale every stage's gradients so the global norm is at most `max_norm`; return it."""
+        norm_sq = self.grad_norm_sq()
+        if self.num_stages > 1:
+            dist.all_reduce(norm_sq, group=self.group)
+        norm = math.sqrt(float(norm_sq))
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (the `nn.Sequential`'s keys) on every rank; collective."""
+        local = {
+            self._stage.full_key(k): v.detach().cpu() for k, v in self.module.state_dict().items()
+        }
+        if self.num_stages == 1:
+            return local
+        parts: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(parts, local, group=self.group)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return dict(sorted(merged.items(), key=lambda kv: int(kv[0].partition(".")[0])))
+
+    def gather_timeline(self) -> list[Event]:
+        """Every stage's events of the last step, sorted by start time; collective."""
+        if self.num_stages == 1:
+            return list(self.timeline)
+        parts: list[Any] = [None] * self.num_stages
+        dist.all_gather_object(parts, self.timeline, group=self.group)
+        return sorted((e for part in parts for e in part), key=lambda e: e.start)

@@ -1,0 +1,64 @@
+"""Raw collectives of tensor parallelism: the one place that talks to torch.distributed.
+
+Written straight on `torch.distributed` (gloo/NCCL) for now; switching to `tessera.comm` is a
+change of these few lines. Every wait has the job's deadline (TESSERA_TIMEOUT_S), and the bytes
+each rank contributes are counted in `STATS` (benchmarks read it: gloo timings alone hide
+emulated collectives).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["STATS", "all_gather_dim", "all_reduce", "group_rank", "group_size"]
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; older torch has only the first.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+STATS = {"all_reduce_bytes": 0, "all_gather_bytes": 0, "calls": 0}
+"""Bytes this rank contributed to tensor-parallel collectives since the process started."""
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get("TESSERA_TIMEOUT_S", 300.0)))
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in `group` (1 without a process group: a world of one)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's index in `group`."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, op: str = "sum"
+) -> torch.Tensor:
+    """Reduce `tensor` in place over `group` (sum or max) and return it."""
+    if group_size(group) == 1:
+        return tensor
+    STATS["all_reduce_bytes"] += tensor.numel() * tensor.element_size()
+    STATS["calls"] += 1
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True).wait(timeout=_timeout())
+    return tensor
+
+
+def all_gather_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `tensor` (equal shapes) along `dim`, in rank order."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    STATS["all_gather_bytes"] += tensor.numel() * tensor.element_size()
+    STATS["calls"] += 1
+    tensor = tensor.contiguous().unsqueeze(0)  # (1, ...): gloo gathers along dim 0
+    out = torch.empty((size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    work = _all_gather_single(out, tensor, group=group, async_op=True)
+    work.wait(timeout=_timeout())
+    return torch.cat(out.unbind(0), dim=dim)

@@ -1,0 +1,196 @@
+"""Tensor-parallel layers: dense layers whose weight is split over the ranks of a group.
+
+Megatron-LM (Shoeybi et al. 2019) with t ranks:
+- `ColumnParallelLinear`: `A = [A_1 .. A_t]` split by output features; rank i computes
+  `X A_i` from the replicated X (f before it). No forward communication unless the output is
+  gathered; backward all-reduces dX (f).
+- `RowParallelLinear`: `A` split by input features; rank i computes `X_i A_i` from its slice of X
+  and the partial results are summed (g): one all-reduce of the output forward, none backward.
+- `VocabParallelEmbedding`: the table split by rows (token ids); each rank looks up the ids it
+  owns, zeros the rest, and the ranks sum (g).
+- `ChannelParallelConv2d`: output channels split (each rank convolves the whole input with its
+  filters: the partially connected split of Krizhevsky et al. 2012's two-GPU CNN); the channels
+  are all-gathered after it unless the next layer takes them split.
+
+Every layer is built `from_dense(layer, group=...)`, slicing the dense weights, so the split model
+computes what the dense one does. `shard_dims` says which dimension of each parameter is split
+(`full_state_dict` reassembles them); `chunks > 1` splits each of that many equal blocks of the
+output (fused q/k/v: every rank keeps its heads' q, k and v).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.tensor_parallel._comm import group_rank, group_size
+from tessera.tensor_parallel.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    scatter_to_tensor_parallel,
+)
+
+__all__ = [
+    "ChannelParallelConv2d",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "shard",
+]
+
+
+def shard(
+    tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None, chunks: int = 1
+) -> torch.Tensor:
+    """This rank's slice of `tensor` along `dim` (of each of `chunks` equal blocks)."""
+    size, rank = group_size(group), group_rank(group)
+    if tensor.shape[dim] % (size * chunks):
+        raise ValueError(
+            f"dimension {dim} of size {tensor.shape[dim]} is not divisible by the tensor-parallel "
+            f"size {size}" + (f" times {chunks} chunks" if chunks > 1 else "")
+        )
+    blocks = tensor.chunk(chunks, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
+
+
+class _Parallel(nn.Module):
+    shard_dims: dict[str, int] = {}
+    """Parameter name -> split dimension (names absent are replicated)."""
+    chunks = 1
+
+    def _setup(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.tp_size = group_size(group)
+        self.tp_rank = group_rank(group)
+
+
+class ColumnParallelLinear(_Parallel):
+    """`y = x A^T + b` with A's rows (output features) split; y split unless `gather_output`."""
+
+    shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None, gather_output=False
+    ) -> None:
+        super().__init__()
+        self._setup(group)
+        self.weight = nn.Parameter(weight)  # (out / t, in)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        group: dist.ProcessGroup | None = None,
+        gather_output: bool = False,
+        chunks: int = 1,
+    ) -> ColumnParallelLinear:
+        """Split `linear` (its weights sliced, not re-initialised)."""
+        weight = shard(linear.weight.detach(), 0, group, chunks)
+        bias = shard(linear.bias.detach(), 0, group, chunks) if linear.bias is not None else None
+        layer = cls(weight, bias, group=group, gather_output=gather_output)
+        layer.chunks = chunks
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., in)` replicated -> `(..., out / t)` (or `(..., out)` gathered)."""
+        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return gather_from_tensor_parallel(y, self.group, -1) if self.gather_output else y
+
+
+class RowParallelLinear(_Parallel):
+    """`y = sum_i x_i A_i^T + b` with A's columns (input features) split; y replicated."""
+
+    shard_dims = {"weight": 1}
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None, input_is_parallel=True
+    ) -> None:
+        super().__init__()
+        self._setup(group)
+        self.weight = nn.Parameter(weight)  # (out, in / t)
+        self.bias = nn.Parameter(bias) if bias is not None else None  # replicated
+        self.input_is_parallel = input_is_parallel
+
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        group: dist.ProcessGroup | None = None,
+        input_is_parallel: bool = True,
+    ) -> RowParallelLinear:
+        """Split `linear` (its weights sliced, not re-initialised)."""
+        weight = shard(linear.weight.detach(), 1, group)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(weight, bias, group=group, input_is_parallel=input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., in / t)` split (or `(..., in)` replicated) -> `(..., out)` replicated."""
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group, -1)
+        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y  # bias once, after the sum
+
+
+class VocabParallelEmbedding(_Parallel):
+    """An embedding table split by rows: rank i owns ids `[i V/t, (i+1) V/t)`."""
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, weight: torch.Tensor, *, group=None) -> None:
+        super().__init__()
+        self._setup(group)
+        self.weight = nn.Parameter(weight)  # (V / t, C)
+        self.start = self.tp_rank * weight.shape[0]
+        self.end = self.start + weight.shape[0]
+
+    @classmethod
+    def from_dense(
+        cls, embedding: nn.Embedding, *, group: dist.ProcessGroup | None = None
+    ) -> VocabParallelEmbedding:
+        """Split `embedding` by rows (its weights sliced)."""
+        return cls(shard(embedding.weight.detach(), 0, group), group=group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids `(...)` -> embeddings `(..., C)`, replicated."""
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.group)
+
+
+class ChannelParallelConv2d(_Parallel):
+    """A Conv2d with its output channels split; output gathered on dim 1 unless told not to."""
+
+    shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, conv: nn.Conv2d, *, group=None, gather_output: bool = True) -> None:
+        super().__init__()
+        self._setup(group)
+        if conv.groups != 1 or conv.padding_mode != "zeros":
+            raise ValueError("ChannelParallelConv2d supports groups=1, zero-padded convolutions")
+        self.weight = nn.Parameter(shard(conv.weight.detach(), 0, group))  # (out/t, in, kh, kw)
+        self.bias = (
+            nn.Parameter(shard(conv.bias.detach(), 0, group)) if conv.bias is not None else None
+        )
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_dense(
+        cls, conv: nn.Conv2d, *, group: dist.ProcessGroup | None = None, gather_output: bool = True
+    ) -> ChannelParallelConv2d:
+        """Split `conv` by output channels (its weights sliced)."""
+        return cls(conv, group=group, gather_output=gather_output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, C_in, H, W)` replicated -> `(B, C_out, H', W')` (or `C_out / t` channels)."""
+        x = copy_to_tensor_parallel(x, self.group)
+        y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        return gather_from_tensor_parallel(y, self.group, 1) if self.gather_output else y
