@@ -251,3 +251,44 @@ def test_compression_hooks_converge_close_to_uncompressed(run_ranks):
     assert abs(losses["bf16"] - losses[None]) < 5e-3
     # Rank 2 with error feedback; torch's powerSGD_hook (rank 2) reaches 0.548 on this run.
     assert losses["powersgd"] < losses[None] + 0.1
+
+
+def _huggingface_gpt2() -> float:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    ctx = tessera.init()
+    config = GPT2Config(
+        vocab_size=20,
+        n_positions=8,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT2LMHeadModel(config))
+    model, reference = models
+    dp = DataParallel(model)
+    # SGD with momentum: GPT-2's key biases have a zero true gradient (see _model's note).
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    for step in range(STEPS):
+        x, y = _batch("gpt", step)
+        out = dp(_shard(x, ctx.rank, ctx.world_size)).logits
+        _loss("gpt", out, _shard(y, ctx.rank, ctx.world_size)).backward()
+        _loss("gpt", reference(x).logits, y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return _max_relative_error(model, reference)
+
+
+def test_a_huggingface_model_built_from_a_config(run_ranks):
+    pytest.importorskip("transformers")
+    for error in run_ranks(_huggingface_gpt2, 2):
+        assert error < 1e-5

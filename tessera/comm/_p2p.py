@@ -72,7 +72,12 @@ class Comm:
     """Sends and receives of one collective call, with one deadline and a descriptor check."""
 
     def __init__(
-        self, info: GroupInfo, seq: int, op_name: str, timeout_s: float, descriptor=None
+        self,
+        info: GroupInfo,
+        seq: int,
+        op_name: str,
+        timeout_s: float,
+        descriptor: list[int] | None = None,
     ) -> None:
         self.info = info
         self.rank = info.rank
@@ -81,11 +86,12 @@ class Comm:
         self.op_name = op_name
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self._descriptor = descriptor
+        self._descriptor = None
         self._check: tuple[dist.Work, torch.Tensor] | None = None
         self._pending: list[dist.Work] = []
         if descriptor is not None and info.size > 1:
-            self._post_check(descriptor)
+            self._descriptor = torch.tensor(descriptor, dtype=torch.int64)
+            self._post_check(self._descriptor)
 
     # ------------------------------------------------------------------------------ checks
     def _post_check(self, descriptor: torch.Tensor) -> None:

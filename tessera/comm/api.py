@@ -81,6 +81,9 @@ def _same_host(info: GroupInfo) -> bool:
     return shm_group(info).same_host
 
 
+_choices: dict[tuple, str] = {}
+
+
 def _auto_all_reduce(tensor: torch.Tensor, info: GroupInfo) -> str:
     # Deterministic on every rank: same size, same world, same (broadcast) cost parameters.
     candidates = ("ring", "tree", "butterfly", "native")
@@ -90,17 +93,22 @@ def _auto_all_reduce(tensor: torch.Tensor, info: GroupInfo) -> str:
         shared = shm_group(info).find(tensor) is not None
     nbytes = tensor.numel() * accumulate_dtype(tensor.dtype).itemsize
     params = cost.params_for(info.key)
-    return cost.choose(nbytes, info.size, params, candidates=candidates, shared=shared)
+    key = (info.key, nbytes, shared, params)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = cost.choose(nbytes, info.size, params, candidates=candidates, shared=shared)
+        _choices[key] = choice
+    return choice
 
 
 def _start(
     kind: str, tensor: torch.Tensor, op: str, algorithm: str, info: GroupInfo, root: int = -1
-) -> tuple[int, torch.Tensor | None]:
+) -> tuple[int, list[int] | None]:
     seq = next_seq(info)
     entry = diagnostics.record(seq, kind, algorithm, op, tensor, info.ranks)
     if info.size == 1 or not diagnostics.checks_enabled():
         return seq, None
-    return seq, diagnostics.describe(entry, root)
+    return seq, diagnostics.describe_words(entry, root)
 
 
 def _work_buffer(tensor: torch.Tensor, copy: bool) -> torch.Tensor:

@@ -1,21 +1,27 @@
 """Shared-memory allreduce for ranks on one host: reduce in place in a mapped segment.
 
-A segment is a file in /dev/shm mapped by every rank of the group; it holds one slot per rank.
-Allreduce: (1) each rank copies its vector into its slot (skipped when the tensor came from
-`shared_buffer`, i.e. already is the slot), (2) barrier, (3) rank r reduces slice r of the
-vector over all p slots and writes the result into slice r of every slot (the ranks work on
-disjoint slices, in parallel), (4) barrier, (5) each rank copies its slot out. Per rank this
-moves about 3n bytes through memory (1n with `shared_buffer`) and exchanges 2 barriers.
-Cost: 2σ + n(2μ + μ_r) where σ is a barrier and μ the s/byte of a memory copy; with more ranks
-than cores the reduction phase serialises, times p/cores.
+A segment is a file in /dev/shm that every rank of the group maps; it holds one slot per rank.
+Allreduce of n bytes, rank r of p:
+  1. copy the tensor into slot r (skipped when it came from `shared_buffer`: it *is* slot r);
+  2. barrier;
+  3. reduce slice r (n/p bytes) over the p slots into slot r; all ranks do this in parallel on
+     disjoint slices (for a `shared_buffer` tensor, also write the result into every slot);
+  4. barrier;
+  5. copy slice q of slot q, for every q, into the tensor (not needed for `shared_buffer`).
+Memory traffic per rank ≈ 3n read + (2 + 1/p)n written (n read + n written with
+`shared_buffer`); two barriers. Cost model: 2σ + n(3μ + γ(p-1)/p), times p/cores when ranks
+outnumber cores (`tessera.comm.cost`).
 
-Why it is fast: no message copies through sockets, no fresh allocations (the segment is cached
-per group and grows by doubling), and the barrier is a named pipe per rank: a rank writes its
-rank id into every peer's pipe and blocks in poll() on its own until every peer's id arrived:
-a kernel wakeup (microseconds) rather than a gloo barrier (hundreds of microseconds) or a spin
-that would steal one of the 2 cores from the rank doing work. Files are unlinked as soon as
-every rank has them open, so nothing stays in /dev/shm even if a rank is killed.
-Ranks on different hosts (hostnames compared once per group) fall back to the ring.
+Why it is fast: no socket copies, no allocation per call (segments are cached per group and
+grow by doubling; the copy-in segment is double-buffered, so step 5 needs no third barrier: a
+rank cannot refill a buffer before every rank passed the next collective's first barrier), and
+the barrier is a counter per rank in a shared control page. A waiting rank spins on the
+counters for up to `SPIN_S` when the group fits on the cores (spinning then costs nobody a
+core), then sleeps in poll() on a named pipe that the last arriving rank writes to: a kernel
+wakeup instead of a gloo barrier (hundreds of µs here) or a spin that would steal one of the 2
+cores from the rank doing the work. Files are unlinked as soon as every rank has them mapped,
+so nothing is left in /dev/shm even when a rank is killed. Ranks on different hosts (hostnames
+compared once per group) fall back to the ring.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import time
 import uuid
 
@@ -33,12 +40,19 @@ import torch.distributed as dist
 from tessera.comm import diagnostics
 from tessera.comm._ops import accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
-from tessera.errors import CollectiveMismatch, CollectiveTimeout
+from tessera.errors import CollectiveTimeout
 
-__all__ = ["ShmGroup", "shm_group"]
+__all__ = ["SPIN_S", "ShmGroup", "shm_group"]
+
+SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 200)) * 1e-6
+"""How long a barrier spins before sleeping, when the group has no more ranks than cores."""
 
 _PAGE = 4096
 _ALIGN = 64  # slice boundaries on cache lines, so two ranks never write the same line
+_BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back hits in cache
+_COUNTER = 64  # int64 word of a rank's control slot holding its barrier count
+_SLEEPING = 80  # int64 word: 1 while the rank sleeps in poll() and wants a wake-up token
+_DESC = diagnostics.DESCRIPTOR_LEN
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -46,38 +60,38 @@ def _round_up(value: int, unit: int) -> int:
 
 
 class _Segment:
-    """One mapped file: `slots` equal slots of `slot_bytes` bytes."""
+    """One mapped file: `slots` slots of `slot_bytes` bytes, one per rank."""
 
     def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
         self.slot_bytes = slot_bytes
-        size = max(_PAGE, slots * slot_bytes)
+        size = slots * slot_bytes
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
                 os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
+            self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self.raw = torch.frombuffer(self._map, dtype=torch.uint8)  # (slots * slot_bytes,)
+        self.raw = torch.frombuffer(self.map, dtype=torch.uint8)  # (slots * slot_bytes,)
+        self.plans: dict[tuple, tuple] = {}
 
     def slot(self, rank: int, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         """A (numel,) tensor of `dtype` at byte `offset` of `rank`'s slot."""
         start = rank * self.slot_bytes + offset
-        nbytes = numel * dtype.itemsize
-        return self.raw[start : start + nbytes].view(dtype)
+        return self.raw[start : start + numel * dtype.itemsize].view(dtype)
 
     def owns(self, tensor: torch.Tensor, rank: int) -> int | None:
         """Byte offset of `tensor` inside `rank`'s slot, or None if it does not live there."""
         base = self.raw.data_ptr() + rank * self.slot_bytes
         ptr = tensor.data_ptr()
         end = ptr + tensor.numel() * tensor.element_size()
-        if tensor.is_contiguous() and base <= ptr and end <= base + self.slot_bytes:
+        if base <= ptr and end <= base + self.slot_bytes and tensor.is_contiguous():
             return ptr - base
         return None
 
 
 class ShmGroup:
-    """The shared-memory state of one process group: pipes, a control page and segments."""
+    """The shared-memory state of one process group: control page, pipes and segments."""
 
     def __init__(self, info: GroupInfo) -> None:
         self.info = info
@@ -92,47 +106,126 @@ class ShmGroup:
         os.mkfifo(mine, 0o600)
         # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
         self._inbox = os.open(mine, os.O_RDWR | os.O_NONBLOCK)
+        control = f"{self._base}-control"
+        if r == 0:
+            self._control = _Segment(control, p, _PAGE, create=True)
         dist.barrier(group=info.group)
-        self._outboxes = {
-            peer: os.open(f"{self._base}-pipe{peer}", os.O_WRONLY | os.O_NONBLOCK)
-            for peer in range(p)
-            if peer != r
-        }
+        if r != 0:
+            self._control = _Segment(control, p, _PAGE, create=False)
+        self._outboxes = [
+            os.open(f"{self._base}-pipe{q}", os.O_WRONLY | os.O_NONBLOCK) if q != r else -1
+            for q in range(p)
+        ]
         dist.barrier(group=info.group)
         os.unlink(mine)
+        if r == 0:
+            os.unlink(control)
+        self._words = memoryview(self._control.map).cast("q")  # int64 words of the control page
+        self._slot_words = _PAGE // 8
+        self._peers = [q for q in range(p) if q != r]
         self._poll = select.poll()
         self._poll.register(self._inbox, select.POLLIN)
-        self._credit = [0] * p  # tokens that arrived early, for the next barrier
+        self._spin = p <= (os.cpu_count() or 1)
+        self._count = 0  # barriers passed: the same on every rank
         self._generation = 0
-        words = diagnostics.DESCRIPTOR_LEN
-        self._control = self._new_segment(_round_up(words * 8, _ALIGN), timeout_s=60.0)
-        self.descriptors = self._control.raw[: p * self._control.slot_bytes].view(torch.int64)
-        self.descriptors = self.descriptors.view(p, -1)[:, :words]  # (p, words)
-        self._scratch: _Segment | None = None
+        self._scratch: list[_Segment] = []
+        self._uses = 0  # copy-in collectives so far: picks the scratch buffer (double buffering)
         self._shared: list[_Segment] = []
+
+    # --------------------------------------------------------------------------- barrier
+    def _arrived(self, count: int) -> bool:
+        words, stride = self._words, self._slot_words
+        return all(words[q * stride + _COUNTER] >= count for q in self._peers)
+
+    def barrier(self, op: str, seq: int, timeout_s: float) -> None:
+        """Block until every rank of the group reached this barrier (spin, then sleep)."""
+        self._count += 1
+        count, words, stride, me = self._count, self._words, self._slot_words, self.info.rank
+        words[me * stride + _COUNTER] = count
+        for q in self._peers:  # wake the ranks that sleep waiting for us
+            if words[q * stride + _SLEEPING]:
+                os.write(self._outboxes[q], b"x")
+        if self._spin:
+            stop = time.perf_counter() + SPIN_S
+            while time.perf_counter() < stop:
+                if self._arrived(count):
+                    return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            words[me * stride + _SLEEPING] = 1
+            if self._arrived(count):
+                words[me * stride + _SLEEPING] = 0
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                words[me * stride + _SLEEPING] = 0
+                self._timeout(op, seq, timeout_s, count)
+            # A wake-up can be missed only through store reordering; 1 ms bounds that case.
+            self._poll.poll(min(1.0, remaining * 1000))
+            try:
+                os.read(self._inbox, 4096)  # drain tokens; the counters are the truth
+            except BlockingIOError:
+                pass
+
+    def _timeout(self, op: str, seq: int, timeout_s: float, count: int) -> None:
+        words, stride = self._words, self._slot_words
+        missing = [self.info.ranks[q] for q in self._peers if words[q * stride + _COUNTER] < count]
+        raise CollectiveTimeout(
+            dist.get_rank(),
+            op,
+            timeout_s,
+            f"collective #{seq} (shm), waiting for ranks {missing}: "
+            f"ranks {missing} have not reached it (never called it?)",
+        )
+
+    # --------------------------------------------------------------------------- checks
+    def _publish(self, words: list[int] | None) -> bytes | None:
+        if words is None:
+            return None
+        mine = struct.pack(f"{_DESC}q", *words)
+        start = self.info.rank * _PAGE
+        self._control.map[start : start + len(mine)] = mine
+        return mine
+
+    def _check(self, mine: bytes | None) -> None:
+        """After the first barrier: every rank's descriptor must equal ours."""
+        if mine is None:
+            return
+        for q in self._peers:
+            theirs = self._control.map[q * _PAGE : q * _PAGE + len(mine)]
+            if theirs != mine:
+                diagnostics.compare(
+                    list(struct.unpack(f"{_DESC}q", mine)),
+                    list(struct.unpack(f"{_DESC}q", theirs)),
+                    dist.get_rank(),
+                    self.info.ranks[q],
+                )
 
     # -------------------------------------------------------------------------- segments
     def _new_segment(self, slot_bytes: int, timeout_s: float) -> _Segment:
         self._generation += 1
         path = f"{self._base}-seg{self._generation}"
         slot_bytes = _round_up(max(slot_bytes, _ALIGN), _PAGE)
+        p = self.info.size
         if self.info.rank == 0:
-            segment = _Segment(path, self.info.size, slot_bytes, create=True)
+            segment = _Segment(path, p, slot_bytes, create=True)
         self.barrier("shm segment", -1, timeout_s)
         if self.info.rank != 0:
-            segment = _Segment(path, self.info.size, slot_bytes, create=False)
+            segment = _Segment(path, p, slot_bytes, create=False)
         self.barrier("shm segment", -1, timeout_s)
         if self.info.rank == 0:
             os.unlink(path)  # every rank has it mapped: the memory lives until the last unmaps
         return segment
 
     def scratch(self, nbytes: int, timeout_s: float) -> _Segment:
-        """The cached copy-in segment, grown (by doubling, the same on every rank) to `nbytes`."""
-        if self._scratch is None or self._scratch.slot_bytes < nbytes:
-            old = 0 if self._scratch is None else self._scratch.slot_bytes
-            self._scratch = None  # unmapped once the last view dies
-            self._scratch = self._new_segment(max(nbytes, 2 * old), timeout_s)
-        return self._scratch
+        """The next of the two copy-in segments, grown (by doubling, alike on every rank)."""
+        self._uses += 1
+        if not self._scratch or self._scratch[0].slot_bytes < nbytes:
+            old = self._scratch[0].slot_bytes if self._scratch else 0
+            size = max(nbytes, 2 * old)
+            self._scratch = []  # the old maps go once their last view dies
+            self._scratch = [self._new_segment(size, timeout_s) for _ in range(2)]
+        return self._scratch[self._uses % 2]
 
     def shared_buffer(self, numel: int, dtype: torch.dtype, timeout_s: float) -> torch.Tensor:
         """A new (numel,) tensor living in this rank's slot of a dedicated segment."""
@@ -148,110 +241,86 @@ class ShmGroup:
                 return segment, offset
         return None
 
-    # --------------------------------------------------------------------------- barrier
-    def barrier(self, op: str, seq: int, timeout_s: float) -> None:
-        """Block until every rank of the group reached the same barrier (named-pipe tokens)."""
-        me = bytes([self.info.rank % 256])
-        for fd in self._outboxes.values():
-            os.write(fd, me)
-        credit = self._credit
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if all(credit[peer] > 0 for peer in self._outboxes):
-                for peer in self._outboxes:
-                    credit[peer] -= 1
-                return
-            try:
-                for token in os.read(self._inbox, 4096):
-                    credit[token] += 1
-                continue
-            except BlockingIOError:
-                pass
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [self.info.ranks[p] for p in self._outboxes if credit[p] == 0]
-                raise CollectiveTimeout(
-                    dist.get_rank(),
-                    op,
-                    timeout_s,
-                    f"collective #{seq} (shm); ranks {missing} have not reached it",
-                )
-            self._poll.poll(max(1, int(remaining * 1000)))
+    def _plan(self, segment: _Segment, offset: int, numel: int, dtype: torch.dtype) -> tuple:
+        """Cached views: every slot as (numel,) and this rank's [lo, hi) slice bounds."""
+        key = (offset, numel, dtype)
+        plan = segment.plans.get(key)
+        if plan is None:
+            p = self.info.size
+            align = max(1, _ALIGN // dtype.itemsize)
+            bounds = [min(numel, _round_up(numel * i // p, align)) for i in range(p)] + [numel]
+            slots = [segment.slot(q, numel, dtype, offset) for q in range(p)]
+            plan = segment.plans[key] = (slots, bounds)
+        return plan
 
-    def check(self, descriptor: torch.Tensor | None) -> None:
-        """Compare every rank's descriptor (written before the first barrier) with ours."""
-        if descriptor is None:
-            return
-        rows = self.descriptors
-        for peer in range(self.info.size):
-            if not torch.equal(rows[peer], descriptor):
-                diagnostics.compare(
-                    descriptor, rows[peer].clone(), dist.get_rank(), self.info.ranks[peer]
-                )
-                raise CollectiveMismatch("shm descriptors differ")  # pragma: no cover
-
-    # --------------------------------------------------------------------------- collectives
+    # ------------------------------------------------------------------------ collectives
     def all_reduce(
-        self, tensor: torch.Tensor, op: str, seq: int, timeout_s: float, descriptor=None
+        self, tensor: torch.Tensor, op: str, seq: int, timeout_s: float, words=None
     ) -> None:
-        """Allreduce `tensor` (any layout) in place through the segment."""
-        p, r, n = self.info.size, self.info.rank, tensor.numel()
+        """Allreduce `tensor` (any layout and dtype) in place through shared memory."""
+        r, n = self.info.rank, tensor.numel()
         found = self.find(tensor)
-        if found is None:  # copy in; the slot keeps the caller's dtype
+        if found is None:
             segment, offset = self.scratch(n * tensor.element_size(), timeout_s), 0
-            segment.slot(r, n, tensor.dtype).view(tensor.shape).copy_(tensor)
         else:
             segment, offset = found
-        if descriptor is not None:
-            descriptor = descriptor.clone()
-            descriptor[7] = offset  # every rank's shared tensor must sit at the same offset
-            self.descriptors[r].copy_(descriptor)
+        slots, bounds = self._plan(segment, offset, n, tensor.dtype)
+        if found is None:
+            slots[r].view(tensor.shape).copy_(tensor)
+        if words is not None:
+            words = list(words)
+            words[7] = offset  # shared tensors: every rank's must sit at the same offset
+        mine = self._publish(words)
         self.barrier("all_reduce", seq, timeout_s)
-        self.check(descriptor)
-        align = max(1, _ALIGN // tensor.element_size())
-        bounds = [min(n, _round_up(n * i // p, align)) for i in range(p + 1)]
-        bounds[-1] = n
+        self._check(mine)
         lo, hi = bounds[r], bounds[r + 1]
         if hi > lo:
-            slices = [segment.slot(q, n, tensor.dtype, offset)[lo:hi] for q in range(p)]
-            self._reduce_slice(slices, r, op)
+            self._reduce_slice([s[lo:hi] for s in slots], op, everywhere=found is not None)
         self.barrier("all_reduce", seq, timeout_s)
         if found is None:
-            tensor.copy_(segment.slot(r, n, tensor.dtype).view(tensor.shape))
+            flat = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(slots[r])
+            for q, part in enumerate(slots):  # slice q's result lives in slot q
+                flat[bounds[q] : bounds[q + 1]].copy_(part[bounds[q] : bounds[q + 1]])
+            if not tensor.is_contiguous():
+                tensor.copy_(flat.view(tensor.shape))
 
-    def _reduce_slice(self, slices: list[torch.Tensor], r: int, op: str) -> None:
-        # slices[q]: rank q's values of this rank's slice; the result goes back into all of them.
+    def _reduce_slice(self, slices: list[torch.Tensor], op: str, everywhere: bool) -> None:
+        # slices[q]: rank q's values of this rank's slice. The result goes into our own slot
+        # (and, `everywhere`, into every slot). Each element is reduced by exactly one rank, so
+        # every rank ends with the same bits whatever the order.
+        r, p = self.info.rank, len(slices)
+        step = max(1, _BLOCK // slices[0].element_size()) if everywhere else slices[0].numel()
         acc_dtype = accumulate_dtype(slices[0].dtype)
-        if acc_dtype == slices[0].dtype:
-            acc = slices[r]  # reduce straight into our own slot, no temporary
-        else:
-            acc = slices[r].to(acc_dtype)
-        # Each element is reduced by exactly one rank, so every rank ends with the same bits
-        # whatever the order; reducing into our own slot saves a temporary.
-        order = [q for q in range(len(slices)) if q != r]
-        for q in order:
-            other = slices[q] if slices[q].dtype == acc_dtype else slices[q].to(acc_dtype)
-            combine(acc, other, op)
-        finish_mean(acc, op, len(slices))
-        for part in slices:
-            if part.data_ptr() != acc.data_ptr():
-                part.copy_(acc)
+        for start in range(0, slices[0].numel(), step):
+            block = [s[start : start + step] for s in slices]
+            acc = block[r] if block[r].dtype == acc_dtype else block[r].to(acc_dtype)
+            for q in range(p):
+                if q != r:
+                    other = block[q] if block[q].dtype == acc_dtype else block[q].to(acc_dtype)
+                    combine(acc, other, op)
+            finish_mean(acc, op, p)
+            if acc.data_ptr() != block[r].data_ptr():
+                block[r].copy_(acc)
+            if everywhere:
+                for q in range(p):
+                    if q != r:
+                        block[q].copy_(block[r])
 
     def broadcast(
-        self, tensor: torch.Tensor, src: int, seq: int, timeout_s: float, descriptor=None
+        self, tensor: torch.Tensor, src: int, seq: int, timeout_s: float, words=None
     ) -> None:
         """Broadcast group rank `src`'s `tensor` through src's slot (2 barriers)."""
         r, n = self.info.rank, tensor.numel()
         segment = self.scratch(n * tensor.element_size(), timeout_s)
+        source = segment.slot(src, n, tensor.dtype).view(tensor.shape)
         if r == src:
-            segment.slot(r, n, tensor.dtype).view(tensor.shape).copy_(tensor)
-        if descriptor is not None:
-            self.descriptors[r].copy_(descriptor)
+            source.copy_(tensor)
+        mine = self._publish(words)
         self.barrier("broadcast", seq, timeout_s)
-        self.check(descriptor)
+        self._check(mine)
         if r != src:
-            tensor.copy_(segment.slot(src, n, tensor.dtype).view(tensor.shape))
-        self.barrier("broadcast", seq, timeout_s)  # src may overwrite its slot only after this
+            tensor.copy_(source)
+        self.barrier("broadcast", seq, timeout_s)  # the descriptors may be rewritten after this
 
 
 _groups: dict[str, ShmGroup] = {}

@@ -224,10 +224,18 @@ class Pipeline:
         for p in self.module.parameters():
             if p.grad is None:
                 continue
-            if id(p) in self._tied_ids and self._tied_owner(p) != self.stage_index:
+            if not self.counts_in_norm(p):
                 continue
             total += p.grad.detach().double().pow(2).sum()
         return total
+
+    def full_key(self, stage_key: str) -> str:
+        """The full model's key of this stage's state-dict key `stage_key`."""
+        return self._stage.full_key(stage_key)
+
+    def counts_in_norm(self, param: nn.Parameter) -> bool:
+        """False for a tied parameter on a stage that is not its first holder (count it once)."""
+        return id(param) not in self._tied_ids or self._tied_owner(param) == self.stage_index
 
     def _tied_owner(self, param: nn.Parameter) -> int:
         return next(stages[0] for p, stages in self._tied if p is param)
@@ -245,11 +253,16 @@ class Pipeline:
                     p.grad.mul_(scale)
         return norm
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict (the `nn.Sequential`'s keys) on every rank; collective."""
-        local = {
-            self._stage.full_key(k): v.detach().cpu() for k, v in self.module.state_dict().items()
-        }
+    def full_state_dict(
+        self, *, stage_state: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The whole model's state dict (the `nn.Sequential`'s keys) on every rank; collective.
+
+        `stage_state` replaces this stage's `module.state_dict()` (e.g. its tensor-parallel
+        shards already gathered into dense tensors).
+        """
+        stage_state = self.module.state_dict() if stage_state is None else stage_state
+        local = {self._stage.full_key(k): v.detach().cpu() for k, v in stage_state.items()}
         if self.num_stages == 1:
             return local
         parts: list[Any] = [None] * self.num_stages
