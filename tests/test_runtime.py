@@ -131,3 +131,17 @@ def test_init_under_tessera_run_matches_the_launcher(tmp_path):
     )
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert reports == [[r, 2, r, "gloo", 1.0] for r in range(2)]
+
+
+def test_fork_start_method_runs_functions_defined_anywhere(run_ranks):
+    scale = 3.0
+
+    def local_function() -> float:  # not importable by name: only fork can run it
+        ctx = tessera.init()
+        value = torch.tensor([ctx.rank * scale])
+        dist.all_reduce(value)
+        return value.item()
+
+    assert tessera.launch(local_function, 2, start_method="fork", timeout_s=60) == [3.0, 3.0]
+    with pytest.raises(ValueError, match="start_method must be"):
+        tessera.launch(local_function, 2, start_method="thread")

@@ -44,7 +44,7 @@ from tessera.errors import CollectiveTimeout
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
 
-SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 200)) * 1e-6
+SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 0)) * 1e-6
 """How long a barrier spins before sleeping, when the group has no more ranks than cores."""
 
 _PAGE = 4096

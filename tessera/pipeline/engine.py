@@ -9,9 +9,9 @@ DDP; torch DDP cannot wrap a stage whose backward is driven micro-batch by micro
 Data: the loop hands each rank a 1/world shard of the global batch; the engine all-gathers the
 shards (token ids: a few KB) and gives dp replica d rows `[d B/dp, (d+1) B/dp)`, so the step
 equals one process on the global batch. `pipeline` is the mesh `pp = world`, `tensor` is
-`tp = world`; `hybrid` reads the degrees from TESSERA_DP / TESSERA_TP / TESSERA_PP (the trainer's
-`--dp/--tp/--pp` flags should set them), micro-batches from TESSERA_MICROBATCHES (default 4) and
-the schedule from TESSERA_SCHEDULE (default 1f1b).
+`tp = world`; `hybrid` reads the degrees from the run config's `dp`, `tp`, `pp` fields when it has
+them, else from TESSERA_DP / TESSERA_TP / TESSERA_PP; likewise `microbatches` (TESSERA_MICROBATCHES,
+default 4) and `schedule` (TESSERA_SCHEDULE, default 1f1b).
 
 Checkpoints: `state_dict()` (collective) returns the dense GPT state and every rank's optimizer
 state as a list indexed by global rank; `load_state_dict` slices the dense state back into this
@@ -41,8 +41,12 @@ from tessera.train.strategy import Engine, LossFn, OptimizerFactory, register_st
 __all__ = ["HybridEngine"]
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+def _option(config: Any, name: str, env: str, default: Any) -> Any:
+    """A knob from the run config if it has the field, else the environment, else `default`."""
+    value = getattr(config, name, None)
+    if value is not None:
+        return value
+    return type(default)(os.environ.get(env, default))
 
 
 class HybridEngine(Engine):
@@ -53,6 +57,7 @@ class HybridEngine(Engine):
         module: nn.Module,
         make_optimizer: OptimizerFactory,
         ctx: Context,
+        config: Any = None,
         *,
         dp: int = 1,
         tp: int = 1,
@@ -64,7 +69,7 @@ class HybridEngine(Engine):
             raise ValueError(f"model-parallel strategies need the GPT, not {type(module).__name__}")
         if dp * tp * pp != ctx.world_size:
             raise ValueError(f"dp {dp} x tp {tp} x pp {pp} != world size {ctx.world_size}")
-        self.module, self.ctx, self.comm_seconds = module, ctx, 0.0
+        self.module, self.ctx, self.config, self.comm_seconds = module, ctx, config, 0.0
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
         if tp > 1:
@@ -176,27 +181,36 @@ def _all_gather_rows(tensor: torch.Tensor, world: int) -> torch.Tensor:
 
 
 @register_strategy("pipeline")
-def pipeline_strategy(module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> Engine:
-    """Every rank one pipeline stage of the GPT (TESSERA_MICROBATCHES, TESSERA_SCHEDULE)."""
-    return HybridEngine(module, make_optimizer, ctx, pp=ctx.world_size, **_pipeline_options())
+def pipeline_strategy(
+    module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
+) -> Engine:
+    """Every rank one pipeline stage of the GPT."""
+    return HybridEngine(
+        module, make_optimizer, ctx, config, pp=ctx.world_size, **_pipeline_options(config)
+    )
 
 
 @register_strategy("tensor")
-def tensor_strategy(module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> Engine:
+def tensor_strategy(
+    module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
+) -> Engine:
     """Every block's attention heads and MLP split over all ranks (Megatron-LM)."""
-    return HybridEngine(module, make_optimizer, ctx, tp=ctx.world_size, num_microbatches=1)
+    return HybridEngine(module, make_optimizer, ctx, config, tp=ctx.world_size, num_microbatches=1)
 
 
 @register_strategy("hybrid")
-def hybrid_strategy(module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context) -> Engine:
-    """dp x tp x pp from TESSERA_DP / TESSERA_TP / TESSERA_PP (pp defaults to what is left)."""
-    dp, tp = _env_int("TESSERA_DP", 1), _env_int("TESSERA_TP", 1)
-    pp = _env_int("TESSERA_PP", max(1, ctx.world_size // (dp * tp)))
-    return HybridEngine(module, make_optimizer, ctx, dp=dp, tp=tp, pp=pp, **_pipeline_options())
+def hybrid_strategy(
+    module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
+) -> Engine:
+    """dp x tp x pp from the config or TESSERA_DP / _TP / _PP (pp defaults to what is left)."""
+    dp, tp = _option(config, "dp", "TESSERA_DP", 1), _option(config, "tp", "TESSERA_TP", 1)
+    pp = _option(config, "pp", "TESSERA_PP", max(1, ctx.world_size // (dp * tp)))
+    options = _pipeline_options(config)
+    return HybridEngine(module, make_optimizer, ctx, config, dp=dp, tp=tp, pp=pp, **options)
 
 
-def _pipeline_options() -> dict[str, Any]:
+def _pipeline_options(config: Any) -> dict[str, Any]:
     return {
-        "num_microbatches": _env_int("TESSERA_MICROBATCHES", 4),
-        "schedule": os.environ.get("TESSERA_SCHEDULE", "1f1b"),
+        "num_microbatches": _option(config, "microbatches", "TESSERA_MICROBATCHES", 4),
+        "schedule": _option(config, "schedule", "TESSERA_SCHEDULE", "1f1b"),
     }

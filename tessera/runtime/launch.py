@@ -94,10 +94,14 @@ def launch(
     *args: Any,
     timeout_s: float | None = 300.0,
     env: dict[str, str] | None = None,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run `fn(*args)` on `nproc` local ranks and return their return values, in rank order.
 
-    `fn` must be importable by name (a module-level function), since each rank is a new process.
+    With the default `start_method="spawn"`, each rank is a new interpreter, so `fn` must be
+    importable by name (a module-level function of a module or of a script with an
+    `if __name__ == "__main__":` guard). In a notebook, where functions are not importable, pass
+    `start_method="fork"` (Linux, macOS): ranks then inherit `fn` from this process.
     `env` adds environment variables to every rank. Raises `RankFailedError` for the first rank
     that raised (its traceback included) and `LaunchTimeout` past `timeout_s` seconds (`None`: no
     deadline for the whole run; blocking waits inside it still time out by the group's timeout).
@@ -106,7 +110,9 @@ def launch(
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    context = mp.get_context("spawn")
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
+    context = mp.get_context(start_method)
     results: mp.Queue = context.Queue()
     store_dir = tempfile.mkdtemp(prefix="tessera-launch-")
     init_file = os.path.join(store_dir, "store")
