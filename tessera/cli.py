@@ -116,6 +116,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    """`tessera checkpoint consolidate RUN_DIR OUT`: ZeRO shards -> one safetensors file."""
+    from tessera.zero import consolidate
+
+    out = consolidate(args.run_dir, args.out)
+    print(f"wrote {out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from tessera.train.config import TrainConfig
 
@@ -153,6 +162,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)
+
+    checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    merge = actions.add_parser(
+        "consolidate",
+        help="merge a ZeRO run's sharded checkpoint into one plain safetensors state dict",
+        description="Stream the rank shards of RUN_DIR (a zero1/zero2/zero3 run) into OUT, a "
+        "safetensors file that torch and safetensors load without tessera.",
+    )
+    merge.add_argument("run_dir", metavar="RUN_DIR", help="run folder (or folder of shard files)")
+    merge.add_argument("out", metavar="OUT.safetensors", help="file to write")
+    merge.set_defaults(handler=_checkpoint)
     return parser
 
 

@@ -10,8 +10,10 @@ with torch's all_gather, computed in float64) and with torch's own all_reduce.
 
 from __future__ import annotations
 
+import glob
 import random
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 import tessera
 from tessera import comm
+from tessera.comm._p2p import group_info
+from tessera.comm.shm import shm_group
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
@@ -223,7 +227,19 @@ def _rank_shared_buffer() -> list:
             results.append((dtype, op, a.clone(), b.clone()))
     big = torch.ones(3000, dtype=torch.float32) * ctx.rank  # grows the scratch segment
     comm.all_reduce(big, algorithm="shm")
-    results.append(("big", big[0].item()))
+    # every file was unlinked once all ranks had it mapped: nothing is left in /dev/shm
+    base = shm_group(group_info(None))._base
+    assert glob.glob(base + "*") == [], glob.glob(base + "*")
+    # ranks that look like they are on different hosts: shm falls back to the ring
+    with mock.patch("tessera.comm.shm.socket.gethostname", return_value=f"host{ctx.rank}"):
+        apart = dist.new_group(list(range(ctx.world_size)))
+        x = torch.full((5,), float(ctx.rank))
+        comm.all_reduce(x, algorithm="shm", group=apart)
+        assert not shm_group(group_info(apart)).same_host
+        assert comm.history()[-1].algorithm == "shm"
+        plain = comm.shared_buffer(4, group=apart)
+        assert plain.shape == (4,) and torch.all(plain == 0)
+    results.append(("big", big[0].item(), x[0].item()))
     return results
 
 
@@ -242,7 +258,7 @@ def test_shared_buffer_all_reduce():
                 want_b = float(int(want_b))
             torch.testing.assert_close(a.double(), want_a, rtol=1e-2, atol=0, msg=f"{dtype} {op}")
             assert torch.all(b.double() == want_b), (dtype, op, b[:3])
-        assert rank_results[-1] == ("big", float(sum(range(world))))
+        assert rank_results[-1] == ("big", float(sum(range(world))), float(sum(range(world))))
 
 
 # ---------------------------------------------------------------------- timeouts, mismatches
@@ -250,7 +266,7 @@ def _rank_absent() -> str:
     ctx = tessera.init()
     comm.all_reduce(torch.ones(8), algorithm="shm")  # the shm group exists on every rank
     if ctx.rank == 2:
-        time.sleep(8)  # never joins the next collectives; stays alive past the others' timeout
+        time.sleep(5)  # never joins the next collectives; stays alive past the others' timeout
         return ""
     messages = []
     for algorithm in ("shm", "ring"):
@@ -313,6 +329,7 @@ def _rank_mismatch() -> list[str]:
             messages.append(f"{name}: no error")
         except CollectiveMismatch as exc:
             messages.append(f"{name}: {exc}")
+    dist.barrier()  # no rank exits while the other still waits for a descriptor
     return messages
 
 
@@ -328,18 +345,30 @@ def test_mismatch_is_reported():
         assert "broadcast" in rank_messages[4] and "all_reduce" in rank_messages[4]
 
 
-def _rank_history() -> list:
+def _rank_history_and_calibration() -> tuple:
     tessera.init()
     comm.all_reduce(torch.ones(3), algorithm="ring")
     comm.broadcast(torch.ones(2), 0)
-    return [(r.seq, r.kind, r.algorithm, r.shape, r.call_site) for r in comm.history()[-2:]]
+    records = [(r.seq, r.kind, r.algorithm, r.shape, r.call_site) for r in comm.history()[-2:]]
+    params = comm.calibrate(repeats=3)
+    chosen = []
+    for numel in (1, 1000, 1 << 20):
+        x = torch.ones(numel)
+        comm.all_reduce(x)  # auto, with the calibrated parameters
+        assert torch.all(x == 2)
+        chosen.append(comm.history()[-1].algorithm)
+    return records, params, chosen
 
 
-def test_history_records_calls():
-    for records in tessera.launch(_rank_history, 2, timeout_s=60):
+def test_history_records_calls_and_calibration_is_shared():
+    results = tessera.launch(_rank_history_and_calibration, 2, timeout_s=60)
+    for records, params, chosen in results:
         (seq1, kind1, algo1, shape1, site1), (seq2, kind2, *_rest) = records
         assert (kind1, algo1, shape1, kind2) == ("all_reduce", "ring", (3,), "broadcast")
         assert seq2 == seq1 + 1 and site1.startswith("test_comm.py:")
+        assert params == results[0][1]  # rank 0's numbers on every rank
+        assert all(getattr(params, k) > 0 for k in ("alpha", "beta", "gamma", "mu", "sigma"))
+        assert chosen == results[0][2] and set(chosen) <= set(comm.ALGORITHMS)
 
 
 def test_bad_arguments_raise_before_any_message():

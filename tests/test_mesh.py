@@ -1,4 +1,4 @@
-"""Mesh axes, and the GPT trained on dp x tp x pp meshes equal to one process."""
+"""Mesh axes, 4-stage pipelines, and the GPT on dp x tp x pp meshes equal to one process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_pipeline import _check_mlp  # tests/ is on sys.path under pytest
 
 import tessera
 from tessera.mesh import Mesh
@@ -67,6 +68,9 @@ def _check_mesh(ctx):
 def hybrid_worker(degrees):
     ctx = tessera.init()
     _check_mesh(ctx)
+    for name in ("naive", "gpipe", "1f1b"):  # every schedule on 4 stages too (same spawn)
+        for m in (4, 6):
+            _check_mlp(name, m, batch=7)
     torch.manual_seed(0)
     base = GPT(CONFIG)
     batches = _batches()

@@ -1,4 +1,5 @@
-"""Pipelines: schedules as data (no processes), and every schedule equal to one process."""
+"""Pipelines: schedules as data (no processes), every schedule and the RNN wavefront equal to
+one process."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tessera.pipeline import (
     measured_idle_fraction,
     schedule,
     simulate,
+    wavefront,
 )
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
 from tessera.pipeline.partition import balance_by_cost, check_balance
@@ -156,8 +158,45 @@ def _check_gpt(name: str, num_microbatches: int) -> None:
         torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
+def _check_wavefront(world_size: int) -> None:
+    for rnn_type in (nn.LSTM, nn.GRU):
+        torch.manual_seed(0)
+        rnn = rnn_type(5, 7, num_layers=world_size, batch_first=True)
+        reference = copy.deepcopy(rnn)
+        split = wavefront(rnn)
+        x = torch.randn(3, 6, 5, requires_grad=True)  # (B, T, I), the same on every rank
+        x_ref = x.detach().clone().requires_grad_()
+        out, state = split(x)
+        ref_out, ref_state = reference(x_ref)
+        out.square().sum().backward()
+        ref_out.square().sum().backward()
+        # cell-by-cell vs cuDNN-style fused layers: float32 rounding only
+        tol = {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(out, ref_out, **tol)
+        torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+        finals = state if rnn_type is nn.LSTM else (state,)
+        ref_finals = ref_state if rnn_type is nn.LSTM else (ref_state,)
+        for got, want in zip(finals, ref_finals):
+            torch.testing.assert_close(got, want, **tol)
+        layer = split.layer
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            got = getattr(rnn, f"{name}_l{layer}").grad  # the user's own parameter got it
+            torch.testing.assert_close(got, getattr(reference, f"{name}_l{layer}").grad, **tol)
+        events = split.gather_timeline()  # LSTM/GRU steps: layer k step t waits for k-1 step t
+        end = {(e.stage, e.kind, e.microbatch): e.end for e in events}
+        assert len(events) == 2 * 6 * world_size  # forward and backward of 6 steps per layer
+        for e in events:
+            if e.kind == "F" and e.stage > 0:
+                assert e.start >= end[(e.stage - 1, "F", e.microbatch)]
+            if e.kind == "B" and e.stage < world_size - 1:
+                assert e.start >= end[(e.stage + 1, "B", e.microbatch)]
+    with pytest.raises(ValueError, match="layers need"):
+        wavefront(nn.LSTM(4, 4, num_layers=world_size + 1))
+
+
 def pipeline_worker(out_dir: str) -> list:
     ctx = tessera.init()
+    _check_wavefront(ctx.world_size)
     idle = []
     for name in ("naive", "gpipe", "1f1b"):
         for m in (1, 3, 4):

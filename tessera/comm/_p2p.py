@@ -10,6 +10,7 @@ buffer posted for it, so a shape mismatch must be caught before any data moves.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm import diagnostics
+from tessera.errors import CollectiveMismatch
 
 __all__ = ["Comm", "GroupInfo", "group_info"]
 
@@ -56,7 +58,10 @@ def group_info(group: dist.ProcessGroup | None) -> GroupInfo:
         rank = dist.get_rank(g)
         if rank < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the group {ranks}")
-        info = GroupInfo(group, rank, len(ranks), ranks, "-".join(map(str, ranks)))
+        # Two groups may hold the same ranks: the group's name (the same on every rank) tells
+        # them apart in the caches, sequence numbers and store keys.
+        name = getattr(g, "group_name", "") or str(id(g))
+        info = GroupInfo(group, rank, len(ranks), ranks, f"{name}:" + "-".join(map(str, ranks)))
         _infos[cache_key] = info
     return info
 
@@ -110,9 +115,19 @@ class Comm:
         self._check = None
         left = (self.rank - 1) % self.size
         self._wait(work, left)
-        diagnostics.compare(
-            self._descriptor.tolist(), theirs.tolist(), dist.get_rank(), self.info.global_rank(left)
-        )
+        try:
+            diagnostics.compare(
+                self._descriptor.tolist(),
+                theirs.tolist(),
+                dist.get_rank(),
+                self.info.global_rank(left),
+            )
+        except CollectiveMismatch:
+            # Let our own descriptor reach the right neighbour first, so that it raises the
+            # mismatch too instead of finding a closed connection if this process exits.
+            with contextlib.suppress(RuntimeError):
+                self._pending[0].wait(datetime.timedelta(seconds=1))
+            raise
 
     # ---------------------------------------------------------------------------- messages
     def isend(self, tensor: torch.Tensor, peer: int) -> dist.Work | None:

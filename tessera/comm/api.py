@@ -8,7 +8,6 @@ the algorithm ("auto": the cost model's fastest), and records the call for diagn
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 import torch
@@ -332,27 +331,3 @@ def shared_buffer(
     if info.size == 1 or not _same_host(info):
         return torch.zeros(numel, dtype=dtype)
     return shm_group(info).shared_buffer(numel, dtype, _timeout(None))
-
-
-# ------------------------------------------------------------------- calibration helpers
-def _ping_pong(tensor: torch.Tensor, info: GroupInfo) -> None:
-    """One round trip of `tensor` between group ranks 0 and 1 (others: nothing)."""
-    comm = Comm(info, 0, "ping_pong", _timeout(None))
-    if info.rank == 0:
-        comm.send(tensor, 1)
-        comm.recv(tensor, 1)
-    elif info.rank == 1:
-        comm.recv(tensor, 0)
-        comm.send(tensor, 0)
-    comm.finish()
-
-
-def _shm_barrier_time(info: GroupInfo, repeats: int) -> float | None:
-    group_shm = shm_group(info)
-    if not group_shm.same_host:
-        return None
-    count = 10 * repeats
-    start = time.perf_counter()
-    for _ in range(count):
-        group_shm.barrier("calibrate", 0, _timeout(None))
-    return (time.perf_counter() - start) / count

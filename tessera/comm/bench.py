@@ -2,7 +2,7 @@
 
 For each world size (2 and 4 local ranks) and message size, every algorithm runs in turn
 (A B C … A B C …, `repeats` rounds, after one warm-up), each sample timing enough back-to-back
-calls to last ~20 ms; a sample's time is the slowest rank's. Reported: the median time, algbw =
+calls to last ~50 ms; a sample's time is the slowest rank's. Reported: the median time, algbw =
 S/t and busbw = algbw·2(p-1)/p (nccl-tests' definitions, S bytes per rank), the ratio of busbw to
 `native` (torch.distributed.all_reduce on gloo), the cost model's prediction after `calibrate`,
 and the machine's memory-bandwidth limit (a 64 MB `copy_` on every rank at once) with shm's busbw
@@ -38,7 +38,7 @@ VARIANTS = (
     "shm_shared",  # shm on a tensor from shared_buffer: no copy in or out
     "auto",
 )
-_SAMPLE_S = 0.02
+_SAMPLE_S = 0.05
 
 
 def _label(nbytes: int) -> str:
@@ -81,6 +81,8 @@ def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
         def call(variant: str, plain=plain, shared=shared) -> None:
             if variant == "shm_shared":
                 comm.all_reduce(shared, algorithm="shm")
+            elif variant == "native":  # the anchor: torch.distributed itself, no tessera layer
+                dist.all_reduce(plain)
             else:
                 comm.all_reduce(plain, algorithm=variant)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,9 @@ def params_for(key: str) -> CostParams:
     return _calibrated.get(key, DEFAULT_PARAMS)
 
 
-def _median_time(fn, repeats: int) -> float:
+def _typical_time(fn, repeats: int) -> float:
+    # The median of back-to-back calls: what a collective costs in use on this machine,
+    # scheduling and Python overhead included (a quiet best case was 3-10x too optimistic).
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -124,13 +126,16 @@ def _median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def calibrate(group: dist.ProcessGroup | None = None, *, repeats: int = 9) -> CostParams:
-    """Measure α, β, γ, μ, σ and α_native on the live group; cache and return them.
+def calibrate(group: dist.ProcessGroup | None = None, *, repeats: int = 15) -> CostParams:
+    """Fit α, β, γ, μ, σ and α_native on the live group; cache and return them.
 
-    Collective: every rank of `group` must call it. α and β come from a ping-pong between group
-    ranks 0 and 1 through tessera's own message path (small and 4 MB messages), γ and μ from a
-    local `add_` and `copy_` of 16 MB, σ from shm barriers, α_native from gloo's allreduce of one
-    element. Rank 0's numbers are broadcast, so every rank makes the same choices.
+    Collective: every rank of `group` must call it. Each parameter comes from the median of
+    `repeats` runs of the operation it describes: α from tessera's binomial-tree allreduce of
+    one element (2⌈lg p⌉ messages), α_native from gloo's allreduce of one element, β from
+    gloo's allreduce of 4 MB (every rank sending at once; at least 2μ, as a message is copied at
+    least twice), γ and μ from a local `add_` and `copy_` of 16 MB, σ from tessera's shm
+    allreduce of one element (two barriers). Rank 0's numbers are broadcast, so every rank
+    makes the same choices.
     """
     from tessera.comm import api  # late: api imports this module
     from tessera.comm._p2p import group_info
@@ -138,33 +143,26 @@ def calibrate(group: dist.ProcessGroup | None = None, *, repeats: int = 9) -> Co
     info = group_info(group)
     big = torch.ones(4 << 20)  # 16 MB
     other = torch.ones(4 << 20)
-    gamma = _median_time(lambda: big.add_(other), repeats) / big.nbytes
-    mu = _median_time(lambda: big.copy_(other), repeats) / big.nbytes
-    values = [
-        DEFAULT_PARAMS.alpha,
-        DEFAULT_PARAMS.beta,
-        gamma,
-        mu,
-        DEFAULT_PARAMS.sigma,
-        DEFAULT_PARAMS.alpha_native,
-    ]
+    gamma = _typical_time(lambda: big.add_(other), repeats) / big.nbytes
+    mu = _typical_time(lambda: big.copy_(other), repeats) / big.nbytes
+    values = dict(asdict(DEFAULT_PARAMS), gamma=gamma, mu=mu)
     if info.size > 1:
-        small, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
-        t_small = _median_time(lambda: api._ping_pong(small, info), repeats) / 2
-        t_large = _median_time(lambda: api._ping_pong(large, info), max(3, repeats // 3)) / 2
-        values[0] = t_small
-        values[1] = max(1e-12, (t_large - t_small) / large.nbytes)
-        one = torch.zeros(1)
-        t_native = _median_time(lambda: dist.all_reduce(one, group=group), repeats)
-        values[5] = t_native / (2 * (info.size - 1))
-        sigma = api._shm_barrier_time(info, repeats)
-        if sigma is not None:
-            values[4] = sigma
-    shared = torch.tensor(values, dtype=torch.float64)
+        p = info.size
+        one, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
+        tree = _typical_time(lambda: api.all_reduce(one, algorithm="tree", group=group), repeats)
+        values["alpha"] = tree / (2 * math.ceil(math.log2(p)))
+        t_small = _typical_time(lambda: dist.all_reduce(one, group=group), repeats)
+        values["alpha_native"] = t_small / (2 * (p - 1))
+        t_large = _typical_time(lambda: dist.all_reduce(large, group=group), max(3, repeats // 3))
+        moved = 2 * large.nbytes * (p - 1) / p
+        reduced = large.nbytes * (p - 1) / p * gamma
+        values["beta"] = max(2 * mu, (t_large - t_small - reduced) / moved)
+        if api._same_host(info):
+            shm = _typical_time(lambda: api.all_reduce(one, algorithm="shm", group=group), repeats)
+            values["sigma"] = shm / 2
+    names = ("alpha", "beta", "gamma", "mu", "sigma", "alpha_native")
+    shared = torch.tensor([float(values[k]) for k in names], dtype=torch.float64)
     dist.broadcast(shared, info.global_rank(0), group=group)
-    params = replace(
-        DEFAULT_PARAMS,
-        **dict(zip(("alpha", "beta", "gamma", "mu", "sigma", "alpha_native"), shared.tolist())),
-    )
+    params = replace(DEFAULT_PARAMS, **dict(zip(names, shared.tolist())))
     _calibrated[info.key] = params
     return params

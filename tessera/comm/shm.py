@@ -15,17 +15,20 @@ outnumber cores (`tessera.comm.cost`).
 Why it is fast: no socket copies, no allocation per call (segments are cached per group and
 grow by doubling; the copy-in segment is double-buffered, so step 5 needs no third barrier: a
 rank cannot refill a buffer before every rank passed the next collective's first barrier), and
-the barrier is a counter per rank in a shared control page. A waiting rank spins on the
-counters for up to `SPIN_S` when the group fits on the cores (spinning then costs nobody a
-core), then sleeps in poll() on a named pipe that the last arriving rank writes to: a kernel
-wakeup instead of a gloo barrier (hundreds of µs here) or a spin that would steal one of the 2
-cores from the rank doing the work. Files are unlinked as soon as every rank has them mapped,
+the barrier is a counter per rank in a shared control page. A waiting rank sleeps in poll() on
+a named pipe that the arriving rank writes one byte to: a kernel wakeup (~50 µs on this VM)
+instead of a gloo barrier (~500 µs), without burning a core. Spinning on the counters first
+(`SPIN_S`, TESSERA_SHM_SPIN_US) was measured on this 2-vCPU VM: no faster in collectives (and
+slower for spins over ~50 µs), so it is off by default; sleeping with timed naps instead of the
+pipe was no faster either. Files are unlinked as soon as every rank has them mapped,
 so nothing is left in /dev/shm even when a rank is killed. Ranks on different hosts (hostnames
 compared once per group) fall back to the ring.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import mmap
 import os
 import select
@@ -45,7 +48,8 @@ from tessera.errors import CollectiveTimeout
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
 
 SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 0)) * 1e-6
-"""How long a barrier spins before sleeping, when the group has no more ranks than cores."""
+"""How long a barrier spins before sleeping (only when the group has no more ranks than cores);
+0 by default: see the module docstring."""
 
 _PAGE = 4096
 _ALIGN = 64  # slice boundaries on cache lines, so two ranks never write the same line
@@ -53,6 +57,22 @@ _BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back
 _COUNTER = 64  # int64 word of a rank's control slot holding its barrier count
 _SLEEPING = 80  # int64 word: 1 while the rank sleeps in poll() and wants a wake-up token
 _DESC = diagnostics.DESCRIPTOR_LEN
+
+
+_unlink_at_exit: set[str] = set()  # files created here and not yet unlinked (a rank died early)
+
+
+@atexit.register
+def _cleanup() -> None:
+    for path in list(_unlink_at_exit):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    _unlink_at_exit.discard(path)
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -65,6 +85,8 @@ class _Segment:
     def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
         self.slot_bytes = slot_bytes
         size = slots * slot_bytes
+        if create:
+            _unlink_at_exit.add(path)
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -103,6 +125,7 @@ class ShmGroup:
             return
         self._base = f"/dev/shm/tessera-{hosts[0][1]}"  # chosen by group rank 0, known to all
         mine = f"{self._base}-pipe{r}"
+        _unlink_at_exit.add(mine)
         os.mkfifo(mine, 0o600)
         # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
         self._inbox = os.open(mine, os.O_RDWR | os.O_NONBLOCK)
@@ -117,9 +140,9 @@ class ShmGroup:
             for q in range(p)
         ]
         dist.barrier(group=info.group)
-        os.unlink(mine)
+        _unlink(mine)
         if r == 0:
-            os.unlink(control)
+            _unlink(control)
         self._words = memoryview(self._control.map).cast("q")  # int64 words of the control page
         self._slot_words = _PAGE // 8
         self._peers = [q for q in range(p) if q != r]
@@ -128,8 +151,7 @@ class ShmGroup:
         self._spin = p <= (os.cpu_count() or 1)
         self._count = 0  # barriers passed: the same on every rank
         self._generation = 0
-        self._scratch: list[_Segment] = []
-        self._uses = 0  # copy-in collectives so far: picks the scratch buffer (double buffering)
+        self._scratch: _Segment | None = None
         self._shared: list[_Segment] = []
 
     # --------------------------------------------------------------------------- barrier
@@ -214,18 +236,16 @@ class ShmGroup:
             segment = _Segment(path, p, slot_bytes, create=False)
         self.barrier("shm segment", -1, timeout_s)
         if self.info.rank == 0:
-            os.unlink(path)  # every rank has it mapped: the memory lives until the last unmaps
+            _unlink(path)  # every rank has it mapped: the memory lives until the last unmaps
         return segment
 
     def scratch(self, nbytes: int, timeout_s: float) -> _Segment:
-        """The next of the two copy-in segments, grown (by doubling, alike on every rank)."""
-        self._uses += 1
-        if not self._scratch or self._scratch[0].slot_bytes < nbytes:
-            old = self._scratch[0].slot_bytes if self._scratch else 0
-            size = max(nbytes, 2 * old)
-            self._scratch = []  # the old maps go once their last view dies
-            self._scratch = [self._new_segment(size, timeout_s) for _ in range(2)]
-        return self._scratch[self._uses % 2]
+        """The copy-in segment, grown (by doubling, alike on every rank) to `nbytes` per slot."""
+        if self._scratch is None or self._scratch.slot_bytes < nbytes:
+            old = self._scratch.slot_bytes if self._scratch is not None else 0
+            self._scratch = None  # the old map goes once its last view dies
+            self._scratch = self._new_segment(max(nbytes, 2 * old), timeout_s)
+        return self._scratch
 
     def shared_buffer(self, numel: int, dtype: torch.dtype, timeout_s: float) -> torch.Tensor:
         """A new (numel,) tensor living in this rank's slot of a dedicated segment."""
@@ -275,21 +295,17 @@ class ShmGroup:
         self._check(mine)
         lo, hi = bounds[r], bounds[r + 1]
         if hi > lo:
-            self._reduce_slice([s[lo:hi] for s in slots], op, everywhere=found is not None)
+            self._reduce_slice([s[lo:hi] for s in slots], op)
         self.barrier("all_reduce", seq, timeout_s)
         if found is None:
-            flat = tensor.view(-1) if tensor.is_contiguous() else torch.empty_like(slots[r])
-            for q, part in enumerate(slots):  # slice q's result lives in slot q
-                flat[bounds[q] : bounds[q + 1]].copy_(part[bounds[q] : bounds[q + 1]])
-            if not tensor.is_contiguous():
-                tensor.copy_(flat.view(tensor.shape))
+            tensor.copy_(slots[r].view(tensor.shape))
 
-    def _reduce_slice(self, slices: list[torch.Tensor], op: str, everywhere: bool) -> None:
-        # slices[q]: rank q's values of this rank's slice. The result goes into our own slot
-        # (and, `everywhere`, into every slot). Each element is reduced by exactly one rank, so
-        # every rank ends with the same bits whatever the order.
+    def _reduce_slice(self, slices: list[torch.Tensor], op: str) -> None:
+        # slices[q]: rank q's values of this rank's slice; the result goes into every slot, block
+        # by block so that the write-back reads from cache. Each element is reduced by exactly
+        # one rank, so every rank ends with the same bits whatever the order.
         r, p = self.info.rank, len(slices)
-        step = max(1, _BLOCK // slices[0].element_size()) if everywhere else slices[0].numel()
+        step = max(1, _BLOCK // slices[0].element_size())
         acc_dtype = accumulate_dtype(slices[0].dtype)
         for start in range(0, slices[0].numel(), step):
             block = [s[start : start + step] for s in slices]
@@ -301,10 +317,9 @@ class ShmGroup:
             finish_mean(acc, op, p)
             if acc.data_ptr() != block[r].data_ptr():
                 block[r].copy_(acc)
-            if everywhere:
-                for q in range(p):
-                    if q != r:
-                        block[q].copy_(block[r])
+            for q in range(p):
+                if q != r:
+                    block[q].copy_(block[r])
 
     def broadcast(
         self, tensor: torch.Tensor, src: int, seq: int, timeout_s: float, words=None

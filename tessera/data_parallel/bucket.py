@@ -67,29 +67,38 @@ def assign_buckets(
     named_params: Sequence[tuple[str, nn.Parameter]],
     cap_bytes: int,
     allocate: BufferFactory = _zeros,
+    *,
+    units: Sequence[int] | None = None,
 ) -> list[Bucket]:
     """Group parameters, in reverse order, into buckets of at most `cap_bytes` each.
 
     A bucket holds one dtype and device (a flat buffer cannot mix them); a parameter larger than
-    the cap gets a bucket of its own. Returns buckets in launch order.
+    the cap gets a bucket of its own. `units[i]`, if given, is a group id of parameter i: a
+    bucket never mixes two units (ZeRO-3 makes one bucket per submodule). Returns buckets in
+    launch order.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket capacity must be positive, got {cap_bytes} bytes")
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
-    for name, param in reversed(named_params):
+    unit_ids = list(units) if units is not None else [0] * len(named_params)
+    if len(unit_ids) != len(named_params):
+        raise ValueError(f"units has {len(unit_ids)} entries for {len(named_params)} parameters")
+    last_unit = None
+    for (name, param), unit in zip(reversed(named_params), reversed(unit_ids)):
         nbytes = param.numel() * param.element_size()
         current = groups[-1] if groups else None
         fits = current is not None and size + nbytes <= cap_bytes
         same_kind = current is not None and (
             current[0][1].dtype == param.dtype and current[0][1].device == param.device
         )
-        if fits and same_kind:
+        if fits and same_kind and unit == last_unit:
             current.append((name, param))
             size += nbytes
         else:
             groups.append([(name, param)])
             size = nbytes
+        last_unit = unit
     buckets = []
     for index, members in enumerate(groups):
         offsets = [0]

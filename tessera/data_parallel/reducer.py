@@ -8,8 +8,13 @@ the end of backward (an autograd engine callback) the reducer waits for the buck
 flight: that wait is the communication backward could not hide (`exposed_comm_s`).
 
 One thread, not one per bucket: collectives on a group must be issued in the same order on every
-rank, and a FIFO worker gives that order for free. The reduction itself (tessera's collectives,
-or gloo's) releases the GIL while it waits on sockets or shared memory.
+rank, and a FIFO worker gives that order for free; `submit` runs other collectives (ZeRO's
+parameter gathers) on that same thread, so they keep one order with the buckets. The reduction
+itself (tessera's collectives, or gloo's) releases the GIL while it waits on sockets or shared
+memory.
+
+With `release_buffers=True` (ZeRO-2/3) a bucket's buffer exists only from its first gradient
+until its reduction has finished: the full gradients are freed as soon as they are reduced.
 """
 
 from __future__ import annotations
@@ -41,9 +46,14 @@ class Reducer:
         rank: int,
         timeout_s: float,
         allocate: BufferFactory | None = None,
+        units: Sequence[int] | None = None,
+        release_buffers: bool = False,
     ) -> None:
         kwargs = {"allocate": allocate} if allocate is not None else {}
-        self.buckets = assign_buckets(named_params, cap_bytes, **kwargs)
+        self.buckets = assign_buckets(named_params, cap_bytes, **kwargs, units=units)
+        self._allocate = allocate
+        self.release_buffers = release_buffers
+        """Allocate each bucket's buffer at its first gradient and free it once reduced."""
         self._where = {
             id(param): (bucket, position)
             for bucket in self.buckets
@@ -66,6 +76,29 @@ class Reducer:
         ]
         for bucket in self.buckets:
             bucket.reset()
+            if release_buffers:
+                self._release(bucket)
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future:
+        """Run `fn(*args)` on the communication thread, after every collective already queued."""
+        return self._executor.submit(fn, *args)
+
+    def _ensure_buffer(self, bucket: Bucket) -> None:
+        if self.release_buffers and bucket.buffer.numel() == 0 and bucket.offsets[-1] > 0:
+            first = bucket.params[0]
+            allocate = self._allocate or (lambda n, d, v: torch.zeros(n, dtype=d, device=v))
+            bucket.buffer = allocate(bucket.offsets[-1], first.dtype, first.device)
+
+    @staticmethod
+    def _release(bucket: Bucket) -> None:
+        """Drop the bucket's buffer and its members' gradient views (they alias the buffer)."""
+        bucket.buffer = bucket.buffer.new_empty(0)
+        for param in bucket.params:
+            param.grad = None
+
+    def _reduce_and_release(self, bucket: Bucket) -> None:
+        self._reduce_bucket(bucket)
+        self._release(bucket)
 
     def prepare_for_backward(self, unused: Sequence[nn.Parameter] = ()) -> None:
         """Start a new reduction round; `unused` parameters count as arrived (zero gradient)."""
@@ -76,6 +109,7 @@ class Reducer:
             bucket.reset()
         for param in unused:
             bucket, position = self._where[id(param)]
+            self._ensure_buffer(bucket)
             self._adopt_gradient(param, bucket, position)
             self._mark(bucket, position)
 
@@ -95,6 +129,7 @@ class Reducer:
     def _on_gradient(self, param: torch.Tensor) -> None:
         bucket, position = self._where[id(param)]
         with self._lock:
+            self._ensure_buffer(bucket)
             self._adopt_gradient(param, bucket, position)
             if not self.sync_enabled:
                 return
@@ -112,7 +147,8 @@ class Reducer:
             self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
         ):
             launched = self.buckets[self._next_launch]
-            self._futures.append(self._executor.submit(self._reduce_bucket, launched))
+            reduce = self._reduce_and_release if self.release_buffers else self._reduce_bucket
+            self._futures.append(self._executor.submit(reduce, launched))
             self._next_launch += 1
 
     def _finish(self) -> None:

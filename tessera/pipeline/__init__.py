@@ -17,12 +17,14 @@ from tessera.pipeline.schedule import (
     simulate,
 )
 from tessera.pipeline.timeline import Event, measured_idle_fraction, write_chrome_trace
+from tessera.pipeline.wavefront import WavefrontRNN, wavefront
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "Event",
     "Pipeline",
+    "WavefrontRNN",
     "balance_by_cost",
     "bubble_fraction",
     "idle_fraction",
@@ -31,5 +33,6 @@ __all__ = [
     "measured_idle_fraction",
     "schedule",
     "simulate",
+    "wavefront",
     "write_chrome_trace",
 ]

@@ -86,6 +86,12 @@ class HybridEngine(Engine):
         sharded = [m for m in self.pipe.module.modules() if isinstance(m, _Parallel)]
         self._sharded = {id(getattr(m, name)) for m in sharded for name in m.shard_dims}
 
+    def __call__(self, *inputs: Any) -> Any:
+        """Forward alone is not a pipeline step: the trainer drives `train_step`."""
+        raise NotImplementedError(
+            "model-parallel engines run forward and backward together: call train_step"
+        )
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
         """All stages' forward and backward of the global batch; return its mean loss."""
         world, dp = self.ctx.world_size, self.mesh.size("dp")

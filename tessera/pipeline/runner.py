@@ -22,6 +22,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,10 +45,38 @@ from tessera.pipeline.timeline import Event
 __all__ = ["Pipeline"]
 
 _META_TAG, _TIED_TAG = 1 << 20, 1 << 21
+_LOOKAHEAD = 2
+"""Receives posted ahead of the action needing them, so transfers overlap the current compute."""
+
+
+@dataclass
+class _Step:
+    """What one stage keeps during one `train_step`."""
+
+    sizes: list[int]  # dim-0 size of each micro-batch (a middle stage learns them from metadata)
+    inputs: list[torch.Tensor]  # micro-batches of the inputs (first stage)
+    targets: list[Any]  # micro-batches of the targets (last stage)
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    stage_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received, need grads
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # until their backward
+    outbox: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # sends in flight
+    inbox: dict[int, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # tag -> recv
+    position: int = 0  # index of the current action
+    in_dtype: torch.dtype | None = None
+    in_shape: list[int] = field(default_factory=list)  # received activation shape without dim 0
+    meta_sent: bool = False
 
 
 class Pipeline:
-    """One stage of a pipeline-parallel `nn.Sequential` per rank of `group`."""
+    """One stage of a pipeline-parallel `nn.Sequential` per rank of `group`.
+
+    `num_microbatches` (m) splits each batch; `schedule` is "naive", "gpipe" or "1f1b";
+    `balance` gives the layer count of each stage, or None to balance by parameter count (for
+    balance by measured time: `balance_by_cost(measure_layer_times(model, sample), p)`).
+    Every check (schedule name, m, balance) raises ValueError before any message is sent.
+    Every receive waits at most `timeout_s` (default TESSERA_TIMEOUT_S, else 300 s).
+    """
 
     def __init__(
         self,
@@ -117,70 +146,104 @@ class Pipeline:
         accumulate into `.grad` of `self.module`'s parameters; the caller steps its optimizer.
         """
         sizes = self._microbatch_sizes(inputs if self.is_first else targets)
-        m = self.num_microbatches
-        x_parts = list(torch.split(inputs, sizes)) if self.is_first and sizes else None
-        y_parts = list(torch.split(targets, sizes)) if self.is_last and sizes else None
+        step = _Step(
+            sizes=sizes,
+            inputs=list(torch.split(inputs, sizes)) if self.is_first else [],
+            targets=list(torch.split(targets, sizes)) if self.is_last else [],
+            loss_fn=loss_fn,
+        )
         self.timeline = []
-        stage_inputs: dict[int, torch.Tensor] = {}
-        stage_outputs: dict[int, torch.Tensor] = {}
-        sends: list[dist.Work] = []
-        total = torch.zeros(())
-        in_shape: tuple[torch.dtype, list[int]] | None = None
-        batch = sum(sizes) if sizes else 0
-        meta_sent = False
-        for action in self.actions:
-            i, began = action.microbatch, time.perf_counter()
+        for position, action in enumerate(self.actions):
+            step.position = position
             if action.kind == "F":
-                if self.is_first:
-                    x = x_parts[i]
-                else:
-                    if in_shape is None:
-                        meta = self.links.recv(
-                            (meta_length(m),), torch.int64, self.stage_index - 1, _META_TAG
-                        )
-                        dtype, rest, sizes = decode_meta(meta)
-                        in_shape, batch = (dtype, rest), sum(sizes)
-                    x = self.links.recv(
-                        (sizes[i], *in_shape[1]), in_shape[0], self.stage_index - 1, 2 * i
-                    )
-                    x.requires_grad_(x.is_floating_point())
-                    self._record("recv", i, began)
-                    began = time.perf_counter()
-                    stage_inputs[i] = x
-                out = self.module(x)
-                if self.is_last:
-                    out = loss_fn(out, y_parts[i]) * (sizes[i] / batch)
-                    total += out.detach()
-                self._record("F", i, began)
-                if not self.is_last:
-                    began = time.perf_counter()
-                    if not meta_sent:  # shapes first: gloo needs the exact receive size
-                        meta = encode_meta(out, sizes)
-                        sends.append(self.links.send(meta, self.stage_index + 1, _META_TAG))
-                        meta_sent = True
-                    sends.append(self.links.send(out.detach(), self.stage_index + 1, 2 * i))
-                    self._record("send", i, began)
-                stage_outputs[i] = out
+                self._forward(step, action.microbatch)
             else:
-                out = stage_outputs.pop(i)
-                if self.is_last:
-                    out.backward()
-                else:
-                    grad = self.links.recv(out.shape, out.dtype, self.stage_index + 1, 2 * i + 1)
-                    self._record("recv", i, began)
-                    began = time.perf_counter()
-                    torch.autograd.backward(out, grad)
-                self._record("B", i, began)
-                if not self.is_first:
-                    x = stage_inputs.pop(i)
-                    grad = x.grad if x.grad is not None else torch.zeros_like(x)
-                    began = time.perf_counter()
-                    sends.append(self.links.send(grad, self.stage_index - 1, 2 * i + 1))
-                    self._record("send", i, began)
-        for work in sends:
+                self._backward(step, action.microbatch)
+            step.outbox = [(w, t) for w, t in step.outbox if not w.is_completed()]
+        for work, _ in step.outbox:  # (the tensor stays referenced until its send completes)
             self.links.wait(work, "pipeline send")
         self._sum_tied_gradients()
-        return self._broadcast_loss(total)
+        return self._broadcast_loss(step.loss)
+
+    def _send(self, step: _Step, tensor: torch.Tensor, stage: int, tag: int) -> None:
+        step.outbox.append((self.links.send(tensor, stage, tag), tensor))
+
+    def _expected(self, step: _Step, action: Action) -> tuple[int, tuple, torch.dtype] | None:
+        """`(tag, shape, dtype)` of the message `action` waits for; None: none or unknown yet."""
+        i = action.microbatch
+        if action.kind == "F" and not self.is_first and step.in_dtype is not None:
+            return 2 * i, (step.sizes[i], *step.in_shape), step.in_dtype
+        if action.kind == "B" and not self.is_last and i in step.outputs:
+            return 2 * i + 1, tuple(step.outputs[i].shape), step.outputs[i].dtype
+        return None
+
+    def _receive(self, step: _Step, tag: int) -> torch.Tensor:
+        """Wait for the message `tag` of the current action (posted ahead if possible); then
+        post the receives of the next `_LOOKAHEAD` actions, overlapping them with this compute."""
+        expected = self._expected(step, self.actions[step.position])
+        assert expected is not None and expected[0] == tag  # internal invariant
+        for ahead in self.actions[step.position : step.position + 1 + _LOOKAHEAD]:
+            message = self._expected(step, ahead)
+            if message is not None and message[0] not in step.inbox:
+                peer = self.stage_index + (-1 if ahead.kind == "F" else 1)
+                step.inbox[message[0]] = self.links.post_recv(
+                    message[1], message[2], peer, message[0]
+                )
+        work, buffer = step.inbox.pop(tag)
+        self.links.wait(work, f"pipeline recv of {self.actions[step.position]}")
+        return buffer
+
+    def _forward(self, step: _Step, i: int) -> None:
+        """F i: receive (or read) the input, run the layers, send the output (or the loss)."""
+        began = time.perf_counter()
+        if self.is_first:
+            x = step.inputs[i]
+        else:
+            if step.in_dtype is None:  # first message of the step: shapes and micro-batch sizes
+                meta = self.links.recv(
+                    (meta_length(self.num_microbatches),),
+                    torch.int64,
+                    self.stage_index - 1,
+                    _META_TAG,
+                )
+                step.in_dtype, step.in_shape, step.sizes = decode_meta(meta)
+            x = self._receive(step, 2 * i)
+            x.requires_grad_(x.is_floating_point())
+            step.stage_inputs[i] = x
+            self._record("recv", i, began)
+            began = time.perf_counter()
+        out = self.module(x)
+        if self.is_last:
+            # weight by the micro-batch's share: the sum is the whole batch's mean loss
+            out = step.loss_fn(out, step.targets[i]) * (step.sizes[i] / sum(step.sizes))
+            step.loss += out.detach()
+        self._record("F", i, began)
+        step.outputs[i] = out
+        if not self.is_last:
+            began = time.perf_counter()
+            if not step.meta_sent:  # shapes first: gloo needs the exact receive size
+                self._send(step, encode_meta(out, step.sizes), self.stage_index + 1, _META_TAG)
+                step.meta_sent = True
+            self._send(step, out.detach(), self.stage_index + 1, 2 * i)
+            self._record("send", i, began)
+
+    def _backward(self, step: _Step, i: int) -> None:
+        """B i: receive the output's gradient (or start from the loss), back-propagate, send."""
+        began = time.perf_counter()
+        if self.is_last:
+            step.outputs.pop(i).backward()
+        else:
+            grad = self._receive(step, 2 * i + 1)  # before the pop: its shape is the output's
+            self._record("recv", i, began)
+            began = time.perf_counter()
+            torch.autograd.backward(step.outputs.pop(i), grad)
+        self._record("B", i, began)
+        if not self.is_first:
+            x = step.stage_inputs.pop(i)
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            began = time.perf_counter()
+            self._send(step, grad, self.stage_index - 1, 2 * i + 1)
+            self._record("send", i, began)
 
     def _microbatch_sizes(self, batch_tensor: torch.Tensor | None) -> list[int]:
         """Dim-0 sizes of the micro-batches (ValueError if the batch is smaller than m)."""

@@ -80,10 +80,16 @@ class Links:
         self.bytes_sent += tensor.numel() * tensor.element_size()
         return dist.isend(tensor, dst=self.ranks[stage], group=self.group, tag=tag)
 
+    def post_recv(
+        self, shape: torch.Size, dtype: torch.dtype, stage: int, tag: int
+    ) -> tuple[dist.Work, torch.Tensor]:
+        """Post a receive of `shape`/`dtype` from `stage` without waiting: `(work, buffer)`."""
+        buffer = torch.empty(shape, dtype=dtype)
+        return dist.irecv(buffer, src=self.ranks[stage], group=self.group, tag=tag), buffer
+
     def recv(self, shape: torch.Size, dtype: torch.dtype, stage: int, tag: int) -> torch.Tensor:
         """Receive `shape`/`dtype` from `stage`; CollectiveTimeout past the deadline."""
-        buffer = torch.empty(shape, dtype=dtype)
-        work = dist.irecv(buffer, src=self.ranks[stage], group=self.group, tag=tag)
+        work, buffer = self.post_recv(shape, dtype, stage, tag)
         self.wait(work, f"pipeline recv from stage {stage} (tag {tag})")
         return buffer
 

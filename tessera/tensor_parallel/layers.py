@@ -155,6 +155,8 @@ class VocabParallelEmbedding(_Parallel):
         cls, embedding: nn.Embedding, *, group: dist.ProcessGroup | None = None
     ) -> VocabParallelEmbedding:
         """Split `embedding` by rows (its weights sliced)."""
+        if embedding.padding_idx is not None or embedding.max_norm is not None:
+            raise ValueError("VocabParallelEmbedding supports no padding_idx and no max_norm")
         return cls(shard(embedding.weight.detach(), 0, group), group=group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

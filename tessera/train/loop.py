@@ -75,7 +75,10 @@ def _gather_objects(value: Any, ctx: Context) -> list[Any]:
 
 def _save(engine: Engine, ctx: Context, path: Path, step: int, extra: dict[str, Any]) -> None:
     """Collective: every rank contributes its RNG state; rank 0 writes the file atomically."""
-    state = engine.state_dict()
+    if getattr(engine, "sharded_checkpoint", False):  # each rank writes its shard (ZeRO)
+        state = engine.save_shards(path, step)
+    else:
+        state = engine.state_dict()
     rng_states = _gather_objects(torch.get_rng_state(), ctx)
     if ctx.is_main:
         save_checkpoint(path, {"step": step, "engine": state, "rng": rng_states, **extra})
@@ -87,7 +90,10 @@ def _restore(engine: Engine, ctx: Context, path: Path, tokenizer: CharTokenizer)
     state = load_checkpoint(path)
     if state.get("tokenizer") != tokenizer.to_dict():
         raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
-    engine.load_state_dict(state["engine"])
+    if getattr(engine, "sharded_checkpoint", False):
+        engine.load_shards(path, state["engine"])
+    else:
+        engine.load_state_dict(state["engine"])
     if len(state["rng"]) == ctx.world_size:
         torch.set_rng_state(state["rng"][ctx.rank])
     return int(state["step"])

@@ -161,3 +161,4 @@ class TorchDDPEngine(Engine):
 # Strategies defined next to their algorithms register themselves on import.
 from tessera.data_parallel import engine as _data_parallel_engine  # noqa: E402, F401
 from tessera.pipeline import engine as _pipeline_engine  # noqa: E402, F401
+from tessera.zero import engine as _zero_engine  # noqa: E402, F401

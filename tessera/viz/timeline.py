@@ -18,8 +18,8 @@ def pipeline_timeline(
     """Draw `events` (all stages, e.g. `Pipeline.gather_timeline()`) to `path`.
 
     A `.json` path writes a chrome trace; anything else a Gantt chart PNG: one row per stage,
-    forwards blue and backwards orange labelled by micro-batch, message waits grey, and each
-    stage's measured idle share on the right.
+    forwards blue and backwards orange labelled by micro-batch, waits for messages grey, posting
+    of sends green (thin), and each stage's measured idle share on the right.
     """
     path = Path(path)
     if path.suffix == ".json":
@@ -36,8 +36,6 @@ def pipeline_timeline(
     idle = measured_idle_fraction(events)
     fig, ax = plt.subplots(figsize=(11, 0.7 * num_stages + 1.4))
     for e in events:
-        if e.kind == "send":
-            continue  # posting a send takes microseconds: invisible at this scale
         row = num_stages - 1 - e.stage
         height = 0.8 if e.kind in ("F", "B") else 0.3
         start_ms, width_ms = (e.start - origin) * 1e3, e.duration * 1e3
@@ -61,7 +59,9 @@ def pipeline_timeline(
         ax.text(span_ms * 1.01, num_stages - 1 - s, f"idle {idle[s]:.0%}", va="center", fontsize=8)
     ax.set_xlim(0, span_ms * 1.1)
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or "pipeline timeline (blue forward, orange backward, grey waiting)")
+    ax.set_title(
+        title or "pipeline timeline (blue forward, orange backward, grey recv wait, green send)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -1,0 +1,158 @@
+"""The trainer's ZeRO strategies: `tessera train --strategy zero1|zero2|zero3`.
+
+Each wraps the trainer's GPT with `ZeroStage1/2/3` (`tessera.zero`); the trainer's optimizer
+factory is called on this rank's master shards only. Checkpoints are sharded: every rank writes
+its own file under `zero/step-NNNNNNNN/` next to `checkpoint.pt` (which rank 0 writes last and
+which names the shard folder), so a run saved on 4 ranks can resume on 2 (resharding on load)
+and `tessera checkpoint consolidate RUN_DIR out.safetensors` yields one plain state dict.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.runtime.context import Context
+from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+from tessera.train.strategy import Engine, OptimizerFactory, register_strategy
+from tessera.zero.api import STAGES, full_state_dict
+from tessera.zero.checkpoint import load_shard_files, load_shard_states, shard_file_name
+from tessera.zero.checkpoint import shard_state as _shard_state
+from tessera.zero.memory import estimate_memory
+
+__all__ = ["Zero1Engine", "Zero2Engine", "Zero3Engine", "ZeroEngine"]
+
+SHARD_ROOT = "zero"
+"""Folder of the run directory holding one sub-folder of rank shards per saved step."""
+
+
+class ZeroEngine(Engine):
+    """A ZeRO stage driven by the training loop (subclasses fix the stage)."""
+
+    stage = 1
+    sharded_checkpoint = True
+    """The loop calls `save_shards` / `load_shards` on every rank instead of `state_dict`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        make_optimizer: OptimizerFactory,
+        ctx: Context,
+        config: Any = None,
+    ) -> None:
+        # Not Engine.__init__: it would build an optimizer over the whole model.
+        self.module = module
+        self.ctx = ctx
+        self.config = config
+        self.comm_seconds = 0.0
+        kwargs = {"bucket_cap_mb": config.bucket_cap_mb} if config and self.stage < 3 else {}
+        self.optimizer = STAGES[self.stage](module, make_optimizer, **kwargs)
+        module._tessera_zero = self.optimizer
+        self._memory_logged = False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward; buckets are reduce-scattered as they fill, the end waits for the last."""
+        loss.backward()
+        self.comm_seconds = self.optimizer.reducer.exposed_comm_s
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip by the global norm, summed over every rank's gradient shard."""
+        return self.optimizer.clip_grad_norm(max_norm)
+
+    def step(self, lr: float) -> None:
+        """Sharded optimizer step; after the first one, log the model-state bytes per rank."""
+        super().step(lr)
+        if not self._memory_logged:
+            self._memory_logged = True
+            self._log_memory()
+
+    def memory(self) -> dict[str, Any]:
+        """Measured model-state bytes on this rank and the ZeRO paper's estimate."""
+        state_bytes = 8 if self.config is None or self.config.optimizer != "sgd" else 4
+        estimate = estimate_memory(
+            self.optimizer.num_params(),
+            self.optimizer.world,
+            self.stage,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=state_bytes,
+        )
+        return {"measured": self.optimizer.memory_usage(), "estimate": estimate}
+
+    def _log_memory(self) -> None:
+        report = self.memory()
+        if self.ctx.is_main:
+            mib = {k: f"{v / 2**20:.2f}" for k, v in report["measured"].items()}
+            est = report["estimate"]["total"] / 2**20
+            print(
+                f"zero{self.stage}: model states on rank 0, MiB: params {mib['params']}, "
+                f"gradients {mib['gradients']}, optimizer {mib['optimizer']}, total "
+                f"{mib['total']} (ZeRO estimate {est:.2f})",
+                file=sys.stderr,
+            )
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model, gathered from the shards (collective)."""
+        return full_state_dict(self.module)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard (the loop saves through `save_shards` instead)."""
+        return _shard_state(self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a list of every rank's shards (`load_shard_states`)."""
+        load_shard_states(self.optimizer, state if isinstance(state, list) else [state])
+
+    def save_shards(self, checkpoint: Path, step: int) -> dict[str, Any]:
+        """Collective: each rank writes its shard; returns what `checkpoint.pt` should hold."""
+        run_dir = checkpoint.parent
+        relative = f"{SHARD_ROOT}/step-{step:08d}"
+        if self.ctx.is_main:
+            _remove_stale_shards(run_dir, checkpoint, keep=relative)
+        name = shard_file_name(self.optimizer.rank, self.optimizer.world)
+        save_checkpoint(run_dir / relative / name, {"step": step, **_shard_state(self.optimizer)})
+        if self.ctx.world_size > 1:
+            dist.barrier()
+        return {"zero_shards": relative, "world_size": self.optimizer.world, "stage": self.stage}
+
+    def load_shards(self, checkpoint: Path, meta: dict[str, Any]) -> None:
+        """Load the shards `checkpoint.pt` names, from any world size."""
+        load_shard_states(self.optimizer, load_shard_files(checkpoint.parent / meta["zero_shards"]))
+
+
+def _remove_stale_shards(run_dir: Path, checkpoint: Path, keep: str) -> None:
+    """Delete shard folders neither being written nor named by the committed checkpoint.pt."""
+    keep_names = {Path(keep).name}
+    if checkpoint.is_file():
+        keep_names.add(Path(load_checkpoint(checkpoint)["engine"].get("zero_shards", "")).name)
+    root = run_dir / SHARD_ROOT
+    for folder in root.glob("step-*") if root.is_dir() else []:
+        if folder.name not in keep_names:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@register_strategy("zero1")
+class Zero1Engine(ZeroEngine):
+    """ZeRO stage 1: optimizer states sharded (communication as DDP)."""
+
+    stage = 1
+
+
+@register_strategy("zero2")
+class Zero2Engine(ZeroEngine):
+    """ZeRO stage 2: optimizer states and gradients sharded (communication as DDP)."""
+
+    stage = 2
+
+
+@register_strategy("zero3")
+class Zero3Engine(ZeroEngine):
+    """ZeRO stage 3: parameters sharded too, gathered per block (1.5x DDP's communication)."""
+
+    stage = 3

@@ -1,0 +1,326 @@
+"""`ZeroOptimizer`: what the three ZeRO stages share — flat buffers, shards, the sharded step.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(SC 2020). Every stage keeps, per gradient bucket (`tessera.data_parallel.bucket`), one flat
+parameter buffer whose views are the module's parameters, padded to a multiple of the world size
+(`partition.py`); rank r owns slice r. The inner `torch.optim` optimizer sees only this rank's
+slices (the "master" shards), so its state is 1/N of the whole. A step is
+
+    per bucket: gradient slice (reduced by the stage) -> master.grad
+    inner optimizer step on the slices
+    the stage publishes the new slices (stages 1/2 all-gather the flat buffers)
+
+which is exactly single-process training for any element-wise optimizer (SGD, Adam, AdamW, ...):
+an optimizer that mixes elements across a tensor (LAMB's trust ratio, Adafactor) would see
+slices instead of whole tensors. With `mixed_precision="bf16"` parameters and gradients are bf16
+for compute and communication and the masters are fp32 copies (the paper's K = 12 for Adam).
+All collectives run on the reducer's one communication thread, so every rank issues them in the
+same order.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from tessera import comm
+from tessera.data_parallel.bucket import Bucket
+from tessera.data_parallel.reducer import Reducer
+from tessera.errors import CollectiveTimeout
+from tessera.zero.memory import storage_bytes
+from tessera.zero.partition import FlatLayout, padded_numel, shard_range
+
+__all__ = ["FlatShard", "ZeroOptimizer"]
+
+
+@dataclass
+class FlatShard:
+    """One bucket's parameters: the flat buffer, this rank's slice, its master and gradient."""
+
+    bucket: Bucket
+    layout: FlatLayout
+    flat_param: torch.Tensor
+    """(padded,) in the compute dtype; the module's parameters are views of it."""
+    lo: int
+    hi: int
+    master: nn.Parameter
+    """(hi - lo,) the slice the inner optimizer updates (fp32 under mixed precision)."""
+    grad_shard: torch.Tensor | None = None
+    """(hi - lo,) the reduced gradient slice, for stages that free the full gradient."""
+
+
+class ZeroOptimizer:
+    """Base of `ZeroStage1/2/3`: driven like a `torch.optim.Optimizer` (step, zero_grad)."""
+
+    stage = 0
+    release_gradients = False
+    """Free each bucket's full gradient once reduce-scattered (stages 2 and 3)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        make_optimizer: Any,
+        *,
+        group: dist.ProcessGroup | None = None,
+        mixed_precision: str | None = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
+        if mixed_precision not in (None, "bf16"):
+            raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
+        self.module = module
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeout_s = float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        self.mixed_precision = mixed_precision
+        named, units = self._ordered_parameters()
+        if not named:
+            raise ValueError("the module has no trainable parameters: nothing to shard")
+        _check_same_model(module, group)
+        _broadcast_from_first(list(module.parameters()) + list(module.buffers()), group)
+        fp32 = {id(p): p.detach().float().reshape(-1) for _, p in named}
+        if mixed_precision == "bf16":
+            for _, param in named:
+                param.data = param.data.to(torch.bfloat16)
+        world = self.world
+        self.reducer = Reducer(
+            named,
+            cap_bytes=int(bucket_cap_mb * 2**20),
+            reduce_bucket=self._reduce_bucket,
+            rank=dist.get_rank(),
+            timeout_s=self.timeout_s,
+            allocate=lambda n, dtype, device: torch.zeros(
+                padded_numel(n, world), dtype=dtype, device=device
+            ),
+            units=units,
+            release_buffers=self.release_gradients,
+        )
+        self.flats = [self._make_flat(bucket, fp32) for bucket in self.reducer.buckets]
+        self.optimizer = make_optimizer([flat.master for flat in self.flats])
+        self._hooks = [
+            module.register_forward_pre_hook(self._before_forward),
+            module.register_forward_hook(self._after_forward),
+        ]
+
+    # -- construction -------------------------------------------------------------------------
+    def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int] | None]:
+        """Trainable parameters in bucket order, and their units (stage 3 overrides)."""
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad], None
+
+    def _make_flat(self, bucket: Bucket, fp32: dict[int, torch.Tensor]) -> FlatShard:
+        layout = FlatLayout(tuple(bucket.names), tuple(tuple(p.shape) for p in bucket.params))
+        padded = padded_numel(layout.numel, self.world)
+        lo, hi = shard_range(layout.numel, self.world, self.rank)
+        first = bucket.params[0]
+        flat_param = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        master_full = torch.zeros(padded, dtype=torch.float32, device=first.device)
+        for position, param in enumerate(bucket.params):
+            start, end = bucket.offsets[position], bucket.offsets[position + 1]
+            flat_param[start:end].copy_(param.detach().reshape(-1))
+            master_full[start:end].copy_(fp32[id(param)])
+            param.data = flat_param[start:end].view_as(param)
+        if self.mixed_precision is None and self.stage < 3:
+            master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
+        else:
+            master = nn.Parameter(master_full[lo:hi].clone())
+        grad_shard = None
+        if self.release_gradients:
+            grad_shard = torch.zeros(hi - lo, dtype=first.dtype, device=first.device)
+        return FlatShard(bucket, layout, flat_param, lo, hi, master, grad_shard)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _before_forward(self, module: nn.Module, args: tuple) -> tuple | None:
+        if torch.is_grad_enabled() and self.reducer.sync_enabled:
+            self.reducer.prepare_for_backward()
+        if self.mixed_precision == "bf16":
+            return tree_map(_to_bf16, args)
+        return None
+
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.mixed_precision == "bf16":
+            return tree_map(_to_fp32, output)
+        return None
+
+    def _reduce_bucket(self, bucket: Bucket) -> None:
+        """Reduce one bucket's gradients (on the communication thread); per stage."""
+        raise NotImplementedError
+
+    def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's averaged gradient slice, in the compute dtype."""
+        assert flat.grad_shard is not None
+        return flat.grad_shard
+
+    def _publish(self) -> None:
+        """After the inner step: make the new slices visible as the module's parameters."""
+        raise NotImplementedError
+
+    # -- collectives on the communication thread ----------------------------------------------
+    def _collective(self, fn: Any, *args: Any) -> Any:
+        future = self.reducer.submit(fn, *args)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise CollectiveTimeout(
+                dist.get_rank(),
+                f"ZeRO-{self.stage} {getattr(fn, '__name__', 'collective')}",
+                self.timeout_s,
+                "another rank has not reached the same step (or has failed)",
+            ) from None
+
+    # -- the optimizer interface ---------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (set `lr` here, as with any optimizer)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of the last backward."""
+        for param in self.module.parameters():
+            param.grad = None
+        for flat in self.flats:
+            if flat.grad_shard is not None:
+                flat.grad_shard.zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients to global norm <= `max_norm`; the norm is summed over all shards."""
+        local = sum(
+            (self._gradient_slice(f).float().square().sum() for f in self.flats),
+            torch.zeros((), dtype=torch.float32),
+        ).reshape(1)
+        total = float(self._collective(_all_reduce_sum, local, self.group)[0].sqrt())
+        coefficient = min(1.0, max_norm / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if coefficient < 1.0:
+            for flat in self.flats:
+                self._gradient_slice(flat).mul_(coefficient)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """Step this rank's slices with the inner optimizer, then publish them."""
+        if closure is not None:
+            raise ValueError("ZeRO optimizers do not take a closure")
+        for flat in self.flats:
+            grad = self._gradient_slice(flat)
+            flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
+        self.optimizer.step()
+        for flat in self.flats:
+            flat.master.grad = None
+        self._publish()
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of params, gradients and optimizer state held on this rank, from storages."""
+        seen: set[int] = set()
+        mixed = self.mixed_precision is not None
+        params = list(self.module.parameters()) + [f.flat_param for f in self.flats]
+        params += self._parameter_shards()
+        if not mixed:
+            params += [f.master for f in self.flats]
+        grads = [p.grad for p in self.module.parameters()]
+        grads += [f.bucket.buffer for f in self.flats] + [f.grad_shard for f in self.flats]
+        states = [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        counted = {
+            "params": storage_bytes(params, seen),
+            "gradients": storage_bytes(grads, seen),
+            "optimizer": storage_bytes(
+                states + ([f.master for f in self.flats] if mixed else []), seen
+            ),
+        }
+        counted["total"] = sum(counted.values())
+        return counted
+
+    def _parameter_shards(self) -> list[torch.Tensor]:
+        """Parameter storage besides the flat buffers (stage 3's compute-dtype shards)."""
+        return []
+
+    def num_params(self) -> int:
+        """Trainable parameters of the whole model (Ψ), each tied tensor once."""
+        return sum(flat.layout.numel for flat in self.flats)
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, in fp32 (collective: the masters are all-gathered)."""
+        out: dict[str, torch.Tensor] = {}
+        for flat in self.flats:
+            full = self._collective(_all_gather, flat.master.detach(), self.group)
+            offsets = flat.layout.offsets
+            for index, name in enumerate(flat.layout.names):
+                piece = full[offsets[index] : offsets[index + 1]]
+                out[name] = piece.view(flat.layout.shapes[index]).clone()
+        return out
+
+    def remove_hooks(self) -> None:
+        """Detach from the module (its parameters keep their current values)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.reducer.remove_hooks()
+
+
+def _to_bf16(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(torch.bfloat16)
+    return value
+
+
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+        return value.float()
+    return value
+
+
+def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return comm.all_reduce(tensor, "sum", group=group)
+
+
+def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return comm.all_gather(tensor, group=group)
+
+
+def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Every rank must hold the same tensor names, shapes and dtypes as group rank 0."""
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in module.state_dict().items()]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for group_rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == everyone[0]:
+            continue
+        ours = dict((n, (s, d)) for n, s, d in everyone[0])
+        other = dict((n, (s, d)) for n, s, d in theirs)
+        for name in sorted(set(ours) | set(other)):
+            if ours.get(name) != other.get(name):
+                raise ValueError(
+                    f"rank {dist.get_rank()}: models differ across ranks: {name!r} is "
+                    f"{ours.get(name)} on group rank 0 and {other.get(name)} on group rank "
+                    f"{group_rank}"
+                )
+
+
+@torch.no_grad()
+def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Copy group rank 0's values into `tensors`, one flat message per dtype."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        comm.broadcast(flat, src, group=group)
+        offset = 0
+        for tensor in same:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()

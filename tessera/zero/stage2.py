@@ -1,0 +1,37 @@
+"""ZeRO stage 2 (P_os+g): optimizer states and gradients partitioned.
+
+Rajbhandari et al., SC 2020, section 5.2. As stage 1, but the full gradients do not outlive their
+reduction: a bucket's flat gradient buffer is allocated when its first gradient arrives during
+backward, reduce-scattered as soon as it is complete (overlapping the rest of backward), its
+average slice added to this rank's gradient shard, and the buffer freed at once
+(`Reducer(release_buffers=True)`). Only 1/N of the gradients is held between steps, and at most
+the buckets in flight during backward.
+
+Communication per step: reduce-scatter + all-gather = 2Ψ elements, as DDP and stage 1. Memory
+per rank: 2Ψ + (2 + K)Ψ/N bytes (mixed precision) — `memory.estimate_memory(..., stage=2)`.
+"""
+
+from __future__ import annotations
+
+from tessera import comm
+from tessera.data_parallel.bucket import Bucket
+from tessera.zero.optimizer import ZeroOptimizer
+from tessera.zero.stage1 import _gather_into
+
+__all__ = ["ZeroStage2"]
+
+
+class ZeroStage2(ZeroOptimizer):
+    """Optimizer states and gradients partitioned; parameters replicated."""
+
+    stage = 2
+    release_gradients = True
+
+    def _reduce_bucket(self, bucket: Bucket) -> None:
+        flat = self.flats[bucket.index]
+        assert flat.bucket is bucket and flat.grad_shard is not None
+        flat.grad_shard.add_(comm.reduce_scatter(bucket.buffer, "mean", group=self.group))
+
+    def _publish(self) -> None:
+        for flat in self.flats:
+            self._collective(_gather_into, flat, self.group)
