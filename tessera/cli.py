@@ -27,6 +27,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{field.metadata.get('help', '')} (default: {default})"
+        if field.name == "strategy":
+            from tessera.train.strategy import STRATEGIES
+
+            help_text += f"; one of: {', '.join(sorted(STRATEGIES))}"
         dest = prefix + field.name
         if annotation is bool:
             parser.add_argument(

@@ -54,7 +54,7 @@ class ModelSettings:
 class TrainConfig:
     """One training run of `tessera train`."""
 
-    strategy: str = _option("torch-ddp", "How training is split over ranks (see STRATEGIES).")
+    strategy: str = _option("torch-ddp", "How training is split over ranks.")
     nproc: int = _option(2, "Local processes to spawn (under torchrun its world size wins).")
     steps: int = _option(300, "Total optimizer steps; a resumed run continues up to this number.")
     seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
