@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = _table(results)
     print("\n".join(lines))
     machine = (
-        f"{platform.machine()}, {torch.get_num_threads()} threads here, torch {torch.__version__}"
+        f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, 1 thread per "
+        f"rank, torch {torch.__version__}"
     )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipeline.json").write_text(

@@ -37,8 +37,9 @@ from tessera.models import GPT, GPTConfig
 from tessera.zero import estimate_memory, initialize, measure_memory
 
 RESULTS = Path(__file__).parent / "results"
-SHAPE = dict(vocab_size=96, block_size=64, n_layer=4, n_embd=128, n_head=4)  # the demo GPT
-BATCH, TOKENS = 8, 64
+SHAPE = dict(vocab_size=96, block_size=128, n_layer=4, n_embd=128, n_head=4)  # the demo GPT
+BATCH, TOKENS = 16, 128  # the demo: global batch 32 on 2 ranks
+BATCHES = {"demo batch": (BATCH, TOKENS), "small batch": (2, 64)}  # compute- vs comm-bound
 
 
 def _model() -> GPT:
@@ -119,12 +120,12 @@ def _memory(mixed_precision: str | None) -> dict[int, dict[str, dict[str, int]]]
     return rows
 
 
-def _compare(steps: int, rounds: int) -> dict:
+def _timings(steps: int, rounds: int, batch: int, tokens: int) -> dict:
     ctx = tessera.init()
     engines = _engines()
     g = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randint(0, SHAPE["vocab_size"], (BATCH, TOKENS), generator=g)
-    y = torch.randint(0, SHAPE["vocab_size"], (BATCH, TOKENS), generator=g)
+    x = torch.randint(0, SHAPE["vocab_size"], (batch, tokens), generator=g)
+    y = torch.randint(0, SHAPE["vocab_size"], (batch, tokens), generator=g)
     live = {name: pair for name, pair in engines.items() if pair[0] is not None}
     times: dict[str, list[float]] = {name: [] for name in live}
     for model, opt in live.values():
@@ -141,7 +142,11 @@ def _compare(steps: int, rounds: int) -> dict:
             return None
         return step_ms[theirs] / step_ms[ours]
 
+    for _wrapped, opt in engines.values():
+        if hasattr(opt, "remove_hooks"):
+            opt.remove_hooks()
     return {
+        "batch": f"{batch}x{tokens}",
         "step_ms": step_ms,
         "errors": errors,
         "ratios": {
@@ -151,6 +156,13 @@ def _compare(steps: int, rounds: int) -> dict:
             ),
             "zero2 / tessera ddp": ratio("tessera zero2", "tessera ddp"),
         },
+    }
+
+
+def _compare(steps: int, rounds: int) -> dict:
+    rows = {name: _timings(steps, rounds, *shape) for name, shape in BATCHES.items()}
+    return {
+        "rows": rows,
         "memory_fp32": _memory(None),
         "memory_bf16": _memory("bf16"),
         "params": sum(p.numel() for p in _model().parameters()),
@@ -163,22 +175,29 @@ def _markdown(result: dict, steps: int, rounds: int) -> str:
         "## zero: tessera ZeRO 1/2/3 vs FSDP2, torch ZeroRedundancyOptimizer, tessera DDP",
         "",
         f"{result['machine']}; 2 ranks (gloo); demo GPT ({result['params'] / 1e6:.2f}M params, "
-        f"n_layer 4, n_embd 128, vocab 96), batch {BATCH}x{TOKENS} per rank, AdamW; medians of "
-        f"{steps * rounds} steps per engine, engines alternating in blocks of {steps} steps. "
-        "Ratio = their step time / tessera's (above 1: tessera faster).",
+        f"n_layer 4, n_embd 128, block 128, vocab 96), AdamW; per rank the demo batch "
+        f"({BATCH}x{TOKENS} tokens, compute-bound) and a small one (2x64, communication-bound); "
+        f"medians of {steps * rounds} steps per engine, engines alternating in blocks of {steps} "
+        "steps. Ratio = their step time / tessera's (above 1: tessera faster).",
         "",
-        "| engine | step ms |",
-        "|---|---|",
-        *[f"| {name} | {ms:.1f} |" for name, ms in result["step_ms"].items()],
-        *[f"| {name} | failed: {err} |" for name, err in result["errors"].items()],
-        "",
-        "| comparison | ratio | target |",
-        "|---|---|---|",
     ]
+    names = list(next(iter(result["rows"].values()))["step_ms"])
+    lines += ["| engine | " + " | ".join(f"{b} ms" for b in result["rows"]) + " |"]
+    lines += ["|---|" + "---|" * len(result["rows"])]
+    for name in names:
+        cells = [f"{row['step_ms'][name]:.1f}" for row in result["rows"].values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for row in result["rows"].values():
+        lines += [f"| {name} | failed: {err} |" for name, err in row["errors"].items()]
     targets = {"zero3 / fsdp2": "1.2", "zero1 / torch ZeroRedundancyOptimizer": "1.0"}
-    for name, value in result["ratios"].items():
-        shown = f"**{value:.2f}**" if value is not None else "n/a"
-        lines.append(f"| {name} | {shown} | {targets.get(name, '-')} |")
+    lines += ["", "| comparison | " + " | ".join(result["rows"]) + " | target |"]
+    lines += ["|---|" + "---|" * (len(result["rows"]) + 1)]
+    for name, target in {**targets, "zero2 / tessera ddp": "-"}.items():
+        cells = []
+        for row in result["rows"].values():
+            value = row["ratios"][name]
+            cells.append(f"**{value:.2f}**" if value is not None else "n/a")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {target} |")
     lines += [
         "",
         "Model-state MiB per rank, measured from tensor storages / `estimate_memory` "
@@ -203,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args(argv)
-    steps, rounds = (2, 2) if args.quick else (3, 5)
+    steps, rounds = (2, 2) if args.quick else (3, 8)
     result = tessera.launch(_compare, 2, steps, rounds, timeout_s=1200)[0]
     result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     RESULTS.mkdir(exist_ok=True)

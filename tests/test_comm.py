@@ -2,8 +2,8 @@
 
 Spawning a rank costs ~2-3 s, so each world size runs one launched function that loops over
 every case: all algorithms x ops x dtypes x odd lengths x contiguous / strided inputs. The case
-list is drawn in the parent from a seeded RNG (edge lengths always included) and passed to
-every rank, so all ranks run the same cases; each rank's values come from a generator seeded by
+list is drawn in the parent by hypothesis (edge lengths always included) and passed to every
+rank, so all ranks run the same cases; each rank's values come from a generator seeded by
 (case, rank). Every result is compared with the exact reduction of all ranks' inputs (gathered
 with torch's all_gather, computed in float64) and with torch's own all_reduce.
 """
@@ -11,13 +11,14 @@ with torch's all_gather, computed in float64) and with torch's own all_reduce.
 from __future__ import annotations
 
 import glob
-import random
 import time
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tessera
 from tessera import comm
@@ -27,7 +28,6 @@ from tessera.errors import CollectiveMismatch, CollectiveTimeout
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 OPS = ("sum", "mean", "max", "min", "product")
-SEED = 20261122
 
 # Tolerances against the exact (float64) result. Floats are reduced in different orders by
 # different algorithms: float32 sums of <= 5 values of magnitude <= 10 agree to ~1e-6 relative;
@@ -40,22 +40,26 @@ TOL = {
 }
 
 
-def _lengths(world: int, rng: random.Random) -> list[int]:
-    edge = [0, 1, max(1, world - 1), 13, 97]
-    return edge + [rng.randrange(2, 3000) for _ in range(3)]
+EDGE_LENGTHS = (0, 1, 13, 97)  # plus world-1 (fewer elements than ranks); 13, 97: primes
 
 
-def make_cases(world: int, seed: int = SEED) -> list[tuple]:
-    """(algorithm, op, dtype, length, strided) cases, every combination of the first three."""
-    rng = random.Random(seed + world)
-    lengths = _lengths(world, rng)
+def make_cases(world: int, random_lengths: list[int], strided: list[bool]) -> list[tuple]:
+    """(algorithm, op, dtype, length, strided) cases, every combination of the first three.
+
+    Lengths cycle through the edge cases and the drawn `random_lengths`; `strided[i]` says
+    whether case i uses a non-contiguous input.
+    """
+    lengths = [*EDGE_LENGTHS, max(1, world - 1), *random_lengths]
     cases = []
     for algorithm in comm.ALGORITHMS + ("auto",):
         for op in OPS:
             for dtype in DTYPES:
-                length = lengths[len(cases) % len(lengths)]
-                cases.append((algorithm, op, dtype, length, rng.random() < 0.3))
+                i = len(cases)
+                cases.append((algorithm, op, dtype, lengths[i % len(lengths)], strided[i]))
     return cases
+
+
+NUM_CASES = (len(comm.ALGORITHMS) + 1) * len(OPS) * len(DTYPES)
 
 
 def _values(case_id: int, rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -206,8 +210,14 @@ def _rank_world(cases: list[tuple], subgroup_ranks: list[int] | None) -> int:
         pytest.param(5, [1, 3, 4], marks=pytest.mark.slow),
     ],
 )
-def test_collectives_match_torch(world, subgroup):
-    cases = make_cases(world)
+@settings(max_examples=1, deadline=None, database=None)
+@given(data=st.data())
+def test_collectives_match_torch(world, subgroup, data):
+    # Hypothesis draws the case list here, in the parent, so that every rank runs the same
+    # cases; one example per world size, since each costs a spawn of `world` processes.
+    random_lengths = data.draw(st.lists(st.integers(2, 3000), min_size=3, max_size=3))
+    strided = data.draw(st.lists(st.booleans(), min_size=NUM_CASES, max_size=NUM_CASES))
+    cases = make_cases(world, random_lengths, strided)
     counts = tessera.launch(_rank_world, world, cases, subgroup, timeout_s=240)
     assert counts[0] >= len(cases)
 
@@ -313,6 +323,11 @@ def _rank_mismatch() -> list[str]:
             lambda g: comm.all_reduce(torch.ones(4 + ctx.rank), algorithm="shm", group=g),
         ),
         (
+            "native-shape",
+            lambda g: comm.all_reduce(torch.ones(5 - ctx.rank), algorithm="native", group=g),
+        ),
+        ("gather-shape", lambda g: comm.all_gather(torch.ones(2, 1 + ctx.rank), group=g)),
+        (
             "kind",
             lambda g: (
                 comm.all_reduce(torch.ones(4), algorithm="tree", group=g)
@@ -337,12 +352,20 @@ def test_mismatch_is_reported():
     results = tessera.launch(_rank_mismatch, 2, timeout_s=60)
     for rank_messages in results:
         names = [m.split(":")[0] for m in rank_messages]
-        assert names == ["shape", "op", "dtype", "shm-shape", "kind"]
+        assert names == [
+            "shape",
+            "op",
+            "dtype",
+            "shm-shape",
+            "native-shape",
+            "gather-shape",
+            "kind",
+        ]
         for message in rank_messages:
             assert "no error" not in message, message
         assert "shape=(4,)" in rank_messages[0] and "shape=(5,)" in rank_messages[0]
         assert "op=sum" in rank_messages[1] and "op=max" in rank_messages[1]
-        assert "broadcast" in rank_messages[4] and "all_reduce" in rank_messages[4]
+        assert "broadcast" in rank_messages[6] and "all_reduce" in rank_messages[6]
 
 
 def _rank_history_and_calibration() -> tuple:

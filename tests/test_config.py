@@ -37,6 +37,12 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
         ("", ["--n-embd", "30"], r"model.n_embd \(30\) must be divisible by model.n_head \(4\)"),
         ("", ["--lr", "-1"], "lr must be positive, got -1.0"),
         ("- a\n- b\n", [], "must hold a mapping"),
+        (
+            "",
+            ["--strategy", "hybrid", "--nproc", "4", "--dp", "3"],
+            r"dp x tp x pp = 3 x 1 x 1 does not equal the 4 ranks",
+        ),
+        ("", ["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
     ],
 )
 def test_bad_config_stops_with_one_message_before_any_process(

@@ -78,14 +78,18 @@ def hybrid_worker(degrees):
     expected = [_step(reference, x, y) for x, y in batches]
     rows = GLOBAL_BATCH // ctx.world_size
     shard = slice(ctx.rank * rows, (ctx.rank + 1) * rows)  # the loop's per-rank shard
-    for dp, tp, pp in degrees:
-        make = partial(HybridEngine, dp=dp, tp=tp, pp=pp, num_microbatches=2)
+    for dp, tp, pp, zero in degrees:
+        make = partial(HybridEngine, dp=dp, tp=tp, pp=pp, zero=zero, num_microbatches=2)
         engine = make(copy.deepcopy(base), _sgd, ctx)
         for (x, y), (ref_loss, ref_norm) in zip(batches[:2], expected):
             loss, norm = _step(engine, x[shard], y[shard])
             # losses and norms: sums over micro-batches, shards and ranks in another order
-            assert loss == pytest.approx(ref_loss, rel=1e-5), (dp, tp, pp)
-            assert norm == pytest.approx(ref_norm, rel=1e-5), (dp, tp, pp)
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (dp, tp, pp, zero)
+            assert norm == pytest.approx(ref_norm, rel=1e-5), (dp, tp, pp, zero)
+        if zero:  # this rank's optimizer holds half of its stage's parameters (dp = 2)
+            stage_numel = sum(p.numel() for p in engine.pipe.module.parameters())
+            (slice_,) = engine.optimizer.param_groups[0]["params"]
+            assert slice_.numel() == -(-stage_numel // 2)
         state = engine.state_dict()  # checkpoint after 2 steps, resume in a fresh engine
         resumed = make(GPT(CONFIG), _sgd, ctx)
         resumed.load_state_dict(state)
@@ -96,14 +100,16 @@ def hybrid_worker(degrees):
         for key, value in reference.module.state_dict().items():
             # 3 SGD steps of reordered float32 sums: 2e-5 on weights of size ~0.02-1
             torch.testing.assert_close(
-                full[key], value, rtol=2e-5, atol=2e-5, msg=f"{key} {dp, tp, pp}"
+                full[key], value, rtol=2e-5, atol=2e-5, msg=f"{key} {dp, tp, pp, zero}"
             )
     return True
 
 
 @pytest.mark.slow
 def test_hybrid_meshes_train_the_gpt_like_one_process(run_ranks):
-    degrees = [(2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4), (1, 4, 1)]
+    # (dp, tp, pp, zero): zero=1 shards each stage's optimizer state over its dp group (ZeRO-1)
+    degrees = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (1, 4, 1, 0)]
+    degrees += [(2, 1, 2, 1), (2, 2, 1, 1)]
     assert run_ranks(hybrid_worker, 4, degrees, timeout_s=180) == [True] * 4
 
 

@@ -93,6 +93,24 @@ def test_partition_balances_cost_and_checks_coverage():
         schedule("gpipe", 2, 0)
 
 
+def test_one_stage_pipeline_is_gradient_accumulation_without_processes():
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    pipe = Pipeline(model, num_microbatches=3, schedule="gpipe")  # a world of one: no messages
+    x, y = torch.randn(7, 12), torch.randn(7, 3)
+    loss = pipe.train_step(x, y, F.mse_loss)
+    ref_loss = F.mse_loss(reference(x), y)
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)  # summed over 3 parts
+    assert [e.kind for e in pipe.timeline] == ["F"] * 3 + ["B"] * 3
+    with pytest.raises(ValueError, match="nn.Sequential"):
+        Pipeline(nn.Linear(2, 2), num_microbatches=1)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        Pipeline(_mlp(), num_microbatches=2, schedule="interleaved")
+
+
 # ---------------------------------------------------------------- on processes
 
 

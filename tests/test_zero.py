@@ -156,10 +156,74 @@ def _bad_inputs() -> list[str]:
     return messages
 
 
+def _features() -> dict:
+    """Micro-batch accumulation (stages 2, 3), its refusal by stage 1, stage 3 under no_grad."""
+    ctx = tessera.init()
+    found: dict = {}
+    reference = _model("mlp_odd")
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    x, y = _batch("mlp_odd", 0)
+    _loss(reference(x), y).backward()
+    ref_opt.step()
+    mine = [t.tensor_split(ctx.world_size)[ctx.rank] for t in (x, y)]
+    for stage in (2, 3):
+        model, opt = initialize(_model("mlp_odd"), torch.optim.AdamW, stage=stage, lr=1e-2)
+        for part_x, part_y in zip(*(t.tensor_split(2) for t in mine)):
+            (_loss(model(part_x), part_y) / 2).backward()  # two micro-batches, one step
+        opt.step()
+        found[f"accumulate{stage}"] = _max_relative_error(
+            full_state_dict(model), reference.state_dict()
+        )
+        with torch.no_grad():  # stage 3 gathers and frees per layer without a backward
+            found[f"no_grad{stage}"] = (model(x) - reference(x)).abs().max().item()
+        opt.remove_hooks()
+    model, opt = initialize(_model("mlp_odd"), torch.optim.AdamW, stage=1, lr=1e-2)
+    _loss(model(mine[0]), mine[1]).backward()
+    try:
+        _loss(model(mine[0]), mine[1]).backward()
+    except RuntimeError as exc:
+        found["stage1_accumulate"] = str(exc)
+    return found
+
+
+def _huggingface_gpt2_stage3() -> float | None:
+    """A transformers GPT-2 (tuple outputs, tied head, Conv1D layers) under ZeRO-3."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    ctx = tessera.init()
+    config = GPT2Config(
+        vocab_size=19, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(GPT2LMHeadModel(config))
+    model, opt = initialize(models[0], torch.optim.SGD, stage=3, lr=0.1, momentum=0.9)
+    reference = models[1]
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):  # SGD: GPT-2's key biases have a zero true gradient
+        x, y = _batch("gpt", step)
+        opt.zero_grad()
+        mine = [t.tensor_split(ctx.world_size)[ctx.rank] for t in (x, y)]
+        _loss(model(mine[0]).logits, mine[1]).backward()
+        opt.step()
+        _loss(reference(x).logits, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    floating = {k: v for k, v in reference.state_dict().items() if v.is_floating_point()}
+    full = full_state_dict(model)
+    opt.remove_hooks()
+    return _max_relative_error({k: full[k] for k in floating}, floating)
+
+
 def _two_ranks() -> dict:
     cases = [(kind, stage, None) for stage in (1, 2, 3) for kind in ("gpt_bias", "mlp_odd")]
     cases += [("gpt", 0, None)] + [("gpt_bias", stage, "bf16") for stage in (1, 2, 3)]
-    return {"errors": _equivalence(cases), "memory": _memory(), "bad": _bad_inputs()}
+    found = {"errors": _equivalence(cases), "memory": _memory(), "bad": _bad_inputs()}
+    return {**found, "features": _features(), "huggingface": _huggingface_gpt2_stage3()}
 
 
 EVERY_WORLD = [(kind, stage, None) for stage in (1, 2, 3) for kind in ("gpt", "mlp_odd")]
@@ -198,6 +262,13 @@ def test_zero_stages_equal_one_process_on_the_whole_batch(run_ranks, world):
         assert "AdamW has no option 'momentun'" in bad[2]
         assert "models differ across ranks: 'bias' is ((3,)" in bad[3]
         assert "mixed_precision must be None or 'bf16', got 'fp8'" in bad[4]
+        features = found["features"]
+        for stage in (2, 3):
+            assert features[f"accumulate{stage}"] < 1e-5, features
+            assert features[f"no_grad{stage}"] < 1e-5, features
+        assert "call step() or zero_grad() between backward" in features["stage1_accumulate"]
+        if found["huggingface"] is not None:
+            assert found["huggingface"] < 1e-5
 
 
 def test_partition_is_balanced_and_covers_every_element_once():

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +14,8 @@ import tessera
 from tessera.errors import CheckpointError
 from tessera.models import GPT, GPTConfig
 from tessera.train import build_config, load_checkpoint, run_training
-from tessera.train.checkpoint import save_checkpoint
 from tessera.train.metrics import read_metrics
-from tessera.zero import consolidate, full_state_dict, initialize, load_shard_states, shard_state
-from tessera.zero.checkpoint import load_shard_files, shard_file_name
+from tessera.zero import consolidate, full_state_dict, initialize, load_shards, save_shard
 
 CONFIG = GPTConfig(vocab_size=19, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
@@ -48,7 +46,7 @@ def _save_on_four(folder: str) -> dict:
     ctx = tessera.init()
     model, opt = initialize(_model(), torch.optim.SGD, stage=3, lr=0.1, momentum=0.9)
     _steps(model, opt, range(3), ctx.rank, ctx.world_size)
-    save_checkpoint(Path(folder) / shard_file_name(ctx.rank, ctx.world_size), shard_state(opt))
+    save_shard(folder, opt)
     return full_state_dict(model)
 
 
@@ -59,13 +57,13 @@ def _resume_on_two(folder: str) -> dict:
     before = [p.detach().clone() for p in other.parameters()]
     _, wrong = initialize(other, torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
     try:
-        load_shard_states(wrong, load_shard_files(folder))
+        load_shards(wrong, folder)
     except CheckpointError as exc:
         found["refused"] = str(exc)
     found["untouched"] = all(torch.equal(a.float(), b) for a, b in zip(other.parameters(), before))
     wrong.remove_hooks()
     model, opt = initialize(_model(), torch.optim.SGD, stage=2, lr=0.1, momentum=0.9)
-    load_shard_states(opt, load_shard_files(folder))
+    load_shards(opt, folder)
     found["loaded"] = full_state_dict(model)
     _steps(model, opt, range(3, 6), ctx.rank, ctx.world_size)
     found["final"] = full_state_dict(model)
@@ -86,6 +84,18 @@ def test_shards_consolidate_and_reshard_from_four_ranks_to_two(run_ranks, tmp_pa
     reference = _model()
     reference.load_state_dict(saved)
     assert torch.equal(fresh(x), reference(x))
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tmp_path / "shards", broken)
+    data = bytearray((broken / "rank-00001-of-00004.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (broken / "rank-00001-of-00004.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank-00001-of-00004.safetensors is corrupt"):
+        consolidate(broken, tmp_path / "never.safetensors")
+    (broken / "rank-00002-of-00004.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"shard files of ranks \[2\] \(of 4\) are missing"):
+        consolidate(broken, tmp_path / "never.safetensors")
+    assert not (tmp_path / "never.safetensors").exists()
 
     found = run_ranks(_resume_on_two, 2, str(tmp_path / "shards"))[0]
     assert "another model: parameter 'blocks.0.attn.proj.bias' has shape [16]" in found["refused"]

@@ -4,17 +4,18 @@ A segment is a file in /dev/shm that every rank of the group maps; it holds one 
 Allreduce of n bytes, rank r of p:
   1. copy the tensor into slot r (skipped when it came from `shared_buffer`: it *is* slot r);
   2. barrier;
-  3. reduce slice r (n/p bytes) over the p slots into slot r; all ranks do this in parallel on
-     disjoint slices (for a `shared_buffer` tensor, also write the result into every slot);
+  3. reduce slice r (n/p bytes) over the p slots and write the result into slice r of every
+     slot; all ranks do this in parallel on disjoint slices;
   4. barrier;
-  5. copy slice q of slot q, for every q, into the tensor (not needed for `shared_buffer`).
-Memory traffic per rank ≈ 3n read + (2 + 1/p)n written (n read + n written with
-`shared_buffer`); two barriers. Cost model: 2σ + n(3μ + γ(p-1)/p), times p/cores when ranks
-outnumber cores (`tessera.comm.cost`).
+  5. copy slot r out into the tensor (not needed for `shared_buffer`: it holds the result).
+Memory traffic per rank ≈ 3n read + 3n written (n + n with `shared_buffer`); two barriers.
+Cost model: 2σ + n(3μ + γ(p-1)/p), times p/cores when ranks outnumber cores
+(`tessera.comm.cost`).
 
 Why it is fast: no socket copies, no allocation per call (segments are cached per group and
-grow by doubling; the copy-in segment is double-buffered, so step 5 needs no third barrier: a
-rank cannot refill a buffer before every rank passed the next collective's first barrier), and
+grow by doubling), one copy-in segment whose slots are only written by others between the two
+barriers (so step 5 needs no third barrier; a double-buffered variant that left each result in
+the reducer's slot wrote less but doubled the working set and was no faster here), and
 the barrier is a counter per rank in a shared control page. A waiting rank sleeps in poll() on
 a named pipe that the arriving rank writes one byte to: a kernel wakeup (~50 µs on this VM)
 instead of a gloo barrier (~500 µs), without burning a core. Spinning on the counters first

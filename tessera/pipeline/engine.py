@@ -9,9 +9,9 @@ DDP; torch DDP cannot wrap a stage whose backward is driven micro-batch by micro
 Data: the loop hands each rank a 1/world shard of the global batch; the engine all-gathers the
 shards (token ids: a few KB) and gives dp replica d rows `[d B/dp, (d+1) B/dp)`, so the step
 equals one process on the global batch. `pipeline` is the mesh `pp = world`, `tensor` is
-`tp = world`; `hybrid` reads the degrees from the run config's `dp`, `tp`, `pp` fields when it has
-them, else from TESSERA_DP / TESSERA_TP / TESSERA_PP; likewise `microbatches` (TESSERA_MICROBATCHES,
-default 4) and `schedule` (TESSERA_SCHEDULE, default 1f1b).
+`tp = world`; `hybrid` reads the degrees from the run config's `dp`, `tp`, `pp` (0: what dp and tp
+leave), `microbatches`, `schedule` and `zero` (0, or 1 for ZeRO-1 over the dp axis inside each
+stage, `dp_sharding.py`).
 
 Checkpoints: `state_dict()` (collective) returns the dense GPT state and every rank's optimizer
 state as a list indexed by global rank; `load_state_dict` slices the dense state back into this
@@ -21,7 +21,6 @@ rank's stage and tensor-parallel shards and takes its own optimizer state.
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch import nn
 
 from tessera.mesh import Mesh
 from tessera.models import GPT
+from tessera.pipeline.dp_sharding import ShardedOptimizerStates
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
@@ -41,12 +41,9 @@ from tessera.train.strategy import Engine, LossFn, OptimizerFactory, register_st
 __all__ = ["HybridEngine"]
 
 
-def _option(config: Any, name: str, env: str, default: Any) -> Any:
-    """A knob from the run config if it has the field, else the environment, else `default`."""
-    value = getattr(config, name, None)
-    if value is not None:
-        return value
-    return type(default)(os.environ.get(env, default))
+def _option(config: Any, name: str, default: Any) -> Any:
+    """A knob from the run config, or `default` when the engine is built outside the trainer."""
+    return default if config is None else getattr(config, name)
 
 
 class HybridEngine(Engine):
@@ -64,7 +61,10 @@ class HybridEngine(Engine):
         pp: int = 1,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
+        zero: int = 0,
     ) -> None:
+        if zero not in (0, 1):
+            raise ValueError(f"zero must be 0 or 1 inside model-parallel stages, got {zero}")
         if not isinstance(module, GPT):
             raise ValueError(f"model-parallel strategies need the GPT, not {type(module).__name__}")
         if dp * tp * pp != ctx.world_size:
@@ -82,9 +82,23 @@ class HybridEngine(Engine):
             timeout_s=ctx.timeout_s,
         )
         self.params = list(self.pipe.module.parameters())
-        self.optimizer = make_optimizer(self.params)
-        sharded = [m for m in self.pipe.module.modules() if isinstance(m, _Parallel)]
-        self._sharded = {id(getattr(m, name)) for m in sharded for name in m.shard_dims}
+        split = [m for m in self.pipe.module.modules() if isinstance(m, _Parallel)]
+        split_ids = {id(getattr(m, name)) for m in split for name in m.shard_dims}
+        # A parameter counts in the global gradient norm once: tensor-parallel shards on every tp
+        # rank, replicated ones on tp rank 0 only, tied ones on their first stage only.
+        tp_rank = self.mesh.rank("tp")
+        self._norm_weight = [
+            float(self.pipe.counts_in_norm(p) and (id(p) in split_ids or tp_rank == 0))
+            for p in self.params
+        ]
+        self.zero: ShardedOptimizerStates | None = None
+        if zero and dp > 1:
+            self.zero = ShardedOptimizerStates(
+                self.params, make_optimizer, group=self.dp_group, norm_weight=self._norm_weight
+            )
+            self.optimizer = self.zero.optimizer
+        else:
+            self.optimizer = make_optimizer(self.params)
 
     def __call__(self, *inputs: Any) -> Any:
         """Forward alone is not a pipeline step: the trainer drives `train_step`."""
@@ -105,7 +119,13 @@ class HybridEngine(Engine):
         x, y = inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
         loss = self.pipe.train_step(x, y, loss_fn)
         began = time.perf_counter()
-        loss = self._average_over_dp(loss)
+        if self.zero is not None:
+            self.zero.reduce_gradients()
+            loss_sum = torch.tensor([loss])
+            dist.all_reduce(loss_sum, group=self.dp_group)
+            loss = float(loss_sum) / dp
+        else:
+            loss = self._average_over_dp(loss)
         self.comm_seconds = time.perf_counter() - began
         return loss
 
@@ -125,23 +145,32 @@ class HybridEngine(Engine):
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm over every stage and shard (replicated and tied parameters once)."""
-        total = torch.zeros((), dtype=torch.float64)
-        if self.mesh.rank("dp") == 0:  # dp replicas hold equal gradients after averaging
-            tp_rank = self.mesh.rank("tp")
-            for p in self.params:
-                if p.grad is None or not self.pipe.counts_in_norm(p):
-                    continue
-                if id(p) in self._sharded or tp_rank == 0:
-                    total += p.grad.detach().double().pow(2).sum()
+        if self.zero is not None:  # each dp rank holds a distinct slice of the averaged grads
+            total = self.zero.grad_norm_sq()
+        else:
+            total = torch.zeros((), dtype=torch.float64)
+            if self.mesh.rank("dp") == 0:  # dp replicas hold equal gradients after averaging
+                for p, weight in zip(self.params, self._norm_weight):
+                    if p.grad is not None and weight:
+                        total += p.grad.detach().double().pow(2).sum()
         if self.ctx.world_size > 1:
             dist.all_reduce(total)
         norm = math.sqrt(float(total))
         scale = max_norm / (norm + 1e-6)
         if scale < 1:
+            if self.zero is not None:
+                self.zero.scale_gradients(scale)
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
+
+    def step(self, lr: float) -> None:
+        """Apply the optimizer (ZeRO-1: step this rank's slice and all-gather the slices)."""
+        if self.zero is None:
+            super().step(lr)
+        else:
+            self.zero.step(lr)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The dense GPT state dict (GPT keys) on every rank; collective."""
@@ -177,6 +206,8 @@ class HybridEngine(Engine):
                 value = shard(value, layer.shard_dims[leaf], self.tp_group, layer.chunks)
             local[key] = value
         self.pipe.module.load_state_dict(local)
+        if self.zero is not None:  # the optimizer steps the slice: take it from the new weights
+            self.zero.load_from_parameters()
         self.optimizer.load_state_dict(state["optimizer"][self.ctx.rank])
 
 
@@ -208,15 +239,18 @@ def tensor_strategy(
 def hybrid_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:
-    """dp x tp x pp from the config or TESSERA_DP / _TP / _PP (pp defaults to what is left)."""
-    dp, tp = _option(config, "dp", "TESSERA_DP", 1), _option(config, "tp", "TESSERA_TP", 1)
-    pp = _option(config, "pp", "TESSERA_PP", max(1, ctx.world_size // (dp * tp)))
+    """dp x tp x pp from the run config (pp 0: the ranks dp and tp leave)."""
+    dp, tp = _option(config, "dp", 1), _option(config, "tp", 1)
+    pp = _option(config, "pp", 0) or max(1, ctx.world_size // (dp * tp))
     options = _pipeline_options(config)
-    return HybridEngine(module, make_optimizer, ctx, config, dp=dp, tp=tp, pp=pp, **options)
+    zero = _option(config, "zero", 0)
+    return HybridEngine(
+        module, make_optimizer, ctx, config, dp=dp, tp=tp, pp=pp, zero=zero, **options
+    )
 
 
 def _pipeline_options(config: Any) -> dict[str, Any]:
     return {
-        "num_microbatches": _option(config, "microbatches", "TESSERA_MICROBATCHES", 4),
-        "schedule": _option(config, "schedule", "TESSERA_SCHEDULE", "1f1b"),
+        "num_microbatches": _option(config, "microbatches", 4),
+        "schedule": _option(config, "schedule", "1f1b"),
     }

@@ -101,6 +101,8 @@ class Pipeline:
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
         self.stage_index = dist.get_rank(group) if dist.is_initialized() else 0
+        if self.stage_index < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of the pipeline's group")
         bounds = stage_bounds(self.balance)
         self._stage = slice_stage(model, bounds, self.stage_index)
         self.module: nn.Sequential = self._stage.module

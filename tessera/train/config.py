@@ -21,6 +21,7 @@ from tessera.errors import ConfigError
 __all__ = ["ModelSettings", "TrainConfig", "build_config", "config_to_dict", "load_yaml"]
 
 OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("naive", "gpipe", "1f1b")
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -72,6 +73,12 @@ class TrainConfig:
     bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
     average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
+    dp: int = _option(1, "hybrid: data-parallel degree.")
+    tp: int = _option(1, "hybrid: tensor-parallel degree.")
+    pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
+    zero: int = _option(0, "hybrid: 1 shards optimizer states over each stage's dp group.")
+    microbatches: int = _option(4, "pipeline, hybrid: micro-batches per step.")
+    schedule: str = _option("1f1b", "pipeline, hybrid: naive, gpipe or 1f1b.")
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
     log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
@@ -93,7 +100,16 @@ class TrainConfig:
             )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be at least 1, got {self.nproc}")
-        for name in ("steps", "batch_size", "log_every", "corpus_bytes", "average_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "log_every",
+            "corpus_bytes",
+            "average_every",
+            "dp",
+            "tp",
+            "microbatches",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in (
@@ -108,6 +124,10 @@ class TrainConfig:
         for name in ("lr", "timeout_s", "bucket_cap_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        if self.zero not in (0, 1):
+            raise ConfigError(f"zero must be 0 or 1 (ZeRO-1 inside stages), got {self.zero}")
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         from tessera.comm import ALGORITHMS
@@ -129,6 +149,13 @@ class TrainConfig:
                 f"batch_size ({self.batch_size}) must be divisible by the number of ranks "
                 f"({world_size})"
             )
+        if self.strategy == "hybrid":
+            pp = self.pp or world_size // (self.dp * self.tp)
+            if self.dp * self.tp * pp != world_size:
+                raise ConfigError(
+                    f"dp x tp x pp = {self.dp} x {self.tp} x {pp} does not equal the "
+                    f"{world_size} ranks"
+                )
 
 
 def _type_matches(value: Any, annotation: Any) -> bool:

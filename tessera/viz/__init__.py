@@ -1,5 +1,6 @@
-"""Plots: loss curves (more to come: bandwidth curves, pipeline timelines, memory breakdowns)."""
+"""Plots: loss curves, pipeline timelines (Gantt PNG or chrome trace)."""
 
 from tessera.viz.loss import plot_loss
+from tessera.viz.timeline import pipeline_timeline
 
-__all__ = ["plot_loss"]
+__all__ = ["pipeline_timeline", "plot_loss"]

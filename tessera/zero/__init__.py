@@ -7,7 +7,7 @@ DDP (2Ψ elements per step), stage 3 1.5x that (3Ψ).
 """
 
 from tessera.zero.api import STAGES, full_state_dict, initialize
-from tessera.zero.checkpoint import consolidate, load_shard_states, shard_state
+from tessera.zero.checkpoint import consolidate, load_shards, save_shard
 from tessera.zero.memory import estimate_memory, measure_memory
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
@@ -24,7 +24,7 @@ __all__ = [
     "estimate_memory",
     "full_state_dict",
     "initialize",
-    "load_shard_states",
+    "load_shards",
     "measure_memory",
-    "shard_state",
+    "save_shard",
 ]

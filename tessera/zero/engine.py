@@ -19,11 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.runtime.context import Context
-from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+from tessera.train.checkpoint import load_checkpoint
 from tessera.train.strategy import Engine, OptimizerFactory, register_strategy
 from tessera.zero.api import STAGES, full_state_dict
-from tessera.zero.checkpoint import load_shard_files, load_shard_states, shard_file_name
-from tessera.zero.checkpoint import shard_state as _shard_state
+from tessera.zero.checkpoint import load_shards, save_shard
 from tessera.zero.memory import estimate_memory
 
 __all__ = ["Zero1Engine", "Zero2Engine", "Zero3Engine", "ZeroEngine"]
@@ -102,12 +101,12 @@ class ZeroEngine(Engine):
         return full_state_dict(self.module)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard (the loop saves through `save_shards` instead)."""
-        return _shard_state(self.optimizer)
+        """The full model only (collective); checkpoints go through `save_shards`."""
+        return {"model": full_state_dict(self.module)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a list of every rank's shards (`load_shard_states`)."""
-        load_shard_states(self.optimizer, state if isinstance(state, list) else [state])
+        """Not supported: a ZeRO engine resumes from its shards (`load_shards`)."""
+        raise NotImplementedError("a ZeRO engine loads sharded checkpoints: use load_shards")
 
     def save_shards(self, checkpoint: Path, step: int) -> dict[str, Any]:
         """Collective: each rank writes its shard; returns what `checkpoint.pt` should hold."""
@@ -115,15 +114,14 @@ class ZeroEngine(Engine):
         relative = f"{SHARD_ROOT}/step-{step:08d}"
         if self.ctx.is_main:
             _remove_stale_shards(run_dir, checkpoint, keep=relative)
-        name = shard_file_name(self.optimizer.rank, self.optimizer.world)
-        save_checkpoint(run_dir / relative / name, {"step": step, **_shard_state(self.optimizer)})
+        save_shard(run_dir / relative, self.optimizer, step=step)
         if self.ctx.world_size > 1:
             dist.barrier()
         return {"zero_shards": relative, "world_size": self.optimizer.world, "stage": self.stage}
 
     def load_shards(self, checkpoint: Path, meta: dict[str, Any]) -> None:
         """Load the shards `checkpoint.pt` names, from any world size."""
-        load_shard_states(self.optimizer, load_shard_files(checkpoint.parent / meta["zero_shards"]))
+        load_shards(self.optimizer, checkpoint.parent / meta["zero_shards"])
 
 
 def _remove_stale_shards(run_dir: Path, checkpoint: Path, keep: str) -> None:

@@ -95,9 +95,14 @@ def measure_memory(model: nn.Module, optimizer: Any) -> dict[str, int]:
     seen: set[int] = set()
     params = list(model.parameters())
     buckets = getattr(model, "buckets", [])
+    if buckets:  # DDP's buckets may be views of one shared-memory segment: count the views
+        gradients = sum(bucket.nbytes for bucket in buckets)
+        seen.update(bucket.buffer.untyped_storage().data_ptr() for bucket in buckets)
+    else:
+        gradients = storage_bytes([p.grad for p in params], seen)
     counted = {
         "params": storage_bytes(params, seen),
-        "gradients": storage_bytes([p.grad for p in params] + [b.buffer for b in buckets], seen),
+        "gradients": gradients,
         "optimizer": storage_bytes(_optimizer_tensors(optimizer), seen),
     }
     counted["total"] = sum(counted.values())

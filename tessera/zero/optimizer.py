@@ -16,11 +16,18 @@ slices instead of whole tensors. With `mixed_precision="bf16"` parameters and gr
 for compute and communication and the masters are fp32 copies (the paper's K = 12 for Adam).
 All collectives run on the reducer's one communication thread, so every rank issues them in the
 same order.
+
+Transport: across hosts, a reduce-scatter and an all-gather are tessera's ring collectives, the
+paper's Ψ elements each. When the whole group is on one host, both run instead as tessera's
+shared-memory all-reduce (`comm.all_reduce`, algorithm "auto"), in place on the flat buffer: it
+moves twice the bytes of a reduce-scatter through memory, yet on a 2-core machine it is about
+1.7x faster than the point-to-point ring (benchmarks/zero.py); the result is the same slice.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +93,8 @@ class ZeroOptimizer:
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
         _check_same_model(module, group)
+        self.one_host = self.world > 1 and _on_one_host(group)
+        """Every rank of the group on this host: collectives go through shared memory."""
         _broadcast_from_first(list(module.parameters()) + list(module.buffers()), group)
         fp32 = {id(p): p.detach().float().reshape(-1) for _, p in named}
         if mixed_precision == "bf16":
@@ -176,6 +185,24 @@ class ZeroOptimizer:
                 "another rank has not reached the same step (or has failed)",
             ) from None
 
+    def _reduce_scatter_mean(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it)."""
+        if self.one_host:
+            comm.all_reduce(buffer, "mean", group=self.group)
+            return buffer[lo:hi]
+        return comm.reduce_scatter(buffer, "mean", group=self.group)
+
+    @torch.no_grad()
+    def _all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, lo: int) -> None:
+        """Fill `full` with every rank's `shard` (rank r's at `[r * len, (r + 1) * len)`)."""
+        if self.one_host:
+            mine = shard.to(full.dtype, copy=True)  # `shard` may be a view of `full`
+            full.zero_()
+            full[lo : lo + mine.numel()].copy_(mine)
+            comm.all_reduce(full, "sum", group=self.group)  # x + 0 + ... + 0 = x: exact
+        else:
+            full.copy_(comm.all_gather(shard.to(full.dtype), group=self.group))
+
     # -- the optimizer interface ---------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -264,7 +291,11 @@ class ZeroOptimizer:
         return out
 
     def remove_hooks(self) -> None:
-        """Detach from the module (its parameters keep their current values)."""
+        """Detach from the module and stop the communication thread; the optimizer is done.
+
+        Stages 1 and 2 leave the module's parameters at their current values; under stage 3 they
+        are freed shards, so call `full_state_dict` first.
+        """
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -289,6 +320,12 @@ def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> to
 
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return comm.all_gather(tensor, group=group)
+
+
+def _on_one_host(group: dist.ProcessGroup | None) -> bool:
+    names: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return len(set(names)) == 1
 
 
 def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None:

@@ -14,11 +14,12 @@ Communication per step: reduce-scatter + all-gather = 2Ψ elements, the same as 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from tessera import comm
 from tessera.data_parallel.bucket import Bucket
-from tessera.zero.optimizer import FlatShard, ZeroOptimizer, _all_gather
+from tessera.zero.optimizer import FlatShard, ZeroOptimizer
 
 __all__ = ["ZeroStage1"]
 
@@ -29,24 +30,35 @@ class ZeroStage1(ZeroOptimizer):
     stage = 1
     release_gradients = False
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._reduced: set[int] = set()
+        """Buckets reduced since the last step: a second reduction would be wrong."""
+        super().__init__(*args, **kwargs)
+
     def _reduce_bucket(self, bucket: Bucket) -> None:
         flat = self.flats[bucket.index]
         assert flat.bucket is bucket
-        mine = comm.reduce_scatter(bucket.buffer, "mean", group=self.group)  # (hi - lo,)
-        bucket.buffer[flat.lo : flat.hi].copy_(mine)
+        if bucket.index in self._reduced:
+            # The slice already holds the average of the last backward: summing local gradients
+            # onto it would count that average N times. Stages 2 and 3 accumulate correctly.
+            raise RuntimeError(
+                "ZeRO-1 reduces each backward's gradients in place: call step() or zero_grad() "
+                "between backward passes (to accumulate micro-batches, use stage 2 or 3)"
+            )
+        mine = self._reduce_scatter_mean(bucket.buffer, flat.lo, flat.hi)  # (hi - lo,)
+        if mine.data_ptr() != bucket.buffer[flat.lo :].data_ptr():
+            bucket.buffer[flat.lo : flat.hi].copy_(mine)
+        self._reduced.add(bucket.index)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of the last backward."""
+        super().zero_grad(set_to_none)
+        self._reduced.clear()
 
     def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:
         return flat.bucket.buffer[flat.lo : flat.hi]
 
     def _publish(self) -> None:
+        self._reduced.clear()
         for flat in self.flats:
-            self._collective(_gather_into, flat, self.group)
-
-
-@torch.no_grad()
-def _gather_into(flat: FlatShard, group: object) -> None:
-    """All-gather every rank's updated slice into the flat parameter buffer (stages 1 and 2)."""
-    mine = flat.master.detach()
-    if mine.dtype != flat.flat_param.dtype:  # mixed precision: fp32 master -> bf16 parameter
-        mine = mine.to(flat.flat_param.dtype)
-    flat.flat_param.copy_(_all_gather(mine, group))
+            self._collective(self._all_gather_into, flat.flat_param, flat.master.detach(), flat.lo)

@@ -13,10 +13,8 @@ per rank: 2Ψ + (2 + K)Ψ/N bytes (mixed precision) — `memory.estimate_memory(
 
 from __future__ import annotations
 
-from tessera import comm
 from tessera.data_parallel.bucket import Bucket
 from tessera.zero.optimizer import ZeroOptimizer
-from tessera.zero.stage1 import _gather_into
 
 __all__ = ["ZeroStage2"]
 
@@ -30,8 +28,8 @@ class ZeroStage2(ZeroOptimizer):
     def _reduce_bucket(self, bucket: Bucket) -> None:
         flat = self.flats[bucket.index]
         assert flat.bucket is bucket and flat.grad_shard is not None
-        flat.grad_shard.add_(comm.reduce_scatter(bucket.buffer, "mean", group=self.group))
+        flat.grad_shard.add_(self._reduce_scatter_mean(bucket.buffer, flat.lo, flat.hi))
 
     def _publish(self) -> None:
         for flat in self.flats:
-            self._collective(_gather_into, flat, self.group)
+            self._collective(self._all_gather_into, flat.flat_param, flat.master.detach(), flat.lo)

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tessera import comm
 from tessera.data_parallel.bucket import Bucket
 from tessera.errors import CollectiveTimeout
 from tessera.zero.optimizer import FlatShard, ZeroOptimizer
@@ -125,8 +124,7 @@ class ZeroStage3(ZeroOptimizer):
         storage = flat.flat_param.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-        shard = self._shards[flat.bucket.index]
-        flat.flat_param.copy_(comm.all_gather(shard, group=self.group))
+        self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index], flat.lo)
 
     def _request(self, unit_id: int) -> None:
         """Queue the gather of a unit (prefetch) unless it is gathered or on its way."""
@@ -197,7 +195,7 @@ class ZeroStage3(ZeroOptimizer):
     def _reduce_bucket(self, bucket: Bucket) -> None:
         flat = self.flats[bucket.index]
         assert flat.bucket is bucket and flat.grad_shard is not None
-        flat.grad_shard.add_(comm.reduce_scatter(bucket.buffer, "mean", group=self.group))
+        flat.grad_shard.add_(self._reduce_scatter_mean(bucket.buffer, flat.lo, flat.hi))
         flat.flat_param.untyped_storage().resize_(0)  # this unit's backward is over
 
     @torch.no_grad()
