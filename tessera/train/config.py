@@ -73,6 +73,9 @@ class TrainConfig:
     bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
     average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
+    mixed_precision: str | None = _option(
+        None, "zero1-3: bf16 to compute and communicate, fp32 master weights and optimizer."
+    )
     dp: int = _option(1, "hybrid: data-parallel degree.")
     tp: int = _option(1, "hybrid: tensor-parallel degree.")
     pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
@@ -126,6 +129,12 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
+        if self.mixed_precision not in (None, "bf16"):
+            raise ConfigError(
+                f"mixed_precision must be bf16 or unset, got {self.mixed_precision!r}"
+            )
+        if self.mixed_precision and not self.strategy.startswith("zero"):
+            raise ConfigError("mixed_precision needs strategy zero1, zero2 or zero3")
         if self.zero not in (0, 1):
             raise ConfigError(f"zero must be 0 or 1 (ZeRO-1 inside stages), got {self.zero}")
         if self.optimizer not in OPTIMIZERS:

@@ -75,7 +75,7 @@ def _gather_objects(value: Any, ctx: Context) -> list[Any]:
 
 def _save(engine: Engine, ctx: Context, path: Path, step: int, extra: dict[str, Any]) -> None:
     """Collective: every rank contributes its RNG state; rank 0 writes the file atomically."""
-    if getattr(engine, "sharded_checkpoint", False):  # each rank writes its shard (ZeRO)
+    if engine.sharded_checkpoint:  # each rank writes its own shard (ZeRO)
         state = engine.save_shards(path, step)
     else:
         state = engine.state_dict()
@@ -90,7 +90,7 @@ def _restore(engine: Engine, ctx: Context, path: Path, tokenizer: CharTokenizer)
     state = load_checkpoint(path)
     if state.get("tokenizer") != tokenizer.to_dict():
         raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
-    if getattr(engine, "sharded_checkpoint", False):
+    if engine.sharded_checkpoint:
         engine.load_shards(path, state["engine"])
     else:
         engine.load_state_dict(state["engine"])
@@ -154,6 +154,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
                     "step_s": step_s,
                     "comm_s": engine.comm_seconds,
                     "peak_mem_mb": peak_memory_mb(ctx.device),
+                    "model_state_mb": _model_state_mb(engine),
                 },
                 ctx.device,
             )
@@ -184,7 +185,7 @@ def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) ->
         r["step_s"] for r in ranks
     )  # a synchronous step lasts as long as its slowest rank
     comm = max(r["comm_s"] for r in ranks)
-    return {
+    record = {
         "step": step,
         "loss": statistics.fmean(r["loss"] for r in ranks),  # equal shards: mean = global loss
         "lr": lr,
@@ -194,6 +195,15 @@ def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) ->
         "comm_s": comm,
         "peak_mem_mb": [round(r["peak_mem_mb"], 1) for r in ranks],
     }
+    if all(r["model_state_mb"] >= 0 for r in ranks):
+        record["model_state_mb"] = [round(r["model_state_mb"], 3) for r in ranks]
+    return record
+
+
+def _model_state_mb(engine: Engine) -> float:
+    """This rank's model-state megabytes, or -1 when the strategy does not measure them."""
+    measured = engine.model_state_bytes()
+    return -1.0 if measured is None else measured / 2**20
 
 
 def _sample(
@@ -236,6 +246,7 @@ def _summary(
         "step_s": median(r["step_s"] for r in this_run),
         "comm_s": median(r["comm_s"] for r in this_run),
         "peak_mem_mb": this_run[-1]["peak_mem_mb"],
+        "model_state_mb": this_run[-1].get("model_state_mb"),
         "wall_s": wall_s,
         "sample": sample,
     }

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 __all__ = ["MetricsLog", "gather_rank_metrics", "peak_memory_mb", "read_metrics"]
 
-RANK_FIELDS = ("loss", "step_s", "comm_s", "peak_mem_mb")
+RANK_FIELDS = ("loss", "step_s", "comm_s", "peak_mem_mb", "model_state_mb")
 """What each rank reports per logged step, in the order of the gathered vector."""
 
 

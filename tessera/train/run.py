@@ -99,6 +99,9 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("run folder", summary["run_dir"]),
     ]
+    if summary.get("model_state_mb"):
+        states = ", ".join(f"{m:.2f} MB" for m in summary["model_state_mb"])
+        rows.insert(-2, ("model states per rank", states))
     for name, value in rows:
         table.add_row(name, value)
     console = Console()

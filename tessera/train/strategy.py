@@ -64,6 +64,10 @@ class Engine:
     Subclasses override what their strategy changes; the defaults here are plain PyTorch.
     """
 
+    sharded_checkpoint = False
+    """True: every rank writes and reads its own shard (`save_shards` / `load_shards`) instead
+    of rank 0 writing `state_dict()`."""
+
     def __init__(
         self,
         module: nn.Module,
@@ -104,6 +108,10 @@ class Engine:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state_bytes(self) -> int | None:
+        """Bytes of parameters, gradients and optimizer state this rank holds, if measured."""
+        return None
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's `state_dict` (plain module keys), complete at least on rank 0."""

@@ -122,6 +122,8 @@ def load_shard_files(folder: str | Path) -> list[dict[str, Any]]:
     for path in folder.glob("rank-*-of-*.pt"):
         if match := _SHARD_FILE.search(path.name):
             found[(int(match[1]), int(match[2]))] = path
+    if not found:
+        raise CheckpointError(f"no ZeRO shard files (rank-*-of-*.pt) in {folder}")
     worlds = {world for _, world in found}
     if len(worlds) != 1:
         raise CheckpointError(f"{folder}: expected the shards of one world size, found {worlds}")

@@ -10,7 +10,6 @@ and `tessera checkpoint consolidate RUN_DIR out.safetensors` yields one plain st
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from tessera.train.checkpoint import load_checkpoint
 from tessera.train.strategy import Engine, OptimizerFactory, register_strategy
 from tessera.zero.api import STAGES, full_state_dict
 from tessera.zero.checkpoint import load_shards, save_shard
-from tessera.zero.memory import estimate_memory
 
 __all__ = ["Zero1Engine", "Zero2Engine", "Zero3Engine", "ZeroEngine"]
 
@@ -50,10 +48,13 @@ class ZeroEngine(Engine):
         self.ctx = ctx
         self.config = config
         self.comm_seconds = 0.0
-        kwargs = {"bucket_cap_mb": config.bucket_cap_mb} if config and self.stage < 3 else {}
+        kwargs: dict[str, Any] = {}
+        if config is not None:
+            kwargs["mixed_precision"] = config.mixed_precision
+            if self.stage < 3:
+                kwargs["bucket_cap_mb"] = config.bucket_cap_mb
         self.optimizer = STAGES[self.stage](module, make_optimizer, **kwargs)
         module._tessera_zero = self.optimizer
-        self._memory_logged = False
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward; buckets are reduce-scattered as they fill, the end waits for the last."""
@@ -64,37 +65,9 @@ class ZeroEngine(Engine):
         """Clip by the global norm, summed over every rank's gradient shard."""
         return self.optimizer.clip_grad_norm(max_norm)
 
-    def step(self, lr: float) -> None:
-        """Sharded optimizer step; after the first one, log the model-state bytes per rank."""
-        super().step(lr)
-        if not self._memory_logged:
-            self._memory_logged = True
-            self._log_memory()
-
-    def memory(self) -> dict[str, Any]:
-        """Measured model-state bytes on this rank and the ZeRO paper's estimate."""
-        state_bytes = 8 if self.config is None or self.config.optimizer != "sgd" else 4
-        estimate = estimate_memory(
-            self.optimizer.num_params(),
-            self.optimizer.world,
-            self.stage,
-            param_bytes=4,
-            grad_bytes=4,
-            optimizer_bytes=state_bytes,
-        )
-        return {"measured": self.optimizer.memory_usage(), "estimate": estimate}
-
-    def _log_memory(self) -> None:
-        report = self.memory()
-        if self.ctx.is_main:
-            mib = {k: f"{v / 2**20:.2f}" for k, v in report["measured"].items()}
-            est = report["estimate"]["total"] / 2**20
-            print(
-                f"zero{self.stage}: model states on rank 0, MiB: params {mib['params']}, "
-                f"gradients {mib['gradients']}, optimizer {mib['optimizer']}, total "
-                f"{mib['total']} (ZeRO estimate {est:.2f})",
-                file=sys.stderr,
-            )
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state held by this rank, counted from storages."""
+        return self.optimizer.memory_usage()["total"]
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The whole model, gathered from the shards (collective)."""
