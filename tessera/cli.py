@@ -120,6 +120,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """`tessera bench comm [options]`: the collectives benchmark (tessera.comm.bench)."""
+    from tessera.comm import bench
+
+    bench.main(args.bench_args)
+    return 0
+
+
 def _checkpoint(args: argparse.Namespace) -> int:
     """`tessera checkpoint consolidate RUN_DIR OUT`: ZeRO shards -> one safetensors file."""
     from tessera.zero import consolidate
@@ -166,6 +174,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     run.set_defaults(handler=_run)
+
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark against its anchor",
+        description="comm: every all-reduce algorithm against torch.distributed's, 4 KB-64 MB, "
+        "2 and 4 ranks (tessera bench comm --help for its options). The other benchmarks are "
+        "scripts in benchmarks/.",
+    )
+    bench.add_argument("name", choices=["comm"], help="which benchmark")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options")
+    bench.set_defaults(handler=_bench)
 
     checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
     actions = checkpoint.add_subparsers(dest="action", required=True)
