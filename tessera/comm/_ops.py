@@ -10,9 +10,30 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["OPS", "SUPPORTED_DTYPES", "accumulate_dtype", "check_op", "combine", "finish_mean"]
+__all__ = [
+    "ALGORITHMS",
+    "OPS",
+    "SUPPORTED_DTYPES",
+    "accumulate_dtype",
+    "check_op",
+    "combine",
+    "finish_mean",
+]
 
 OPS = ("sum", "mean", "max", "min", "product")
+
+ALGORITHMS = (
+    "ring",
+    "tree",
+    "butterfly",
+    "all_to_all",
+    "master_worker",
+    "round_robin",
+    "shm",
+    "native",
+)
+"""Every algorithm `all_reduce` (and `reduce`) accepts, besides "auto"; diagnostics encode
+an algorithm by its index here, so the order is part of the wire format."""
 
 SUPPORTED_DTYPES = (
     torch.float32,

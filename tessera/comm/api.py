@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm import cost, diagnostics
-from tessera.comm._ops import accumulate_dtype, check_op, finish_mean, native_op
+from tessera.comm._ops import ALGORITHMS, accumulate_dtype, check_op, finish_mean, native_op
 from tessera.comm._p2p import Comm, GroupInfo, group_info, next_seq
 from tessera.comm.all_to_all import all_reduce_all_to_all
 from tessera.comm.butterfly import all_reduce_butterfly
@@ -37,18 +37,6 @@ __all__ = [
     "reduce_scatter",
     "shared_buffer",
 ]
-
-ALGORITHMS = (
-    "ring",
-    "tree",
-    "butterfly",
-    "all_to_all",
-    "master_worker",
-    "round_robin",
-    "shm",
-    "native",
-)
-"""Every algorithm `all_reduce` (and `reduce`) accepts, besides "auto"."""
 
 BROADCAST_ALGORITHMS = ("tree", "master_worker", "shm", "native")
 """The algorithms `broadcast` accepts, besides "auto" ("master_worker": the root sends to all)."""

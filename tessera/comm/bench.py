@@ -22,22 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tessera.comm._ops import ALGORITHMS
+
 __all__ = ["FULL_SIZES", "QUICK_SIZES", "main", "run"]
 
 FULL_SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KB .. 64 MB
 QUICK_SIZES = (4096, 65536, 1 << 20, 16 << 20)
-VARIANTS = (
-    "native",
-    "ring",
-    "tree",
-    "butterfly",
-    "all_to_all",
-    "master_worker",
-    "round_robin",
-    "shm",
-    "shm_shared",  # shm on a tensor from shared_buffer: no copy in or out
-    "auto",
-)
+VARIANTS = ("native", *(a for a in ALGORITHMS if a != "native"), "shm_shared", "auto")
+"""Columns of the benchmark: `shm_shared` is shm on a tensor from `shared_buffer` (no copy in
+or out); `auto` is the cost model's choice."""
 _SAMPLE_S = 0.05
 
 

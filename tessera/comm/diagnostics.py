@@ -29,23 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm._ops import OPS, SUPPORTED_DTYPES
+from tessera.comm._ops import ALGORITHMS, OPS, SUPPORTED_DTYPES
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
 
 __all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
 
 HISTORY = 64
 _KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "shared_buffer")
-_ALGOS = (
-    "ring",
-    "tree",
-    "butterfly",
-    "all_to_all",
-    "master_worker",
-    "round_robin",
-    "shm",
-    "native",
-)
 DESCRIPTOR_LEN = 16  # int64 words; see `describe`
 _MAX_DIMS = 8
 
@@ -117,7 +107,7 @@ def describe_words(entry: Record, root: int = -1) -> list[int]:
     words = [
         entry.seq,
         _KINDS.index(entry.kind),
-        _ALGOS.index(entry.algorithm),
+        ALGORITHMS.index(entry.algorithm),
         OPS.index(entry.op) if entry.op in OPS else -1,
         SUPPORTED_DTYPES.index(entry.dtype) if entry.dtype in SUPPORTED_DTYPES else -1,
         root,
@@ -139,7 +129,7 @@ def explain(words: list[int]) -> str:
         return str(names[i]) if 0 <= i < len(names) else "?"
 
     text = f"#{seq} {pick(_KINDS, kind)}(shape={shape}, dtype={pick(SUPPORTED_DTYPES, dtype)}"
-    text += f", op={pick(OPS, op)}, algorithm={pick(_ALGOS, algo)}"
+    text += f", op={pick(OPS, op)}, algorithm={pick(ALGORITHMS, algo)}"
     return text + (f", root={root})" if root >= 0 else ")")
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
+from tessera._atomic import write_atomically
 from tessera.errors import CheckpointError
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -30,29 +29,16 @@ _HEADER = len(_MAGIC) + 32 + 8
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     """Write `state` to `path` atomically, with a checksum; return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
     header = _MAGIC + hashlib.sha256(payload).digest() + len(payload).to_bytes(8, "little")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(header)
-            tmp.write(payload)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
+
+    def fill(file: BinaryIO) -> None:
+        file.write(header)
+        file.write(payload)
+
+    return write_atomically(path, fill)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["TensorFile", "file_sha256", "layout", "tensor_bytes", "write_atomically"]
+from tessera._atomic import write_atomically
+
+__all__ = ["TensorFile", "file_sha256", "layout", "tensor_bytes"]
 
 DTYPES = {
     torch.float32: "F32",
@@ -58,26 +58,6 @@ def layout(
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The raw bytes of `tensor` (C order)."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def write_atomically(path: Path, fill: Callable[[BinaryIO], None]) -> None:
-    """Write `path` through `fill(file)` into a temporary file, fsync it and rename it over."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            fill(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
+from tessera._atomic import write_atomically
 from tessera.errors import CheckpointError
 from tessera.zero._safetensors import (
     TensorFile,
     file_sha256,
     layout,
     tensor_bytes,
-    write_atomically,
     write_tensors,
 )
 from tessera.zero.partition import shard_pieces
