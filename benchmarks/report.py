@@ -21,7 +21,10 @@ def main() -> None:
     results = HERE / "results"
     names = [n for n in ORDER if (results / f"{n}.md").exists()]
     names += sorted(p.stem for p in results.glob("*.md") if p.stem not in ORDER)
-    sections = [(results / f"{name}.md").read_text().strip() for name in names]
+    sections = []
+    for name in names:
+        text = (results / f"{name}.md").read_text().strip()
+        sections.append(text if text.startswith("## ") else f"## {name}\n\n{text}")
     (HERE.parent / "BENCHMARKS.md").write_text(HEADER + "\n" + "\n\n".join(sections) + "\n")
     print(f"BENCHMARKS.md: {', '.join(names)}")
 
