@@ -57,14 +57,14 @@ class TrainConfig:
 
     strategy: str = _option("torch-ddp", "How training is split over ranks.")
     nproc: int = _option(2, "Local processes to spawn (under torchrun its world size wins).")
-    steps: int = _option(300, "Total optimizer steps; a resumed run continues up to this number.")
+    steps: int = _option(450, "Total optimizer steps; a resumed run continues up to this number.")
     seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
     batch_size: int = _option(32, "Global batch in sequences per step, split over the ranks.")
     optimizer: str = _option("adamw", "adamw, or sgd (momentum 0.9).")
     lr: float = _option(3e-3, "Peak learning rate, reached after warmup_steps.")
     warmup_steps: int = _option(10, "Linear learning-rate warmup, in steps.")
     decay_steps: int = _option(
-        300,
+        450,
         "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant. "
         "Independent of --steps, so that extending a run by --resume changes nothing before.",
     )
