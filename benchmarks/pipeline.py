@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = _table(results)
     print("\n".join(lines))
     machine = (
-        f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs, 1 thread per "
+        f"{platform.machine()}, {os.cpu_count()} cores, 1 thread per "
         f"rank, torch {torch.__version__}"
     )
     RESULTS.mkdir(exist_ok=True)
