@@ -57,14 +57,6 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
     )
 
 
-def _broadcast_object(value: Any, ctx: Context) -> Any:
-    if ctx.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _gather_objects(value: Any, ctx: Context) -> list[Any]:
     if ctx.world_size == 1:
         return [value]
