@@ -133,7 +133,7 @@ def test_init_under_tessera_run_matches_the_launcher(tmp_path):
     assert reports == [[r, 2, r, "gloo", 1.0] for r in range(2)]
 
 
-def test_fork_start_method_runs_functions_defined_anywhere(run_ranks):
+def test_fork_start_method_runs_functions_defined_anywhere():
     scale = 3.0
 
     def local_function() -> float:  # not importable by name: only fork can run it

@@ -149,7 +149,6 @@ class _Watchdog:
     """Posts to the store which collective this rank has been waiting in for a while."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._waiting: tuple[str, int, float, float] | None = None  # key, seq, since, patience
         self._posted: tuple[str, int] | None = None
         self._thread: threading.Thread | None = None

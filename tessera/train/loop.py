@@ -136,7 +136,8 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         loss = engine.train_step(x, y, next_token_loss)
         if config.grad_clip:
             engine.clip_grad_norm(config.grad_clip)
-        engine.step(lr_at(step, config))
+        lr = lr_at(step, config)
+        engine.step(lr)
         step_s = time.perf_counter() - began
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
@@ -150,7 +151,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
                 },
                 ctx.device,
             )
-            record = _record(done, ranks, tokens_per_step, lr_at(step, config))
+            record = _record(done, ranks, tokens_per_step, lr)
             if log is not None:
                 log.write(record)
             if bar is not None:
