@@ -90,6 +90,11 @@ def hybrid_worker(degrees):
             stage_numel = sum(p.numel() for p in engine.pipe.module.parameters())
             (slice_,) = engine.optimizer.param_groups[0]["params"]
             assert slice_.numel() == -(-stage_numel // 2)
+            # between steps ZeRO-2 holds no full gradient, ZeRO-1 all of them
+            engine.train_step(*[t[shard] for t in batches[0]], _loss)
+            held = [p.grad is not None for p in engine.pipe.module.parameters()]
+            assert not any(held) if zero == 2 else all(held)
+            engine.zero.inner.zero_grad()
         state = engine.state_dict()  # checkpoint after 2 steps, resume in a fresh engine
         resumed = make(GPT(CONFIG), _sgd, ctx)
         resumed.load_state_dict(state)
@@ -107,9 +112,10 @@ def hybrid_worker(degrees):
 
 @pytest.mark.slow
 def test_hybrid_meshes_train_the_gpt_like_one_process(run_ranks):
-    # (dp, tp, pp, zero): zero=1 shards each stage's optimizer state over its dp group (ZeRO-1)
+    # (dp, tp, pp, zero): zero=1 shards each stage's optimizer state over its dp group (ZeRO-1),
+    # zero=2 its gradients too, reduced bucket by bucket during the stage's W pass (ZeRO-2)
     degrees = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (1, 4, 1, 0)]
-    degrees += [(2, 1, 2, 1), (2, 2, 1, 1)]
+    degrees += [(2, 1, 2, 1), (2, 2, 1, 1), (2, 1, 2, 2), (2, 2, 1, 2)]
     assert run_ranks(hybrid_worker, 4, degrees, timeout_s=180) == [True] * 4
 
 

@@ -93,10 +93,12 @@ def test_partition_balances_cost_and_checks_coverage():
         schedule("gpipe", 2, 0)
 
 
-def test_one_stage_pipeline_is_gradient_accumulation_without_processes():
+@pytest.mark.parametrize("defer", [True, False])
+def test_one_stage_pipeline_is_gradient_accumulation_without_processes(defer):
     model = _mlp()
     reference = copy.deepcopy(model)
-    pipe = Pipeline(model, num_microbatches=3, schedule="gpipe")  # a world of one: no messages
+    # a world of one: no messages
+    pipe = Pipeline(model, num_microbatches=3, schedule="gpipe", defer_weight_grads=defer)
     x, y = torch.randn(7, 12), torch.randn(7, 3)
     loss = pipe.train_step(x, y, F.mse_loss)
     ref_loss = F.mse_loss(reference(x), y)
@@ -104,7 +106,9 @@ def test_one_stage_pipeline_is_gradient_accumulation_without_processes():
     assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)  # summed over 3 parts
-    assert [e.kind for e in pipe.timeline] == ["F"] * 3 + ["B"] * 3
+    assert [e.kind for e in pipe.timeline] == ["F"] * 3 + ["B"] * 3 + ["W"] * defer
+    if defer:  # the W pass computed every linear weight's gradient: B left them alone
+        assert pipe.deferral.peak_bytes > 0 and not pipe.deferral.pending()
     with pytest.raises(ValueError, match="nn.Sequential"):
         Pipeline(nn.Linear(2, 2), num_microbatches=1)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
@@ -120,10 +124,16 @@ def _mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(12, 3))
 
 
-def _check_mlp(name: str, num_microbatches: int, batch: int, balance=None) -> list:
+def _check_mlp(name: str, num_microbatches: int, batch: int, balance=None, defer=True) -> list:
     model = _mlp()
     reference = copy.deepcopy(model)
-    pipe = Pipeline(model, num_microbatches=num_microbatches, schedule=name, balance=balance)
+    pipe = Pipeline(
+        model,
+        num_microbatches=num_microbatches,
+        schedule=name,
+        balance=balance,
+        defer_weight_grads=defer,
+    )
     optimizer = torch.optim.AdamW(pipe.module.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     torch.manual_seed(1)
@@ -146,12 +156,17 @@ def _check_mlp(name: str, num_microbatches: int, batch: int, balance=None) -> li
     return pipe.gather_timeline()
 
 
-def _check_gpt(name: str, num_microbatches: int) -> None:
+def _check_gpt(name: str, num_microbatches: int, defer: bool = True) -> None:
     config = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
     gpt = GPT(config)
     reference = copy.deepcopy(gpt)
-    pipe = Pipeline(gpt_as_sequential(gpt), num_microbatches=num_microbatches, schedule=name)
+    pipe = Pipeline(
+        gpt_as_sequential(gpt),
+        num_microbatches=num_microbatches,
+        schedule=name,
+        defer_weight_grads=defer,
+    )
     # SGD with momentum: attention key biases have a true gradient of zero (DESIGN.md, Testing)
     optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.1, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -221,7 +236,9 @@ def pipeline_worker(out_dir: str) -> list:
             events = _check_mlp(name, m, batch=7)  # 7 = uneven micro-batches for m = 3, 4
         idle.append(measured_idle_fraction(events))
         _check_gpt(name, 2)
-    assert {e.kind for e in events} >= {"F", "B", "send", "recv"}
+        _check_mlp(name, 3, batch=7, defer=False)  # weight gradients inside B, as autograd does
+        _check_gpt(name, 2, defer=False)
+    assert {e.kind for e in events} >= {"F", "B", "W", "send", "recv"}
     assert len([e for e in events if e.kind == "F"]) == 4 * ctx.world_size
     if ctx.world_size == 2:
         _check_mlp("1f1b", 2, batch=4, balance=[1, 5])

@@ -1,16 +1,26 @@
-"""ZeRO-1 over the data-parallel axis of a model-parallel mesh: one stage's optimizer sharded.
+"""ZeRO-1 and ZeRO-2 across the data-parallel axis of a mesh, inside each pipeline stage.
 
-Each rank of a dp group holds the same pipeline stage / tensor-parallel shard. Plain data
-parallelism all-reduces its gradients; here (Rajbhandari et al. 2020, ZeRO stage 1, section 5.1)
-the stage's gradients, flattened into one buffer padded to a multiple of d (the dp size), are
-reduce-scattered instead: dp rank r receives the average of slice r, steps only that slice with
-its optimizer (whose state is thus 1/d of the stage's), and an all-gather of the slices rebuilds
-the parameters. Communication per step: reduce-scatter + all-gather = 2Ψ elements, as an
-all-reduce. The full gradients are freed right after the reduce-scatter, so between steps a rank
-holds 1/d of them (ZeRO-2's gradient memory after backward; during the pipeline's backward the
-full gradients exist, since the reduction runs once all micro-batches are done). Uses
-`tessera.comm`'s reduce-scatter and all-gather (ring). This is the combination DeepSpeed refuses:
-ZeRO sharding inside pipeline stages.
+The dp peers of a mesh hold the same pipeline stage (and tensor-parallel shard), so the stage's
+parameters can be sharded over the dp group exactly as plain data parallelism shards a model:
+with `tessera.zero`'s own `ZeroStage1` / `ZeroStage2` (flat buckets, rank r owns slice r of each,
+reduce-scatter the gradients, step the slice, all-gather the parameters; Rajbhandari et al. 2020).
+
+What a pipeline changes is *when* a gradient is final. A stage runs m micro-batch backwards per
+step; reducing after each one would cost m reduce-scatters per step, which is why DeepSpeed
+refuses ZeRO-2 with pipeline parallelism. Here the reducer is silent during the schedule
+(gradients accumulate locally, as under DDP's `no_sync`) and is armed just before the stage's
+W pass (`Pipeline(defer_weight_grads=True)`, see `deferred.py`):
+
+* the gradients already complete at that point (layer norms, embeddings, the tied embedding
+  after its cross-stage sum) are marked ready;
+* every linear layer's gradient arrives once, from the W pass, whose gradient hooks launch each
+  bucket's reduce-scatter as soon as the bucket is complete, overlapping the W pass.
+
+Under ZeRO-2 a bucket's full gradient is freed as soon as it is reduced, so a stage's full weight
+gradients never exist all at once: only the buckets in flight and the small eagerly accumulated
+ones. Communication per step: one reduce-scatter and one all-gather of the stage, 2Ψ/pp elements,
+as for an all-reduce. Without deferral every gradient is complete before the W pass and all the
+buckets are reduced then.
 """
 
 from __future__ import annotations
@@ -19,71 +29,75 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera import comm
 from tessera.train.strategy import OptimizerFactory
+from tessera.zero.optimizer import ZeroOptimizer
+from tessera.zero.stage1 import ZeroStage1
+from tessera.zero.stage2 import ZeroStage2
 
-__all__ = ["ShardedOptimizerStates"]
+__all__ = ["StageZero"]
 
 
-class ShardedOptimizerStates:
-    """ZeRO-1 for `params` over `group`: reduce-scatter gradients, step a slice, all-gather."""
+class StageZero:
+    """ZeRO stage 1 or 2 of one pipeline stage's `module` over the dp `group`."""
 
     def __init__(
         self,
-        params: list[nn.Parameter],
+        module: nn.Module,
         make_optimizer: OptimizerFactory,
         *,
+        stage: int,
         group: dist.ProcessGroup,
-        norm_weight: list[float],
+        norm_weight: dict[int, float],
+        bucket_cap_mb: float = 25.0,
     ) -> None:
-        self.params, self.group = params, group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        numel = sum(p.numel() for p in params)
-        self.shard = -(-numel // self.size)  # ceil: slices of equal length
-        self.numel, self.padded = numel, self.shard * self.size
-        lo, hi = self.rank * self.shard, (self.rank + 1) * self.shard
-        self.master = nn.Parameter(self._flatten([p.detach() for p in params])[lo:hi].clone())
-        self.optimizer = make_optimizer([self.master])
-        # per element: 1 if it counts in the global gradient norm (see HybridEngine.clip_grad_norm)
-        weights = [torch.full((p.numel(),), w) for p, w in zip(params, norm_weight)]
-        self.norm_weight = self._flatten(weights)[lo:hi]
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO inside pipeline stages is stage 1 or 2, got {stage}")
+        cls = ZeroStage1 if stage == 1 else ZeroStage2
+        self.inner: ZeroOptimizer = cls(
+            module, make_optimizer, group=group, bucket_cap_mb=bucket_cap_mb
+        )
+        self.optimizer = self.inner.optimizer
+        self.reducer = self.inner.reducer
+        self.reducer.sync_enabled = False  # silent during the schedule's micro-batches
+        # per element of this rank's slices: 1 if it counts in the global gradient norm
+        weights = {name: norm_weight[id(p)] for name, p in module.named_parameters()}
+        self._norm_weights = []
+        for flat in self.inner.flats:
+            full = torch.zeros(flat.flat_param.numel(), dtype=torch.float64)
+            offsets = flat.layout.offsets
+            for index, name in enumerate(flat.layout.names):
+                full[offsets[index] : offsets[index + 1]] = weights[name]
+            self._norm_weights.append(full[flat.lo : flat.hi])
 
-    @torch.no_grad()
-    def load_from_parameters(self) -> None:
-        """Re-read this rank's slice from the parameters (after they were loaded from outside)."""
-        lo = self.rank * self.shard
-        self.master.copy_(self._flatten([p.detach() for p in self.params])[lo : lo + self.shard])
+    def arm(self, ready: list[nn.Parameter]) -> None:
+        """Before the W pass: `ready` gradients are complete; the rest arrive through hooks."""
+        self.reducer.sync_enabled = True
+        self.reducer.prepare_for_backward(unused=ready)
 
-    def _flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=torch.float32)
-        flat[: self.numel] = torch.cat([t.reshape(-1).float() for t in tensors])
-        return flat
-
-    def reduce_gradients(self) -> None:
-        """Average the gradients over the dp group; keep this rank's slice, free the rest."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        self.master.grad = comm.reduce_scatter(self._flatten(grads), "mean", group=self.group)
-        for p in self.params:
-            p.grad = None
+    def finish(self) -> None:
+        """After the step's backward: wait for every bucket's reduction, silence the reducer."""
+        self.reducer.wait()
+        self.reducer.sync_enabled = False
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """This slice's share of the squared global gradient norm."""
-        grad = self.master.grad.double()
-        return (grad.square() * self.norm_weight.double()).sum()
+        """This rank's share of the squared global gradient norm (its reduced slices)."""
+        total = torch.zeros((), dtype=torch.float64)
+        for grad, weight in zip(self.inner.gradient_slices(), self._norm_weights):
+            total += (grad.double().square() * weight).sum()
+        return total
 
     def scale_gradients(self, scale: float) -> None:
-        """Multiply this slice's gradient by `scale` (gradient clipping)."""
-        self.master.grad.mul_(scale)
+        """Multiply this rank's reduced gradient slices by `scale` (gradient clipping)."""
+        for grad in self.inner.gradient_slices():
+            grad.mul_(scale)
 
-    @torch.no_grad()
     def step(self, lr: float) -> None:
-        """Step this rank's slice, then all-gather every slice into the parameters."""
+        """Step this rank's slices, all-gather them into the parameters, clear the gradients."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        self.master.grad = None
-        flat = comm.all_gather(self.master.detach(), group=self.group)  # (padded,)
-        offset = 0
-        for p in self.params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        self.inner.step()
+        self.inner.zero_grad()
+
+    def model_state_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state on this rank (from storages)."""
+        return self.inner.memory_usage()["total"]

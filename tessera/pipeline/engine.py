@@ -10,8 +10,8 @@ Data: the loop hands each rank a 1/world shard of the global batch; the engine a
 shards (token ids: a few KB) and gives dp replica d rows `[d B/dp, (d+1) B/dp)`, so the step
 equals one process on the global batch. `pipeline` is the mesh `pp = world`, `tensor` is
 `tp = world`; `hybrid` reads the degrees from the run config's `dp`, `tp`, `pp` (0: what dp and tp
-leave), `microbatches`, `schedule` and `zero` (0, or 1 for ZeRO-1 over the dp axis inside each
-stage, `dp_sharding.py`).
+leave), `microbatches`, `schedule` and `zero` (0, or 1 / 2 for ZeRO-1 / ZeRO-2 over the dp axis
+inside each stage, `dp_sharding.py`).
 
 Checkpoints: `state_dict()` (collective) returns the dense GPT state and every rank's optimizer
 state as a list indexed by global rank; `load_state_dict` slices the dense state back into this
@@ -30,7 +30,7 @@ from torch import nn
 
 from tessera.mesh import Mesh
 from tessera.models import GPT
-from tessera.pipeline.dp_sharding import ShardedOptimizerStates
+from tessera.pipeline.dp_sharding import StageZero
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
@@ -63,8 +63,8 @@ class HybridEngine(Engine):
         schedule: str = "1f1b",
         zero: int = 0,
     ) -> None:
-        if zero not in (0, 1):
-            raise ValueError(f"zero must be 0 or 1 inside model-parallel stages, got {zero}")
+        if zero not in (0, 1, 2):
+            raise ValueError(f"zero must be 0, 1 or 2 inside model-parallel stages, got {zero}")
         if not isinstance(module, GPT):
             raise ValueError(f"model-parallel strategies need the GPT, not {type(module).__name__}")
         if dp * tp * pp != ctx.world_size:
@@ -91,10 +91,15 @@ class HybridEngine(Engine):
             float(self.pipe.counts_in_norm(p) and (id(p) in split_ids or tp_rank == 0))
             for p in self.params
         ]
-        self.zero: ShardedOptimizerStates | None = None
+        self.zero: StageZero | None = None
         if zero and dp > 1:
-            self.zero = ShardedOptimizerStates(
-                self.params, make_optimizer, group=self.dp_group, norm_weight=self._norm_weight
+            self.zero = StageZero(
+                self.pipe.module,
+                make_optimizer,
+                stage=zero,
+                group=self.dp_group,
+                norm_weight={id(p): w for p, w in zip(self.params, self._norm_weight)},
+                bucket_cap_mb=_option(config, "bucket_cap_mb", 25.0),
             )
             self.optimizer = self.zero.optimizer
         else:
@@ -117,14 +122,16 @@ class HybridEngine(Engine):
         rows = inputs.shape[0] // dp
         d = self.mesh.rank("dp")
         x, y = inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
-        loss = self.pipe.train_step(x, y, loss_fn)
-        began = time.perf_counter()
-        if self.zero is not None:
-            self.zero.reduce_gradients()
+        if self.zero is not None:  # reduced during the W pass, as each bucket completes
+            loss = self.pipe.train_step(x, y, loss_fn, before_weight_pass=self.zero.arm)
+            began = time.perf_counter()
+            self.zero.finish()
             loss_sum = torch.tensor([loss])
             dist.all_reduce(loss_sum, group=self.dp_group)
             loss = float(loss_sum) / dp
         else:
+            loss = self.pipe.train_step(x, y, loss_fn)
+            began = time.perf_counter()
             loss = self._average_over_dp(loss)
         self.comm_seconds = time.perf_counter() - began
         return loss
@@ -157,20 +164,24 @@ class HybridEngine(Engine):
             dist.all_reduce(total)
         norm = math.sqrt(float(total))
         scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            if self.zero is not None:
-                self.zero.scale_gradients(scale)
+        if scale < 1 and self.zero is not None:
+            self.zero.scale_gradients(scale)
+        elif scale < 1:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return norm
 
     def step(self, lr: float) -> None:
-        """Apply the optimizer (ZeRO-1: step this rank's slice and all-gather the slices)."""
+        """Apply the optimizer (ZeRO: step this rank's slices and all-gather them)."""
         if self.zero is None:
             super().step(lr)
         else:
             self.zero.step(lr)
+
+    def model_state_bytes(self) -> int | None:
+        """Under ZeRO: bytes of this rank's parameters, gradients and optimizer state."""
+        return self.zero.model_state_bytes() if self.zero is not None else None
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The dense GPT state dict (GPT keys) on every rank; collective."""
@@ -205,9 +216,7 @@ class HybridEngine(Engine):
             if isinstance(layer, _Parallel) and leaf in layer.shard_dims:
                 value = shard(value, layer.shard_dims[leaf], self.tp_group, layer.chunks)
             local[key] = value
-        self.pipe.module.load_state_dict(local)
-        if self.zero is not None:  # the optimizer steps the slice: take it from the new weights
-            self.zero.load_from_parameters()
+        self.pipe.module.load_state_dict(local)  # (under ZeRO the slices alias these weights)
         self.optimizer.load_state_dict(state["optimizer"][self.ctx.rank])
 
 

@@ -10,6 +10,10 @@ to the previous stage. Sends never block (isend); receives wait with a deadline.
 micro-batches accumulate, each loss weighted by its share of the batch, so the step equals one
 process on the whole batch for a mean-reduced loss.
 
+With `defer_weight_grads` (the default) each stage's backward computes only input gradients
+during the schedule and the weight gradients of its linear layers in one W pass at the end, over
+the whole batch at once (`deferred.py`: zero-bubble pipelining's B/W split, batched).
+
 Cost per step and stage boundary: m activations forward and m gradients backward, each
 `b/m x (activation size)`, plus one small metadata message (shapes) and one broadcast of the loss.
 Schedules: naive (layer splitting), GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et
@@ -18,6 +22,7 @@ al. 2021); see `schedule.py` for their bubbles and memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -29,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.partition import balance_by_cost, check_balance, parameter_costs, stage_bounds
 from tessera.pipeline.schedule import Action, _check
 from tessera.pipeline.schedule import schedule as make_schedule
@@ -76,6 +82,8 @@ class Pipeline:
     balance by measured time: `balance_by_cost(measure_layer_times(model, sample), p)`).
     Every check (schedule name, m, balance) raises ValueError before any message is sent.
     Every receive waits at most `timeout_s` (default TESSERA_TIMEOUT_S, else 300 s).
+    `defer_weight_grads` computes the linear layers' weight gradients in one W pass per step
+    (faster; keeps each linear's input and output gradient until then, see `deferred.py`).
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         balance: Sequence[int] | None = None,
         timeout_s: float | None = None,
+        defer_weight_grads: bool = True,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"Pipeline needs an nn.Sequential, got {type(model).__name__}")
@@ -117,6 +126,12 @@ class Pipeline:
             if self.stage_index in stages
         ]
         self._tied_ids = {id(p) for p, _ in self._tied}
+        self.deferral: WeightGradDeferral | None = None
+        """The W pass of this stage's linear layers (None: weight gradients computed in B)."""
+        if defer_weight_grads:  # a tied parameter's gradient must be whole before the exchange
+            self.deferral = WeightGradDeferral(
+                p for p in self.module.parameters() if id(p) not in self._tied_ids
+            )
         timeout_s = timeout_s or float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
         self.links = Links(group, timeout_s) if num_stages > 1 else None
         self.group = group
@@ -141,11 +156,16 @@ class Pipeline:
         inputs: torch.Tensor | None,
         targets: torch.Tensor | None,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        *,
+        before_weight_pass: Callable[[list[nn.Parameter]], None] | None = None,
     ) -> float:
         """Forward and backward of all micro-batches; return the batch's mean loss on every rank.
 
         The first stage needs `inputs`, the last `targets`; others may pass None. Gradients
         accumulate into `.grad` of `self.module`'s parameters; the caller steps its optimizer.
+        `before_weight_pass(ready)` runs once the schedule is done, before the W pass, with the
+        parameters whose gradients are already complete: the others arrive during the W pass
+        (through their gradient hooks), which is when a bucketed reducer may reduce them.
         """
         sizes = self._microbatch_sizes(inputs if self.is_first else targets)
         step = _Step(
@@ -165,7 +185,20 @@ class Pipeline:
         for work, _ in step.outbox:  # (the tensor stays referenced until its send completes)
             self.links.wait(work, "pipeline send")
         self._sum_tied_gradients()
+        self._weight_pass(before_weight_pass)
         return self._broadcast_loss(step.loss)
+
+    def _weight_pass(self, before: Callable[[list[nn.Parameter]], None] | None) -> None:
+        """Compute the deferred weight gradients (one "W" event), after `before(ready)`."""
+        pending = self.deferral.pending() if self.deferral is not None else []
+        waiting = {id(p) for p in pending}
+        ready = [p for p in self.module.parameters() if id(p) not in waiting]
+        if before is not None:
+            before(ready)
+        if pending:
+            began = time.perf_counter()
+            self.deferral.weight_pass()
+            self._record("W", -1, began)
 
     def _send(self, step: _Step, tensor: torch.Tensor, stage: int, tag: int) -> None:
         step.outbox.append((self.links.send(tensor, stage, tag), tensor))
@@ -214,7 +247,8 @@ class Pipeline:
             step.stage_inputs[i] = x
             self._record("recv", i, began)
             began = time.perf_counter()
-        out = self.module(x)
+        with self.deferral.capturing() if self.deferral else contextlib.nullcontext():
+            out = self.module(x)
         if self.is_last:
             # weight by the micro-batch's share: the sum is the whole batch's mean loss
             out = step.loss_fn(out, step.targets[i]) * (step.sizes[i] / sum(step.sizes))

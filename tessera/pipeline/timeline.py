@@ -1,11 +1,11 @@
 """Measured pipeline timelines: events, idle share per stage, chrome-trace export.
 
 Each stage records what it did during the last step: forward (`F`) and backward (`B`) of each
-micro-batch, and the waits for messages (`recv`) and the posting of sends (`send`). Times are
-`time.perf_counter()` seconds, a system-wide monotonic clock on Linux, so the events of the ranks
-of one machine line up. The idle share of a stage is `1 - busy / span`, busy being its F and B
-time and span the whole step over all stages: the measured counterpart of
-`schedule.idle_fraction` (which assumes equal stages and free transfers).
+micro-batch, the weight-gradient pass (`W`), the waits for messages (`recv`) and the posting of
+sends (`send`). Times are `time.perf_counter()` seconds, a system-wide monotonic clock on Linux,
+so the events of the ranks of one machine line up. The idle share of a stage is
+`1 - busy / span`, busy being its F, B and W time and span the whole step over all stages: the
+measured counterpart of `schedule.idle_fraction` (which assumes equal stages and free transfers).
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["Event", "measured_idle_fraction", "write_chrome_trace"]
+__all__ = ["COMPUTE", "Event", "measured_idle_fraction", "write_chrome_trace"]
+
+COMPUTE = ("F", "B", "W")
+"""Event kinds that are a stage's work; the rest (send, recv) is communication."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Event:
 
     stage: int
     kind: str
-    """"F", "B", "send" or "recv"."""
+    """"F", "B", "W" (the weight-gradient pass, microbatch -1: all of them), "send" or "recv"."""
     microbatch: int
     start: float
     end: float
@@ -43,7 +46,7 @@ def measured_idle_fraction(events: Sequence[Event]) -> list[float]:
     num_stages = max(e.stage for e in events) + 1
     busy = [0.0] * num_stages
     for event in events:
-        if event.kind in ("F", "B"):
+        if event.kind in COMPUTE:
             busy[event.stage] += event.duration
     return [1.0 - b / span if span > 0 else 0.0 for b in busy]
 

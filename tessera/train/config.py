@@ -79,7 +79,9 @@ class TrainConfig:
     dp: int = _option(1, "hybrid: data-parallel degree.")
     tp: int = _option(1, "hybrid: tensor-parallel degree.")
     pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
-    zero: int = _option(0, "hybrid: 1 shards optimizer states over each stage's dp group.")
+    zero: int = _option(
+        0, "hybrid: 1 shards optimizer states, 2 also gradients, over each stage's dp group."
+    )
     microbatches: int = _option(4, "pipeline, hybrid: micro-batches per step.")
     schedule: str = _option("1f1b", "pipeline, hybrid: naive, gpipe or 1f1b.")
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
@@ -135,8 +137,10 @@ class TrainConfig:
             )
         if self.mixed_precision and not self.strategy.startswith("zero"):
             raise ConfigError("mixed_precision needs strategy zero1, zero2 or zero3")
-        if self.zero not in (0, 1):
-            raise ConfigError(f"zero must be 0 or 1 (ZeRO-1 inside stages), got {self.zero}")
+        if self.zero not in (0, 1, 2):
+            raise ConfigError(
+                f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
         from tessera.comm import ALGORITHMS

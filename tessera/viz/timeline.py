@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from tessera.pipeline.timeline import Event, measured_idle_fraction, write_chrome_trace
+from tessera.pipeline.timeline import COMPUTE, Event, measured_idle_fraction, write_chrome_trace
 
 __all__ = ["pipeline_timeline"]
 
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "recv": "#D0D0D0", "send": "#55A868"}
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#C44E52", "recv": "#D0D0D0", "send": "#55A868"}
 
 
 def pipeline_timeline(
@@ -18,8 +18,9 @@ def pipeline_timeline(
     """Draw `events` (all stages, e.g. `Pipeline.gather_timeline()`) to `path`.
 
     A `.json` path writes a chrome trace; anything else a Gantt chart PNG: one row per stage,
-    forwards blue and backwards orange labelled by micro-batch, waits for messages grey, posting
-    of sends green (thin), and each stage's measured idle share on the right.
+    forwards blue and backwards orange labelled by micro-batch, the weight-gradient pass red,
+    waits for messages grey, posting of sends green (thin), and each stage's measured idle share
+    on the right.
     """
     path = Path(path)
     if path.suffix == ".json":
@@ -37,7 +38,7 @@ def pipeline_timeline(
     fig, ax = plt.subplots(figsize=(11, 0.7 * num_stages + 1.4))
     for e in events:
         row = num_stages - 1 - e.stage
-        height = 0.8 if e.kind in ("F", "B") else 0.3
+        height = 0.8 if e.kind in COMPUTE else 0.3
         start_ms, width_ms = (e.start - origin) * 1e3, e.duration * 1e3
         ax.broken_barh(
             [(start_ms, width_ms)], (row - height / 2, height), color=_COLOURS[e.kind], ec="white"
@@ -60,7 +61,8 @@ def pipeline_timeline(
     ax.set_xlim(0, span_ms * 1.1)
     ax.set_xlabel("time (ms)")
     ax.set_title(
-        title or "pipeline timeline (blue forward, orange backward, grey recv wait, green send)"
+        title
+        or "pipeline timeline (blue forward, orange backward, red W pass, grey recv, green send)"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

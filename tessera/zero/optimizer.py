@@ -168,6 +168,10 @@ class ZeroOptimizer:
         assert flat.grad_shard is not None
         return flat.grad_shard
 
+    def gradient_slices(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient slice of every bucket (after the reduction)."""
+        return [self._gradient_slice(flat) for flat in self.flats]
+
     def _publish(self) -> None:
         """After the inner step: make the new slices visible as the module's parameters."""
         raise NotImplementedError
@@ -221,14 +225,14 @@ class ZeroOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients to global norm <= `max_norm`; the norm is summed over all shards."""
         local = sum(
-            (self._gradient_slice(f).float().square().sum() for f in self.flats),
+            (grad.float().square().sum() for grad in self.gradient_slices()),
             torch.zeros((), dtype=torch.float32),
         ).reshape(1)
         total = float(self._collective(_all_reduce_sum, local, self.group)[0].sqrt())
         coefficient = min(1.0, max_norm / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coefficient < 1.0:
-            for flat in self.flats:
-                self._gradient_slice(flat).mul_(coefficient)
+            for grad in self.gradient_slices():
+                grad.mul_(coefficient)
         return total
 
     @torch.no_grad()
