@@ -81,6 +81,9 @@ def hybrid_worker(degrees):
     for dp, tp, pp, zero in degrees:
         make = partial(HybridEngine, dp=dp, tp=tp, pp=pp, zero=zero, num_microbatches=2)
         engine = make(copy.deepcopy(base), _sgd, ctx)
+        # this rank keeps its stage's tensors only; other stages' layers are freed (meta)
+        assert not any(p.is_meta for p in engine.pipe.module.parameters())
+        assert any(p.is_meta for p in engine.module.parameters()) == (pp > 1)
         for (x, y), (ref_loss, ref_norm) in zip(batches[:2], expected):
             loss, norm = _step(engine, x[shard], y[shard])
             # losses and norms: sums over micro-batches, shards and ranks in another order

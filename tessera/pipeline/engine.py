@@ -74,13 +74,15 @@ class HybridEngine(Engine):
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
         if tp > 1:
             parallelize_gpt(module, group=self.tp_group)
+        layers = gpt_as_sequential(module)
         self.pipe = Pipeline(
-            gpt_as_sequential(module),
+            layers,
             num_microbatches=num_microbatches,
             schedule=schedule,
             group=self.mesh.group("pp"),
             timeout_s=ctx.timeout_s,
         )
+        _release_other_stages(layers, self.pipe.module)
         self.params = list(self.pipe.module.parameters())
         split = [m for m in self.pipe.module.modules() if isinstance(m, _Parallel)]
         split_ids = {id(getattr(m, name)) for m in split for name in m.shard_dims}
@@ -218,6 +220,23 @@ class HybridEngine(Engine):
             local[key] = value
         self.pipe.module.load_state_dict(local)  # (under ZeRO the slices alias these weights)
         self.optimizer.load_state_dict(state["optimizer"][self.ctx.rank])
+
+
+def _release_other_stages(layers: nn.Sequential, stage: nn.Module) -> None:
+    """Free the storage of the layers other ranks train: this rank keeps only its stage.
+
+    Every rank builds the whole GPT (the same seed gives the same weights everywhere); once cut,
+    the tensors of other stages' layers move to the meta device (shape without storage). A
+    tensor the stage shares, such as the tied embedding, stays.
+    """
+    kept = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
+    for owner in layers.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if id(param) not in kept:
+                setattr(owner, name, nn.Parameter(param.to("meta"), param.requires_grad))
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if id(buffer) not in kept:
+                setattr(owner, name, buffer.to("meta"))
 
 
 def _all_gather_rows(tensor: torch.Tensor, world: int) -> torch.Tensor:
