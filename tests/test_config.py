@@ -43,6 +43,7 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
             r"dp x tp x pp = 3 x 1 x 1 does not equal the 4 ranks",
         ),
         ("", ["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
+        ("", ["--strategy", "hybrid", "--zero", "3"], r"zero must be 0, 1 or 2 \(ZeRO-1/2 inside"),
     ],
 )
 def test_bad_config_stops_with_one_message_before_any_process(
