@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         + ". `vs torch` = torch step time / tessera step time for the same schedule and m "
         "(above 1: tessera faster). Ideal = (one process / p) / (1 - closed-form idle). Idle = "
-        "share of the step a stage does no F or B (mean over stages, tessera's measured "
+        "share of the step a stage does no F, B or W (mean over stages, tessera's measured "
         "timeline). Ideal at micro-batch size: the same formula from one process running the "
         "batch as m accumulated micro-batches (small matmuls cost more per row on CPU). "
         "Peak saved MB = activations held for backward on stage 0 (GPipe holds m "
