@@ -89,8 +89,8 @@ class _WeightGradients(torch.autograd.Function):
         inputs = torch.cat(stash.inputs)
         grads = torch.cat(stash.grads)
         stash.inputs, stash.grads = [], []
-        grad_weight = grads.t().matmul(inputs)
-        grad_bias = grads.sum(0) if stash.bias is not None else None
+        grad_weight = grads.t().matmul(inputs) if stash.weight.requires_grad else None
+        grad_bias = grads.sum(0) if stash.bias is not None and stash.bias.requires_grad else None
         return grad_link, None, grad_weight, grad_bias
 
 
@@ -124,7 +124,7 @@ class WeightGradDeferral:
     """
 
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
-        self._eligible = {id(p) for p in params if p.requires_grad}
+        self._eligible = {id(p) for p in params}
         self._stashes: dict[int, _LayerStash] = {}  # by weight id, in order of first use
         self.peak_bytes = 0
         """Most bytes the stash held at the start of a W pass (the memory deferral costs)."""
@@ -135,7 +135,7 @@ class WeightGradDeferral:
     def stash_for(self, args: tuple, kwargs: dict) -> _LayerStash | None:
         """The stash of an `F.linear(x, weight, bias)` call, or None if it is not deferred."""
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
-        if weight is None or id(weight) not in self._eligible:
+        if weight is None or id(weight) not in self._eligible or not weight.requires_grad:
             return None
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if bias is not None and id(bias) not in self._eligible:
@@ -147,6 +147,10 @@ class WeightGradDeferral:
             return None  # the same weight with another bias: keep it simple, stay eager
         return stash
 
+    def clear(self) -> None:
+        """Drop whatever a step that failed half-way left in the stash."""
+        self._stashes.clear()
+
     def capturing(self) -> TorchFunctionMode:
         """Context manager for the stage's forward: deferred linears record their stash."""
         return _DeferLinears(self)
@@ -156,7 +160,7 @@ class WeightGradDeferral:
         out = []
         for stash in self._stashes.values():
             if stash.inputs:
-                out += [stash.weight] + ([stash.bias] if stash.bias is not None else [])
+                out += [p for p in (stash.weight, stash.bias) if p is not None and p.requires_grad]
         return out
 
     def weight_pass(self) -> None:

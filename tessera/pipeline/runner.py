@@ -175,6 +175,8 @@ class Pipeline:
             loss_fn=loss_fn,
         )
         self.timeline = []
+        if self.deferral is not None:
+            self.deferral.clear()
         for position, action in enumerate(self.actions):
             step.position = position
             if action.kind == "F":
