@@ -10,7 +10,7 @@ to the previous stage. Sends never block (isend); receives wait with a deadline.
 micro-batches accumulate, each loss weighted by its share of the batch, so the step equals one
 process on the whole batch for a mean-reduced loss.
 
-With `defer_weight_grads` (the default) each stage's backward computes only input gradients
+With `defer_weight_grads` (the default when m > 1) each stage's backward computes only input gradients
 during the schedule and the weight gradients of its linear layers in one W pass at the end, over
 the whole batch at once (`deferred.py`: zero-bubble pipelining's B/W split, batched).
 
@@ -83,7 +83,8 @@ class Pipeline:
     Every check (schedule name, m, balance) raises ValueError before any message is sent.
     Every receive waits at most `timeout_s` (default TESSERA_TIMEOUT_S, else 300 s).
     `defer_weight_grads` computes the linear layers' weight gradients in one W pass per step
-    (faster; keeps each linear's input and output gradient until then, see `deferred.py`).
+    (faster; keeps each linear's input and output gradient until then, see `deferred.py`);
+    None (the default) defers when there is more than one micro-batch.
     """
 
     def __init__(
@@ -95,7 +96,7 @@ class Pipeline:
         group: dist.ProcessGroup | None = None,
         balance: Sequence[int] | None = None,
         timeout_s: float | None = None,
-        defer_weight_grads: bool = True,
+        defer_weight_grads: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"Pipeline needs an nn.Sequential, got {type(model).__name__}")
@@ -128,6 +129,8 @@ class Pipeline:
         self._tied_ids = {id(p) for p, _ in self._tied}
         self.deferral: WeightGradDeferral | None = None
         """The W pass of this stage's linear layers (None: weight gradients computed in B)."""
+        if defer_weight_grads is None:  # one micro-batch has nothing to batch
+            defer_weight_grads = num_microbatches > 1
         if defer_weight_grads:  # a tied parameter's gradient must be whole before the exchange
             self.deferral = WeightGradDeferral(
                 p for p in self.module.parameters() if id(p) not in self._tied_ids
