@@ -10,9 +10,9 @@ to the previous stage. Sends never block (isend); receives wait with a deadline.
 micro-batches accumulate, each loss weighted by its share of the batch, so the step equals one
 process on the whole batch for a mean-reduced loss.
 
-With `defer_weight_grads` (the default when m > 1) each stage's backward computes only input gradients
-during the schedule and the weight gradients of its linear layers in one W pass at the end, over
-the whole batch at once (`deferred.py`: zero-bubble pipelining's B/W split, batched).
+With `defer_weight_grads` (the default when m > 1) each stage's backward computes only input
+gradients during the schedule and the weight gradients of its linear layers in one W pass at the
+end, over the whole batch at once (`deferred.py`: zero-bubble pipelining's B/W split, batched).
 
 Cost per step and stage boundary: m activations forward and m gradients backward, each
 `b/m x (activation size)`, plus one small metadata message (shapes) and one broadcast of the loss.
