@@ -1,9 +1,10 @@
-"""ZeRO-1 and ZeRO-2 across the data-parallel axis of a mesh, inside each pipeline stage.
+"""Data parallelism across the dp axis of a mesh, inside each pipeline stage: DDP, ZeRO-1, ZeRO-2.
 
-The dp peers of a mesh hold the same pipeline stage (and tensor-parallel shard), so the stage's
-parameters can be sharded over the dp group exactly as plain data parallelism shards a model:
-with `tessera.zero`'s own `ZeroStage1` / `ZeroStage2` (flat buckets, rank r owns slice r of each,
-reduce-scatter the gradients, step the slice, all-gather the parameters; Rajbhandari et al. 2020).
+The dp peers of a mesh hold the same pipeline stage (and tensor-parallel shard), so the stage can
+be made data parallel exactly as a whole model is: with tessera's own `DataParallel` reducer
+(gradient buckets all-reduced, `StageDataParallel`), or sharded with `tessera.zero`'s
+`ZeroStage1` / `ZeroStage2` (flat buckets, rank r owns slice r of each, reduce-scatter the
+gradients, step the slice, all-gather the parameters; Rajbhandari et al. 2020, `StageZero`).
 
 What a pipeline changes is *when* a gradient is final. A stage runs m micro-batch backwards per
 step; reducing after each one would cost m reduce-scatters per step, which is why DeepSpeed
@@ -16,7 +17,8 @@ W pass (`Pipeline(defer_weight_grads=True)`, see `deferred.py`):
 * every linear layer's gradient arrives once, from the W pass, whose gradient hooks launch each
   bucket's reduce-scatter as soon as the bucket is complete, overlapping the W pass.
 
-Under ZeRO-2 a bucket's full gradient is freed as soon as it is reduced, so a stage's full weight
+The same holds for plain DDP, whose bucket all-reduces then overlap the W pass. Under ZeRO-2 a
+bucket's full gradient is freed as soon as it is reduced, so a stage's full weight
 gradients never exist all at once: only the buckets in flight and the small eagerly accumulated
 ones. Communication per step: one reduce-scatter and one all-gather of the stage, 2Ψ/pp elements,
 as for an all-reduce. Without deferral every gradient is complete before the W pass and all the
@@ -29,15 +31,55 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.data_parallel.ddp import DataParallel
+from tessera.data_parallel.reducer import Reducer
 from tessera.train.strategy import OptimizerFactory
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
 
-__all__ = ["StageZero"]
+__all__ = ["StageDataParallel", "StageZero"]
 
 
-class StageZero:
+class _ArmedForWeightPass:
+    """A gradient reducer kept silent during a pipeline's schedule and armed for its W pass."""
+
+    reducer: Reducer
+
+    def arm(self, ready: list[nn.Parameter]) -> None:
+        """Before the W pass: `ready` gradients are complete; the rest arrive through hooks."""
+        self.reducer.sync_enabled = True
+        self.reducer.exposed_comm_s = 0.0
+        self.reducer.prepare_for_backward(unused=ready)
+
+    def finish(self) -> float:
+        """After the step's backward: wait for every bucket's reduction, silence the reducer.
+
+        Returns the seconds spent waiting for reductions, the communication the W pass did not
+        hide (the end of the W pass's backward waits for them; a stage without a W pass here).
+        """
+        waited_in_weight_pass = self.reducer.exposed_comm_s
+        self.reducer.wait()
+        self.reducer.sync_enabled = False
+        return waited_in_weight_pass + self.reducer.exposed_comm_s
+
+
+class StageDataParallel(_ArmedForWeightPass):
+    """DDP of one pipeline stage's `module` over the dp `group`: gradients averaged in buckets."""
+
+    def __init__(
+        self, module: nn.Module, *, group: dist.ProcessGroup, bucket_cap_mb: float = 25.0
+    ) -> None:
+        # the stage's forward is driven by the pipeline, not by the wrapper: its buffers (none in
+        # the GPT) would not be re-broadcast, so they are not broadcast at all
+        self.ddp = DataParallel(
+            module, group=group, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False
+        )
+        self.reducer = self.ddp.reducer
+        self.reducer.sync_enabled = False  # silent during the schedule's micro-batches
+
+
+class StageZero(_ArmedForWeightPass):
     """ZeRO stage 1 or 2 of one pipeline stage's `module` over the dp `group`."""
 
     def __init__(
@@ -68,16 +110,6 @@ class StageZero:
             for index, name in enumerate(flat.layout.names):
                 full[offsets[index] : offsets[index + 1]] = weights[name]
             self._norm_weights.append(full[flat.lo : flat.hi])
-
-    def arm(self, ready: list[nn.Parameter]) -> None:
-        """Before the W pass: `ready` gradients are complete; the rest arrive through hooks."""
-        self.reducer.sync_enabled = True
-        self.reducer.prepare_for_backward(unused=ready)
-
-    def finish(self) -> None:
-        """After the step's backward: wait for every bucket's reduction, silence the reducer."""
-        self.reducer.wait()
-        self.reducer.sync_enabled = False
 
     def grad_norm_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (its reduced slices)."""

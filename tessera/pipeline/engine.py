@@ -2,9 +2,10 @@
 
 Order of composition (as in Megatron-LM and torchtitan): tensor parallelism inside each block
 (`parallelize_gpt` over the mesh's tp group), then the block sequence cut into pipeline stages
-(`Pipeline` over the pp group), then data parallelism across the dp group: after each step's
-backward, every stage's gradients are averaged over its dp peers (one flat all-reduce, the naive
-DDP; torch DDP cannot wrap a stage whose backward is driven micro-batch by micro-batch).
+(`Pipeline` over the pp group), then data parallelism across the dp group: every stage's
+gradients are averaged over its dp peers by tessera's DDP reducer, bucket by bucket during the
+stage's W pass (`dp_sharding.py`; torch DDP cannot wrap a stage whose backward is driven micro-batch
+by micro-batch), or sharded with ZeRO-1/2.
 
 Data: the loop hands each rank a 1/world shard of the global batch; the engine all-gathers the
 shards (token ids: a few KB) and gives dp replica d rows `[d B/dp, (d+1) B/dp)`, so the step
@@ -21,7 +22,6 @@ rank's stage and tensor-parallel shards and takes its own optimizer state.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ from torch import nn
 
 from tessera.mesh import Mesh
 from tessera.models import GPT
-from tessera.pipeline.dp_sharding import StageZero
+from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
@@ -94,17 +94,24 @@ class HybridEngine(Engine):
             for p in self.params
         ]
         self.zero: StageZero | None = None
+        self.dp_sync: StageDataParallel | StageZero | None = None
+        """Averages (or shards) the stage's gradients over the dp group during the W pass."""
+        bucket_cap_mb = _option(config, "bucket_cap_mb", 25.0)
         if zero and dp > 1:
-            self.zero = StageZero(
+            self.zero = self.dp_sync = StageZero(
                 self.pipe.module,
                 make_optimizer,
                 stage=zero,
                 group=self.dp_group,
                 norm_weight={id(p): w for p, w in zip(self.params, self._norm_weight)},
-                bucket_cap_mb=_option(config, "bucket_cap_mb", 25.0),
+                bucket_cap_mb=bucket_cap_mb,
             )
             self.optimizer = self.zero.optimizer
         else:
+            if dp > 1:
+                self.dp_sync = StageDataParallel(
+                    self.pipe.module, group=self.dp_group, bucket_cap_mb=bucket_cap_mb
+                )
             self.optimizer = make_optimizer(self.params)
 
     def __call__(self, *inputs: Any) -> Any:
@@ -124,33 +131,14 @@ class HybridEngine(Engine):
         rows = inputs.shape[0] // dp
         d = self.mesh.rank("dp")
         x, y = inputs[d * rows : (d + 1) * rows], targets[d * rows : (d + 1) * rows]
-        if self.zero is not None:  # reduced during the W pass, as each bucket completes
-            loss = self.pipe.train_step(x, y, loss_fn, before_weight_pass=self.zero.arm)
-            began = time.perf_counter()
-            self.zero.finish()
-            loss_sum = torch.tensor([loss])
-            dist.all_reduce(loss_sum, group=self.dp_group)
-            loss = float(loss_sum) / dp
-        else:
-            loss = self.pipe.train_step(x, y, loss_fn)
-            began = time.perf_counter()
-            loss = self._average_over_dp(loss)
-        self.comm_seconds = time.perf_counter() - began
-        return loss
-
-    def _average_over_dp(self, loss: float) -> float:
-        dp = self.mesh.size("dp")
-        if dp == 1:
-            return loss
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss])])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= dp
-        offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-        return float(flat[-1])
+        if self.dp_sync is None:
+            return self.pipe.train_step(x, y, loss_fn)
+        # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
+        loss = self.pipe.train_step(x, y, loss_fn, before_weight_pass=self.dp_sync.arm)
+        self.comm_seconds = self.dp_sync.finish()
+        loss_sum = torch.tensor([loss])
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        return float(loss_sum) / dp
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm over every stage and shard (replicated and tied parameters once)."""
