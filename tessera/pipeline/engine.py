@@ -93,12 +93,11 @@ class HybridEngine(Engine):
             float(self.pipe.counts_in_norm(p) and (id(p) in split_ids or tp_rank == 0))
             for p in self.params
         ]
-        self.zero: StageZero | None = None
         self.dp_sync: StageDataParallel | StageZero | None = None
         """Averages (or shards) the stage's gradients over the dp group during the W pass."""
         bucket_cap_mb = _option(config, "bucket_cap_mb", 25.0)
         if zero and dp > 1:
-            self.zero = self.dp_sync = StageZero(
+            self.dp_sync = StageZero(
                 self.pipe.module,
                 make_optimizer,
                 stage=zero,
@@ -106,13 +105,18 @@ class HybridEngine(Engine):
                 norm_weight={id(p): w for p, w in zip(self.params, self._norm_weight)},
                 bucket_cap_mb=bucket_cap_mb,
             )
-            self.optimizer = self.zero.optimizer
+            self.optimizer = self.dp_sync.optimizer
         else:
             if dp > 1:
                 self.dp_sync = StageDataParallel(
                     self.pipe.module, group=self.dp_group, bucket_cap_mb=bucket_cap_mb
                 )
             self.optimizer = make_optimizer(self.params)
+
+    @property
+    def zero(self) -> StageZero | None:
+        """The ZeRO sharding of this rank's stage over its dp group, if any."""
+        return self.dp_sync if isinstance(self.dp_sync, StageZero) else None
 
     def __call__(self, *inputs: Any) -> Any:
         """Forward alone is not a pipeline step: the trainer drives `train_step`."""
