@@ -1,9 +1,11 @@
-"""Raw collectives of tensor parallelism: the one place that talks to torch.distributed.
+"""Raw collectives of tensor parallelism: the one place tensor parallelism communicates.
 
-Written straight on `torch.distributed` (gloo/NCCL) for now; switching to `tessera.comm` is a
-change of these few lines. Every wait has the job's deadline (TESSERA_TIMEOUT_S), and the bytes
-each rank contributes are counted in `STATS` (benchmarks read it: gloo timings alone hide
-emulated collectives).
+The all-reduces of Megatron's f and g go through `tessera.comm.all_reduce` with the cost model's
+choice ("auto": the shared-memory transport when the group is on one host, 2-7x gloo's bus
+bandwidth at the 1-16 MB these layers move; see BENCHMARKS.md, comm). The all-gather stays on
+`torch.distributed` (tessera's is ring only, slower than gloo's at these sizes). Every wait has
+the job's deadline (TESSERA_TIMEOUT_S), and the bytes each rank contributes are counted in
+`STATS` (benchmarks read it).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 
 import torch
 import torch.distributed as dist
+
+from tessera import comm
 
 __all__ = ["STATS", "all_gather_dim", "all_reduce", "group_rank", "group_size"]
 
@@ -45,9 +49,7 @@ def all_reduce(
         return tensor
     STATS["all_reduce_bytes"] += tensor.numel() * tensor.element_size()
     STATS["calls"] += 1
-    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True).wait(timeout=_timeout())
-    return tensor
+    return comm.all_reduce(tensor, op, group=group)
 
 
 def all_gather_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
