@@ -20,9 +20,8 @@ B until the step's W pass (GPipe keeps the inputs anyway; 1F1B's activation memo
 instead of O(p) for these two tensors). `Pipeline(defer_weight_grads=False)` trades back.
 
 The W pass is an ordinary autograd backward (a chain of one node per layer, last layer first), so
-every gradient hook sees it: a bucketed reducer (DDP, ZeRO-2) starts reducing the first layers'
-gradients while the W pass computes the next ones, and the full gradients of a ZeRO-2 stage never
-exist all at once.
+every gradient hook sees it: a bucketed reducer (DDP, ZeRO-2) starts reducing the last layers'
+gradients while the W pass computes the earlier layers' ones.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ W pass (`Pipeline(defer_weight_grads=True)`, see `deferred.py`):
   bucket's reduce-scatter as soon as the bucket is complete, overlapping the W pass.
 
 The same holds for plain DDP, whose bucket all-reduces then overlap the W pass. Under ZeRO-2 a
-bucket's full gradient is freed as soon as it is reduced, so a stage's full weight
-gradients never exist all at once: only the buckets in flight and the small eagerly accumulated
-ones. Communication per step: one reduce-scatter and one all-gather of the stage, 2Ψ/pp elements,
-as for an all-reduce. Without deferral every gradient is complete before the W pass and all the
-buckets are reduced then.
+bucket's full gradient is freed as soon as it is reduced: full gradients exist only for the
+buckets not reduced yet (every bucket at the end of the W pass only if the W pass outruns the
+communication, as on a tiny model) and none between steps. Communication per step: one
+reduce-scatter and one all-gather of the stage, 2Ψ/pp elements, as for an all-reduce. Without
+deferral every gradient is complete before the W pass and all the buckets are reduced then.
 """
 
 from __future__ import annotations
