@@ -296,3 +296,149 @@ def test_pipeline_schedules_on_two_stages_equal_one_process(run_ranks, tmp_path)
 @pytest.mark.slow
 def test_pipeline_schedules_on_three_stages_equal_one_process(run_ranks, tmp_path):
     run_ranks(pipeline_worker, 3, str(tmp_path), timeout_s=150)
+
+
+# ------------------------------------- tied parameters over several stage sets, gradient clipping
+
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _assert_near_float64(got, oracle, ref64, what, reduction_length):
+    """`got` (fp32, summed in another order) is as close to the float64 reference as the fp32
+    oracle is, within a factor 4 (two reorderings, micro-batch split and cross-stage sum, each
+    at most doubling the rounding error), plus a floor of one rounding per reduced term
+    (`reduction_length` terms of magnitude up to max|ref64|) for elements the oracle got exact."""
+    err = (got.detach().double() - ref64).abs().max().item()
+    oracle_err = (oracle.detach().double() - ref64).abs().max().item()
+    floor = reduction_length * _F32_EPS * ref64.abs().max().item()
+    assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
+
+
+class _TiedIn(nn.Module):
+    """Stage 0: a unit with one weight, used directly (no nn.Linear)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight))
+
+
+class _NormThenTied(nn.Module):
+    """Stage 1: a ModuleDict whose children are called one by one, then a weight used directly."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.parts = nn.ModuleDict({"norm": nn.LayerNorm(8), "gate": nn.Linear(8, 8)})
+        self.weight = weight
+
+    def forward(self, x):
+        x = self.parts["norm"](x)
+        return torch.tanh(F.linear(x, self.weight)) * torch.sigmoid(self.parts["gate"](x))
+
+
+class _Twice(nn.Module):
+    """Stage 2: one linear module called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(torch.tanh(self.linear(x))))
+
+
+class _TiedOut(nn.Module):
+    """Stage 3: reuses stage 0's weight (transposed) and stage 1's: two tied groups, {0, 3} and
+    {1, 3}, so stage 3 holds two tied parameters where stages 0 and 1 hold one each."""
+
+    def __init__(self, first: nn.Parameter, second: nn.Parameter) -> None:
+        super().__init__()
+        self.first, self.second = first, second
+
+    def forward(self, x):
+        return x @ self.first + F.linear(x, self.second)
+
+
+def _two_tied_groups_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(8, 8) / 3)
+    b = nn.Parameter(torch.randn(8, 8) / 3)
+    return nn.Sequential(_TiedIn(a), _NormThenTied(b), _Twice(), _TiedOut(a, b))
+
+
+def _oracle_grads(model: nn.Sequential, x, y) -> list[torch.Tensor]:
+    """Plain PyTorch: the whole batch through the unsplit model; gradients in parameter order."""
+    model.zero_grad()
+    F.mse_loss(model(x.to(model[0].weight.dtype)), y.to(model[0].weight.dtype)).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def tied_groups_worker(schedule_name: str, defer: bool) -> dict:
+    """4 stages, tied groups {0, 3} and {1, 3}: gradients, clipping and one SGD step against
+    a single-process oracle (fp32) and a float64 reference, all computed here."""
+    tessera.init()
+    model = _two_tied_groups_model()
+    oracle, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    position = {id(p): k for k, p in enumerate(model.parameters())}
+    # a short deadline: a tied exchange whose partners disagree fails in seconds, not minutes
+    pipe = Pipeline(
+        model,
+        num_microbatches=3,
+        schedule=schedule_name,
+        balance=[1, 1, 1, 1],
+        timeout_s=10,
+        defer_weight_grads=defer,
+    )
+    torch.manual_seed(1)
+    x, y = torch.randn(7, 8), torch.randn(7, 8)  # 7 rows: uneven micro-batches (3, 2, 2)
+    pipe.train_step(x, y, F.mse_loss)
+    want32, want64 = _oracle_grads(oracle, x, y), _oracle_grads(ref64, x, y)
+    mine = list(pipe.module.parameters())
+    for p in mine:
+        k = position[id(p)]
+        # reductions: 7 rows x 8 features per weight gradient, plus the tied sum over stages
+        _assert_near_float64(p.grad, want32[k], want64[k], f"gradient {k}", 7 * 8 + 2)
+
+    # clipping: the norm over all stages (tied weights once) must equal torch's on one process
+    norm64 = torch.cat([g.flatten() for g in want64]).norm().item()
+    max_norm = 0.25 * norm64  # small enough to act
+    norm = pipe.clip_grad_norm(max_norm)
+    oracle_norm = nn.utils.clip_grad_norm_(oracle.parameters(), max_norm).item()
+    n_params = sum(p.numel() for p in oracle.parameters())
+    # the norm sums every squared gradient element: reduction length n_params
+    assert abs(norm - norm64) <= 4 * abs(oracle_norm - norm64) + n_params * _F32_EPS * norm64, (
+        norm,
+        oracle_norm,
+        norm64,
+    )
+    scale64 = max_norm / (norm64 + 1e-6)
+    for p in mine:
+        k = position[id(p)]
+        want = list(oracle.parameters())[k].grad
+        _assert_near_float64(p.grad, want, want64[k] * scale64, f"clipped {k}", 7 * 8 + 2)
+
+    # one SGD step without momentum: a wrong gradient factor would show in the parameters
+    torch.optim.SGD(pipe.module.parameters(), lr=0.5).step()
+    torch.optim.SGD(oracle.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        for q, g in zip(ref64.parameters(), want64):
+            q -= 0.5 * g * scale64
+    oracle_params, ref_params = list(oracle.parameters()), list(ref64.parameters())
+    for p in mine:
+        k = position[id(p)]
+        _assert_near_float64(p, oracle_params[k], ref_params[k], f"stepped {k}", 7 * 8 + 2)
+    return {position[id(p)]: p.detach().clone() for p in mine}
+
+
+@pytest.mark.parametrize("schedule_name,defer", [("1f1b", True), ("gpipe", False)])
+def test_two_tied_groups_on_different_stage_sets_equal_one_process(
+    run_ranks, schedule_name, defer
+):
+    stages = run_ranks(tied_groups_worker, 4, schedule_name, defer, timeout_s=90)
+    holders = {0: [0, 3], 1: [1, 3]}  # parameter positions 0 (a) and 1 (b)
+    for position, ranks in holders.items():
+        assert all(position in stages[r] for r in ranks)
+        # each holder added the same parts in the same order: bitwise equal copies
+        assert torch.equal(stages[ranks[0]][position], stages[ranks[1]][position])

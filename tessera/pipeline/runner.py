@@ -121,12 +121,15 @@ class Pipeline:
             self.stage_index
         ]
         all_params = list(model.parameters())
+        # (parameter, its position in the full model, the stages holding it), in position order:
+        # the position is the message tag, identical on every holder however many other tied
+        # groups each holder has (a stage-local index would pair different groups' messages)
         self._tied = [
-            (all_params[k], stages)
+            (all_params[k], k, stages)
             for k, stages in shared_parameters(model, bounds)
             if self.stage_index in stages
         ]
-        self._tied_ids = {id(p) for p, _ in self._tied}
+        self._tied_ids = {id(p) for p, _, _ in self._tied}
         self.deferral: WeightGradDeferral | None = None
         """The W pass of this stage's linear layers (None: weight gradients computed in B)."""
         if defer_weight_grads is None:  # one micro-batch has nothing to batch
@@ -300,14 +303,21 @@ class Pipeline:
         return [len(c) for c in torch.arange(batch).tensor_split(self.num_microbatches)]
 
     def _sum_tied_gradients(self) -> None:
-        """Add the gradients of parameters held by several stages (e.g. tied embeddings)."""
-        for k, (param, stages) in enumerate(self._tied):
+        """Add the gradients of parameters held by several stages (e.g. tied embeddings).
+
+        Every holder walks its tied parameters in the full model's parameter order and tags each
+        exchange with that global position, so two groups held by different stage sets ({0, 3}
+        and {1, 3}) never wait for each other: a holder's earlier exchanges involve only groups
+        earlier in the same global order, which their holders reach first too.
+        """
+        for param, position, stages in self._tied:
+            tag = _TIED_TAG + position
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             others = [s for s in stages if s != self.stage_index]
-            sends = [self.links.send(grad.detach(), s, _TIED_TAG + k) for s in others]
+            sends = [self.links.send(grad.detach(), s, tag) for s in others]
             parts = {self.stage_index: grad}
             for s in others:
-                parts[s] = self.links.recv(grad.shape, grad.dtype, s, _TIED_TAG + k)
+                parts[s] = self.links.recv(grad.shape, grad.dtype, s, tag)
             for work in sends:
                 self.links.wait(work, "pipeline tied-gradient send")
             total = parts[stages[0]].clone()
@@ -342,7 +352,7 @@ class Pipeline:
         return id(param) not in self._tied_ids or self._tied_owner(param) == self.stage_index
 
     def _tied_owner(self, param: nn.Parameter) -> int:
-        return next(stages[0] for p, stages in self._tied if p is param)
+        return next(stages[0] for p, _, stages in self._tied if p is param)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every stage's gradients so the global norm is at most `max_norm`; return it."""
