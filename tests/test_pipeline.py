@@ -433,9 +433,7 @@ def tied_groups_worker(schedule_name: str, defer: bool) -> dict:
 
 
 @pytest.mark.parametrize("schedule_name,defer", [("1f1b", True), ("gpipe", False)])
-def test_two_tied_groups_on_different_stage_sets_equal_one_process(
-    run_ranks, schedule_name, defer
-):
+def test_two_tied_groups_on_different_stage_sets_equal_one_process(run_ranks, schedule_name, defer):
     stages = run_ranks(tied_groups_worker, 4, schedule_name, defer, timeout_s=90)
     holders = {0: [0, 3], 1: [1, 3]}  # parameter positions 0 (a) and 1 (b)
     for position, ranks in holders.items():
