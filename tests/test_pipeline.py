@@ -223,21 +223,30 @@ def _check_gpt(name: str, num_microbatches: int, defer: bool = True) -> None:
 
 
 def _check_wavefront(world_size: int) -> None:
-    for rnn_type in (nn.LSTM, nn.GRU):
+    for rnn_type, with_hx in [(nn.LSTM, False), (nn.GRU, False), (nn.LSTM, True), (nn.GRU, True)]:
         torch.manual_seed(0)
         rnn = rnn_type(5, 7, num_layers=world_size, batch_first=True)
         reference = copy.deepcopy(rnn)
         split = wavefront(rnn)
         x = torch.randn(3, 6, 5, requires_grad=True)  # (B, T, I), the same on every rank
         x_ref = x.detach().clone().requires_grad_()
-        out, state = split(x)
-        ref_out, ref_state = reference(x_ref)
+        hx = hx_ref = None
+        if with_hx:  # a non-zero initial state, (L, B, H) each, with its own gradient
+            n_states = 2 if rnn_type is nn.LSTM else 1
+            parts = [torch.randn(world_size, 3, 7, requires_grad=True) for _ in range(n_states)]
+            ref_parts = [h.detach().clone().requires_grad_() for h in parts]
+            hx, hx_ref = (tuple(parts), tuple(ref_parts)) if n_states == 2 else (*parts, *ref_parts)
+        out, state = split(x, hx)
+        ref_out, ref_state = reference(x_ref, hx_ref)
         out.square().sum().backward()
         ref_out.square().sum().backward()
         # cell-by-cell vs cuDNN-style fused layers: float32 rounding only
         tol = {"rtol": 1e-5, "atol": 1e-6}
         torch.testing.assert_close(out, ref_out, **tol)
         torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+        if with_hx:  # the initial state's gradient, every layer's, as the unsplit RNN gives it
+            for got, want in zip(parts, ref_parts):
+                torch.testing.assert_close(got.grad, want.grad, **tol)
         finals = state if rnn_type is nn.LSTM else (state,)
         ref_finals = ref_state if rnn_type is nn.LSTM else (ref_state,)
         for got, want in zip(finals, ref_finals):
@@ -256,6 +265,8 @@ def _check_wavefront(world_size: int) -> None:
                 assert e.start >= end[(e.stage + 1, "B", e.microbatch)]
     with pytest.raises(ValueError, match="layers need"):
         wavefront(nn.LSTM(4, 4, num_layers=world_size + 1))
+    with pytest.raises(ValueError, match="initial state of shape"):
+        wavefront(nn.GRU(4, 4, num_layers=world_size))(torch.randn(2, 3, 4), torch.zeros(1, 3, 4))
 
 
 def pipeline_worker(out_dir: str) -> list:

@@ -39,13 +39,20 @@ class _Wavefront(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, rnn: WavefrontRNN, *params: torch.Tensor
+        ctx: Any, x: torch.Tensor, rnn: WavefrontRNN, num_hx: int, *tensors: torch.Tensor
     ) -> torch.Tensor:
+        """`tensors`: the `num_hx` initial states `(L, B, H)` given (0: zeros), then the
+        layer's parameters."""
+        hx, params = tensors[:num_hx], tensors[num_hx:]
         leaves = [p.detach().requires_grad_() for p in params]  # per-layer grads accumulate here
         k, num_layers, links = rnn.layer, rnn.num_layers, rnn.links
         steps, sends = [], []
         T, B = x.shape[0], x.shape[1]
-        state = rnn.initial_state(B, x.dtype)
+        if hx:
+            state = tuple(h[k].detach() for h in hx)  # this layer's state at t = -1
+        else:
+            zeros = torch.zeros(B, rnn.hidden_size, dtype=x.dtype)
+            state = (zeros, zeros.clone()) if rnn.is_lstm else (zeros,)
         for t in range(T):
             if k == 0:
                 inp = x[t].detach().requires_grad_()
@@ -66,6 +73,7 @@ class _Wavefront(torch.autograd.Function):
         if links is not None:
             dist.broadcast(output, src=links.ranks[-1], group=links.group)
         ctx.rnn, ctx.steps, ctx.leaves, ctx.x_shape = rnn, steps, leaves, x.shape
+        ctx.num_hx = num_hx
         rnn.final_state = tuple(s.detach() for s in state)
         return output
 
@@ -87,7 +95,7 @@ class _Wavefront(torch.autograd.Function):
             began = time.perf_counter()
             torch.autograd.backward(list(new), grads)
             rnn.timeline.append(Event(k, "B", t, began, time.perf_counter()))
-            recurrent = [p.grad for p in prev]
+            recurrent = [p.grad if p.grad is not None else torch.zeros_like(p) for p in prev]
             if k > 0:
                 sends.append((links.send(inp.grad, k - 1, T + t), inp.grad))
             else:
@@ -96,7 +104,9 @@ class _Wavefront(torch.autograd.Function):
             links.wait(work, "wavefront gradient send")
         if links is not None:
             dist.broadcast(grad_x, src=links.ranks[0], group=links.group)
-        return (grad_x, None, *[leaf.grad for leaf in leaves])
+        # dL/d(initial state): what the reverse wave carried back past t = 0, every layer's
+        grad_hx = [rnn.gather_layers(g) for g in recurrent[: ctx.num_hx]]
+        return (grad_x, None, None, *grad_hx, *[leaf.grad for leaf in leaves])
 
 
 class WavefrontRNN(nn.Module):
@@ -125,17 +135,9 @@ class WavefrontRNN(nn.Module):
         self.names = [n for n, _ in self.cell.named_parameters()]
         timeout = float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
         self.links = Links(group, timeout) if size > 1 else None
-        self.initial: tuple[torch.Tensor, ...] | None = None
         self.final_state: tuple[torch.Tensor, ...] = ()
         self.timeline: list[Event] = []
         """This layer's cell steps of the last forward (and backward): F/B events, one per t."""
-
-    def initial_state(self, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """This layer's state at t = -1: the given `hx` or zeros."""
-        if self.initial is not None:
-            return self.initial
-        zeros = torch.zeros(batch, self.hidden_size, dtype=dtype)
-        return (zeros, zeros.clone()) if self.is_lstm else (zeros,)
 
     def step(self, inp: torch.Tensor, state: tuple, params: list[torch.Tensor]) -> tuple:
         """One cell step with `params` standing in for the cell's parameters."""
@@ -144,17 +146,24 @@ class WavefrontRNN(nn.Module):
         return tuple(out) if self.is_lstm else (out,)
 
     def forward(self, x: torch.Tensor, hx: Any = None) -> tuple[torch.Tensor, Any]:
-        """Same call and results as the unsplit RNN: `(output, h_n)` or `(output, (h_n, c_n))`."""
+        """Same call and results as the unsplit RNN: `(output, h_n)` or `(output, (h_n, c_n))`.
+
+        `hx` (`h_0`, or `(h_0, c_0)` for an LSTM; each `(L, B, H)`, the same on every rank) is
+        the initial state, zeros if None; its gradient flows back as through the unsplit RNN.
+        """
         if self.batch_first:
             x = x.transpose(0, 1)  # (B, T, I) -> (T, B, I)
-        if hx is not None:
-            parts = hx if self.is_lstm else (hx,)
-            self.initial = tuple(p[self.layer].detach() for p in parts)
-        else:
-            self.initial = None
+        parts = () if hx is None else tuple(hx) if self.is_lstm else (hx,)
+        expected = (self.num_layers, x.shape[1], self.hidden_size)
+        for part in parts:
+            if tuple(part.shape) != expected:
+                raise ValueError(
+                    f"wavefront layer {self.layer}: initial state of shape {tuple(part.shape)}, "
+                    f"expected (num_layers, batch, hidden) = {expected}"
+                )
         self.timeline = []
-        output = _Wavefront.apply(x, self, *self.cell.parameters())
-        finals = [self._gather(s) for s in self.final_state]  # each (L, B, H)
+        output = _Wavefront.apply(x, self, len(parts), *parts, *self.cell.parameters())
+        finals = [self.gather_layers(s) for s in self.final_state]  # each (L, B, H)
         if self.batch_first:
             output = output.transpose(0, 1)
         return output, (tuple(finals) if self.is_lstm else finals[0])
@@ -167,7 +176,8 @@ class WavefrontRNN(nn.Module):
         dist.all_gather_object(parts, self.timeline, group=self.links.group)
         return sorted((e for part in parts for e in part), key=lambda e: e.start)
 
-    def _gather(self, state: torch.Tensor) -> torch.Tensor:
+    def gather_layers(self, state: torch.Tensor) -> torch.Tensor:
+        """Stack every layer's `state` (B, H) into `(L, B, H)`, layer order; collective."""
         if self.links is None:
             return state.unsqueeze(0)
         parts = [torch.empty_like(state) for _ in range(self.num_layers)]
