@@ -15,6 +15,7 @@ from tessera.models import GPT, GPTConfig
 from tessera.tensor_parallel import (
     ChannelParallelConv2d,
     ColumnParallelLinear,
+    RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
     full_state_dict,
@@ -118,7 +119,92 @@ def _check_vocab_and_conv():
     _close_states(full_state_dict(conv_tp), conv.state_dict())
 
 
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _assert_near_float64(got, oracle, ref64, what, reduction_length):
+    """`got` (fp32, its sums split over ranks) is as close to the float64 reference as the fp32
+    one-process oracle is, within a factor 4 (the split regroups each sum into t partial sums
+    plus the all-reduce, at most doubling the rounding error, doubled again for slack across
+    CPU kernels), plus a floor of one rounding per reduced term (`reduction_length` terms up to
+    max|ref64|) for elements the oracle happened to get exact."""
+    err = (got.detach().double() - ref64).abs().max().item()
+    oracle_err = (oracle.detach().double() - ref64).abs().max().item()
+    floor = reduction_length * _F32_EPS * ref64.abs().max().item()
+    assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
+
+
+class _ConvNet(nn.Module):
+    """A CNN unlike tessera's own: two convolutions paired column -> row, a pooling between
+    them, a conv called directly on the row conv's output twice through a ModuleDict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 6, 3, stride=2, padding=1)
+        self.tail = nn.ModuleDict({"act": nn.Tanh(), "mix": nn.Conv2d(6, 6, 1)})
+
+    def forward(self, x):
+        h = F.max_pool2d(F.relu(self.c1(x)), 2)  # channel-wise: fine on split channels
+        h = self.c2(h)
+        return self.tail["mix"](self.tail["act"](self.tail["mix"](h)))
+
+
+def _check_row_conv():
+    """`{"c1": "column", "c2": "row"}` equals the dense CNN: outputs, input and parameter
+    gradients, one SGD step without momentum, with one all-reduce forward and one backward."""
+    rank = tessera.init().rank
+    torch.manual_seed(0)
+    dense = _ConvNet()
+    dense64 = copy.deepcopy(dense).double()
+    tp = parallelize(copy.deepcopy(dense), {"c1": "column", "c2": "row"})
+    assert isinstance(tp.c1, ChannelParallelConv2d) and not tp.c1.gather_output
+    assert isinstance(tp.c2, RowParallelConv2d) and tp.c2.weight.shape == (6, 4, 3, 3)
+    x = torch.randn(2, 3, 8, 8)
+    x_tp, x_dense, x64 = (x.clone().requires_grad_() for _ in range(3))
+    x64 = x64.detach().double().requires_grad_()
+    calls = STATS["calls"]
+    out = tp(x_tp)
+    assert STATS["calls"] - calls == 1  # g after c2 only: c1's output stays split
+    out_dense, out64 = dense(x_dense), dense64(x64)
+    # the longest reduction: c2's 8 channels x 3 x 3 taps per output, then mix's 6 channels twice
+    _assert_near_float64(out, out_dense, out64, "output", 8 * 9 + 2 * 6)
+    target = torch.randn_like(out_dense)
+    calls = STATS["calls"]
+    F.mse_loss(out, target).backward()
+    assert STATS["calls"] - calls == 1  # f before c1 only
+    F.mse_loss(out_dense, target).backward()
+    F.mse_loss(out64, target.double()).backward()
+    # weight gradients sum over batch x positions: 2 x 8 x 8 at c1
+    reduction = 2 * 8 * 8
+    _assert_near_float64(x_tp.grad, x_dense.grad, x64.grad, "input gradient", reduction)
+    split = {"c1.weight": 0, "c1.bias": 0, "c2.weight": 1}  # c2.bias is replicated
+    dense_params, params64 = dict(dense.named_parameters()), dict(dense64.named_parameters())
+    for name, p in tp.named_parameters():
+        want, want64 = dense_params[name].grad, params64[name].grad
+        if name in split:  # this rank's slice of the dense gradient
+            want, want64 = (g.chunk(2, split[name])[rank] for g in (want, want64))
+        _assert_near_float64(p.grad, want, want64, f"gradient of {name}", reduction)
+    for model in (tp, dense, dense64):
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    full, state64 = full_state_dict(tp), dense64.state_dict()
+    for name, value in dense.state_dict().items():
+        _assert_near_float64(full[name], value, state64[name], f"stepped {name}", reduction)
+
+    # the row conv alone, fed the whole input (it keeps its channel slice)
+    conv = nn.Conv2d(4, 5, 3, padding=1)
+    alone = RowParallelConv2d.from_dense(copy.deepcopy(conv), input_is_parallel=False)
+    images = torch.randn(2, 4, 5, 5)
+    _assert_near_float64(
+        alone(images), conv(images), copy.deepcopy(conv).double()(images.double()), "alone", 36
+    )
+
+
 def _check_bad_input():
+    with pytest.raises(ValueError, match="c1: weight dimension 0 \\(5\\) is not divisible"):
+        odd = nn.Sequential(OrderedDict(c1=nn.Conv2d(3, 5, 3), c2=nn.Conv2d(5, 4, 3)))
+        parallelize(odd, {"c1": "column", "c2": "row"})
+    assert isinstance(odd.c1, nn.Conv2d) and isinstance(odd.c2, nn.Conv2d)  # nothing replaced
     with pytest.raises(ValueError, match="not divisible"):
         parallelize(nn.Sequential(nn.Linear(4, 5)), {"0": "column"})
     with pytest.raises(ValueError, match="not divisible"):
@@ -131,6 +217,7 @@ def tp_worker():
     _check_mlp()
     _check_gpt()
     _check_vocab_and_conv()
+    _check_row_conv()
     _check_bad_input()
     return True
 
@@ -148,3 +235,31 @@ def test_plan_errors_before_any_communication():
     with pytest.raises(ValueError, match="style 'row' takes"):
         parallelize(model, {"1": "row"})
     assert isinstance(model[0], nn.Linear)  # nothing was replaced
+
+
+def test_conv_plan_errors_name_the_layer_and_replace_nothing():
+    def net(c1, c2, between=None):
+        layers = OrderedDict(c1=c1, act=nn.ReLU())
+        if between is not None:
+            layers["between"] = between
+        return nn.Sequential(OrderedDict(**layers, c2=c2))
+
+    cases = [
+        (net(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3, groups=2)), "c2: .*needs groups=1"),
+        (
+            net(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Conv2d(4, 4, 3)),
+            "c1: .*needs zero padding",
+        ),
+        (
+            net(nn.Conv2d(3, 8, 3), nn.Conv2d(4, 6, 3), between=nn.Conv2d(8, 4, 1)),
+            "c2: its 4 input channels do not match the 8 output channels of the column conv c1",
+        ),
+    ]
+    for model, message in cases:
+        with pytest.raises(ValueError, match=message):
+            parallelize(model, {"c1": "column", "c2": "row"})
+        assert type(model.c1) is nn.Conv2d and type(model.c2) is nn.Conv2d
+    lonely = net(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3))
+    with pytest.raises(ValueError, match="c2: a row-parallel Conv2d .* the plan has none"):
+        parallelize(lonely, {"c2": "row"})
+    assert type(lonely.c2) is nn.Conv2d

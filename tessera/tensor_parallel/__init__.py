@@ -11,6 +11,7 @@ from tessera.tensor_parallel.gpt import ParallelCausalSelfAttention, parallelize
 from tessera.tensor_parallel.layers import (
     ChannelParallelConv2d,
     ColumnParallelLinear,
+    RowParallelConv2d,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "ChannelParallelConv2d",
     "ColumnParallelLinear",
     "ParallelCausalSelfAttention",
+    "RowParallelConv2d",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel",

@@ -11,6 +11,10 @@ Megatron-LM (Shoeybi et al. 2019) with t ranks:
 - `ChannelParallelConv2d`: output channels split (each rank convolves the whole input with its
   filters: the partially connected split of Krizhevsky et al. 2012's two-GPU CNN); the channels
   are all-gathered after it unless the next layer takes them split.
+- `RowParallelConv2d`: input channels split, the convolution's analogue of `RowParallelLinear`:
+  a convolution is a sum over input channels, so rank i convolves its channel slice with its
+  slice of every filter and the partial maps are summed (g). After a `ChannelParallelConv2d`
+  that keeps its output split, the pair communicates once forward and once backward.
 
 Every layer is built `from_dense(layer, group=...)`, slicing the dense weights, so the split model
 computes what the dense one does. `shard_dims` says which dimension of each parameter is split
@@ -36,6 +40,7 @@ from tessera.tensor_parallel.mappings import (
 __all__ = [
     "ChannelParallelConv2d",
     "ColumnParallelLinear",
+    "RowParallelConv2d",
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "shard",
@@ -175,8 +180,7 @@ class ChannelParallelConv2d(_Parallel):
     def __init__(self, conv: nn.Conv2d, *, group=None, gather_output: bool = True) -> None:
         super().__init__()
         self._setup(group)
-        if conv.groups != 1 or conv.padding_mode != "zeros":
-            raise ValueError("ChannelParallelConv2d supports groups=1, zero-padded convolutions")
+        check_splittable_conv(conv, "ChannelParallelConv2d")
         self.weight = nn.Parameter(shard(conv.weight.detach(), 0, group))  # (out/t, in, kh, kw)
         self.bias = (
             nn.Parameter(shard(conv.bias.detach(), 0, group)) if conv.bias is not None else None
@@ -196,3 +200,49 @@ class ChannelParallelConv2d(_Parallel):
         x = copy_to_tensor_parallel(x, self.group)
         y = F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
         return gather_from_tensor_parallel(y, self.group, 1) if self.gather_output else y
+
+
+class RowParallelConv2d(_Parallel):
+    """A Conv2d with its input channels split; the partial outputs summed, the bias added once."""
+
+    shard_dims = {"weight": 1}
+
+    def __init__(self, conv: nn.Conv2d, *, group=None, input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self._setup(group)
+        check_splittable_conv(conv, "RowParallelConv2d")
+        self.weight = nn.Parameter(shard(conv.weight.detach(), 1, group))  # (out, in/t, kh, kw)
+        # replicated: added after the sum, as one process adds it once
+        self.bias = nn.Parameter(conv.bias.detach().clone()) if conv.bias is not None else None
+        self.stride, self.padding, self.dilation = conv.stride, conv.padding, conv.dilation
+        self.input_is_parallel = input_is_parallel
+
+    @classmethod
+    def from_dense(
+        cls, conv: nn.Conv2d, *, group: dist.ProcessGroup | None = None, input_is_parallel=True
+    ) -> RowParallelConv2d:
+        """Split `conv` by input channels (its weights sliced, not re-initialised)."""
+        return cls(conv, group=group, input_is_parallel=input_is_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(B, C_in / t, H, W)` split (or `C_in` replicated) -> `(B, C_out, H', W')` replicated."""
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel(x, self.group, 1)
+        partial = F.conv2d(x, self.weight, None, self.stride, self.padding, self.dilation)
+        y = reduce_from_tensor_parallel(partial, self.group)
+        return y + self.bias.view(1, -1, 1, 1) if self.bias is not None else y
+
+
+def check_splittable_conv(conv: nn.Conv2d, what: str) -> None:
+    """ValueError unless `conv` can be split by channels: one group, zero padding.
+
+    A grouped convolution's filters see only their group's input channels, so slicing channels
+    across ranks would cut groups apart; other padding modes pad before the convolution and
+    are not handled by these layers.
+    """
+    if conv.groups != 1:
+        raise ValueError(f"{what}: a channel-split Conv2d needs groups=1, got groups={conv.groups}")
+    if conv.padding_mode != "zeros":
+        raise ValueError(
+            f"{what}: a channel-split Conv2d needs zero padding, got {conv.padding_mode!r}"
+        )
