@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import pytest
 import torch
@@ -14,14 +15,18 @@ from torch import nn
 import tessera
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline import (
+    Action,
+    Event,
     Pipeline,
     bubble_fraction,
     idle_fraction,
     max_in_flight,
+    measure_layer_times,
     measured_idle_fraction,
     schedule,
     simulate,
     wavefront,
+    write_chrome_trace,
 )
 from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
@@ -92,6 +97,64 @@ def test_partition_balances_cost_and_checks_coverage():
         schedule("zigzag", 2, 2)
     with pytest.raises(ValueError, match="num_microbatches"):
         schedule("gpipe", 2, 0)
+
+
+def test_simulate_times_a_schedule_and_refuses_a_deadlocking_one():
+    f0, b0 = Action("F", 0), Action("B", 0)
+    # 2 stages, 1 micro-batch: F on 0 then 1, B on 1 then 0 (forward 1, backward 2)
+    timeline = simulate([[f0, b0], [f0, b0]], forward_time=1.0, backward_time=2.0)
+    assert [[(str(a), t0, t1) for a, t0, t1 in stage] for stage in timeline] == [
+        [("F0", 0.0, 1.0), ("B0", 4.0, 6.0)],
+        [("F0", 1.0, 2.0), ("B0", 2.0, 4.0)],
+    ]
+    with pytest.raises(ValueError, match="deadlocks"):  # stage 0 runs B0 before its own F0
+        simulate([[b0, f0], [f0, b0]])
+
+
+def test_measured_idle_fraction_and_chrome_trace_of_hand_made_events(tmp_path):
+    events = [
+        Event(0, "F", 0, 10.0, 11.0),
+        Event(1, "recv", 0, 10.0, 11.0),  # a wait: not busy
+        Event(1, "F", 0, 11.0, 12.0),
+        Event(1, "B", 0, 12.0, 13.0),
+        Event(0, "B", 0, 13.0, 14.0),
+        Event(0, "W", -1, 14.0, 15.0),
+    ]
+    # span 10..15 = 5 s; stage 0 busy 3 s, stage 1 busy 2 s
+    assert measured_idle_fraction(events) == pytest.approx([0.4, 0.6])
+    assert measured_idle_fraction([]) == []
+    trace = json.loads(write_chrome_trace(events, tmp_path / "t.json").read_text())
+    spans = [
+        (e["name"], e["tid"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X"
+    ]
+    assert spans == [
+        ("F0", 0, 0.0, 1e6),
+        ("recv", 1, 0.0, 1e6),
+        ("F0", 1, 1e6, 1e6),
+        ("B0", 1, 2e6, 1e6),
+        ("B0", 0, 3e6, 1e6),
+        ("W", 0, 4e6, 1e6),
+    ]
+    threads = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert threads == {0: "stage 0", 1: "stage 1"}
+
+
+class _Sleep(nn.Module):
+    def __init__(self, seconds: float, width: int) -> None:
+        super().__init__()
+        self.seconds, self.width = seconds, width
+
+    def forward(self, x):
+        assert x.shape[-1] == self.width  # fed the previous layer's output
+        time.sleep(self.seconds)
+        return x
+
+
+def test_measure_layer_times_runs_each_layer_on_the_previous_output():
+    model = nn.Sequential(nn.Linear(4, 6), _Sleep(0.02, 6), _Sleep(0.0, 6))
+    times = measure_layer_times(model, torch.randn(3, 4), repeats=3)
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert times[1] >= 0.02  # a lower bound (sleep never returns early), not a speed claim
 
 
 @pytest.mark.parametrize("defer", [True, False])
@@ -402,6 +465,10 @@ def tied_groups_worker(schedule_name: str, defer: bool) -> dict:
         timeout_s=10,
         defer_weight_grads=defer,
     )
+    full_state = model.state_dict()  # (tied parameters under each of their names)
+    for key, value in pipe.module.state_dict().items():
+        assert torch.equal(value, full_state[pipe.full_key(key)]), key
+    assert pipe.full_key("0.weight").startswith(f"{pipe.stage_index}.")
     torch.manual_seed(1)
     x, y = torch.randn(7, 8), torch.randn(7, 8)  # 7 rows: uneven micro-batches (3, 2, 2)
     pipe.train_step(x, y, F.mse_loss)

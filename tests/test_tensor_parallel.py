@@ -36,6 +36,21 @@ def _close_states(tp_state, dense_state):
         torch.testing.assert_close(tp_state[key], value, **TOL, msg=key)
 
 
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _assert_near_float64(got, oracle, ref64, what, reduction_length):
+    """`got` (fp32, its sums split over ranks) is as close to the float64 reference as the fp32
+    one-process oracle is, within a factor 4 (the split regroups each sum into t partial sums
+    plus the all-reduce, at most doubling the rounding error, doubled again for slack across
+    CPU kernels), plus a floor of one rounding per reduced term (`reduction_length` terms up to
+    max|ref64|) for elements the oracle happened to get exact."""
+    err = (got.detach().double() - ref64).abs().max().item()
+    oracle_err = (oracle.detach().double() - ref64).abs().max().item()
+    floor = reduction_length * _F32_EPS * ref64.abs().max().item()
+    assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
+
+
 def _train(model, batches, loss_fn, optimizer):
     losses = []
     for x, y in batches:
@@ -55,12 +70,39 @@ def _check_mlp():
     tp = parallelize(copy.deepcopy(dense), {"up": "column", "down": "row", "out": "column_gather"})
     assert isinstance(tp.up, ColumnParallelLinear) and isinstance(tp.down, RowParallelLinear)
     assert tp.up.weight.shape == (8, 8)  # half of 16 output features on each of 2 ranks
+    dense64 = copy.deepcopy(dense).double()
     x = torch.randn(6, 8, requires_grad=True)
     x_tp = x.detach().clone().requires_grad_()
     torch.testing.assert_close(tp(x_tp), dense(x), **TOL)
     dense(x).square().sum().backward()
     tp(x_tp).square().sum().backward()
+    dense64(x.detach().double()).square().sum().backward()
     torch.testing.assert_close(x_tp.grad, x.grad, **TOL)  # f all-reduced the input gradient
+    # parameter gradients (AdamW below would hide a constant factor): this rank's slices
+    rank = tessera.init().rank
+    split = {"up.weight": 0, "up.bias": 0, "down.weight": 1, "out.weight": 0, "out.bias": 0}
+    dense_params, params64 = dict(dense.named_parameters()), dict(dense64.named_parameters())
+    for name, p in tp.named_parameters():
+        want, want64 = dense_params[name].grad, params64[name].grad
+        if name in split:
+            want, want64 = (g.chunk(2, split[name])[rank] for g in (want, want64))
+        # each gradient sums over the 6 rows (and 16 features back through down and up)
+        _assert_near_float64(p.grad, want, want64, f"gradient of {name}", 6 * 16)
+    for model in (dense, tp):
+        model.zero_grad()
+
+    # a row layer fed the whole input slices it, and all-gathers its gradient backward
+    row = RowParallelLinear.from_dense(copy.deepcopy(dense.down), input_is_parallel=False)
+    h = torch.randn(5, 16)
+    h_row, h_dense, h64 = (h.clone().requires_grad_() for _ in range(3))
+    h64 = h64.detach().double().requires_grad_()
+    down64 = copy.deepcopy(dense.down).double()
+    outs = [row(h_row), dense.down(h_dense), down64(h64)]
+    _assert_near_float64(*outs, "row layer on a whole input", 16)
+    for out in outs:
+        out.square().sum().backward()
+    _assert_near_float64(h_row.grad, h_dense.grad, h64.grad, "its input gradient", 8)
+    dense.zero_grad()
     batches = [(torch.randn(6, 8), torch.randn(6, 4)) for _ in range(3)]
     # AdamW: every parameter here has a non-zero gradient, so Adam's division is harmless.
     _train(dense, batches, F.mse_loss, torch.optim.AdamW(dense.parameters(), lr=1e-2))
@@ -117,21 +159,6 @@ def _check_vocab_and_conv():
     _train(conv, batches, F.mse_loss, torch.optim.AdamW(conv.parameters(), lr=1e-2))
     _train(conv_tp, batches, F.mse_loss, torch.optim.AdamW(conv_tp.parameters(), lr=1e-2))
     _close_states(full_state_dict(conv_tp), conv.state_dict())
-
-
-_F32_EPS = torch.finfo(torch.float32).eps
-
-
-def _assert_near_float64(got, oracle, ref64, what, reduction_length):
-    """`got` (fp32, its sums split over ranks) is as close to the float64 reference as the fp32
-    one-process oracle is, within a factor 4 (the split regroups each sum into t partial sums
-    plus the all-reduce, at most doubling the rounding error, doubled again for slack across
-    CPU kernels), plus a floor of one rounding per reduced term (`reduction_length` terms up to
-    max|ref64|) for elements the oracle happened to get exact."""
-    err = (got.detach().double() - ref64).abs().max().item()
-    oracle_err = (oracle.detach().double() - ref64).abs().max().item()
-    floor = reduction_length * _F32_EPS * ref64.abs().max().item()
-    assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
 
 
 class _ConvNet(nn.Module):
@@ -195,9 +222,13 @@ def _check_row_conv():
     conv = nn.Conv2d(4, 5, 3, padding=1)
     alone = RowParallelConv2d.from_dense(copy.deepcopy(conv), input_is_parallel=False)
     images = torch.randn(2, 4, 5, 5)
-    _assert_near_float64(
-        alone(images), conv(images), copy.deepcopy(conv).double()(images.double()), "alone", 36
-    )
+    i_tp, i_dense, i64 = (images.clone().requires_grad_() for _ in range(3))
+    i64 = i64.detach().double().requires_grad_()
+    outs = [alone(i_tp), conv(i_dense), copy.deepcopy(conv).double()(i64)]
+    _assert_near_float64(*outs, "row conv on a whole input", 4 * 9)
+    for out in outs:
+        out.square().sum().backward()
+    _assert_near_float64(i_tp.grad, i_dense.grad, i64.grad, "its input gradient", 5 * 9)
 
 
 def _check_bad_input():
