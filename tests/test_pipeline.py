@@ -33,6 +33,22 @@ from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
 from tessera.pipeline.partition import balance_by_cost, check_balance
 from tessera.viz.timeline import pipeline_timeline
 
+_F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _assert_near_float64(got, oracle, ref64, what, reduction_length):
+    """`got` (fp32, summed in another order) is as close to the float64 reference as the fp32
+    one-process oracle is, within a factor 4 (two reorderings, micro-batch split and cross-stage
+    sum, each at most doubling the rounding error), plus a floor of one rounding per reduced
+    term (`reduction_length` terms of magnitude up to max|ref64|) for elements the oracle
+    happened to get exact. Works on tensors and Python floats."""
+    got, oracle, ref64 = (torch.as_tensor(t).detach().double() for t in (got, oracle, ref64))
+    err = (got - ref64).abs().max().item()
+    oracle_err = (oracle - ref64).abs().max().item()
+    floor = reduction_length * _F32_EPS * ref64.abs().max().item()
+    assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
+
+
 # ---------------------------------------------------------------- pure parts, no processes
 
 
@@ -220,7 +236,8 @@ def _mlp(seed: int = 0) -> nn.Sequential:
 
 def _check_mlp(name: str, num_microbatches: int, batch: int, balance=None, defer=True) -> list:
     model = _mlp()
-    reference = copy.deepcopy(model)
+    reference, reference64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    position = {id(p): k for k, p in enumerate(model.parameters())}
     pipe = Pipeline(
         model,
         num_microbatches=num_microbatches,
@@ -230,23 +247,33 @@ def _check_mlp(name: str, num_microbatches: int, batch: int, balance=None, defer
     )
     optimizer = torch.optim.AdamW(pipe.module.parameters(), lr=1e-2)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    optimizer64 = torch.optim.AdamW(reference64.parameters(), lr=1e-2)
+    reduction = batch * 12  # a weight gradient sums batch rows; a forward sums 12 features
     torch.manual_seed(1)
-    for _ in range(3):
+    for step in range(3):
         x, y = torch.randn(batch, 12), torch.randn(batch, 3)
         loss = pipe.train_step(x, y, F.mse_loss)
         ref_loss = F.mse_loss(reference(x), y)
         ref_loss.backward()
+        loss64 = F.mse_loss(reference64(x.double()), y.double())
+        loss64.backward()
         # micro-batch losses weighted by size and summed in another order: float32 rounding
-        assert loss == pytest.approx(ref_loss.item(), rel=1e-5, abs=1e-6)
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+        _assert_near_float64(loss, ref_loss.item(), loss64.item(), f"loss {step}", reduction)
+        if step == 0:  # gradients directly: AdamW would hide a constant factor
+            oracle, oracle64 = list(reference.parameters()), list(reference64.parameters())
+            for p in pipe.module.parameters():
+                k = position[id(p)]
+                _assert_near_float64(
+                    p.grad, oracle[k].grad, oracle64[k].grad, f"gradient {k}", reduction
+                )
+        for opt in (optimizer, ref_optimizer, optimizer64):
+            opt.step()
+            opt.zero_grad()
     full = pipe.full_state_dict()
     assert full.keys() == reference.state_dict().keys()
+    state64 = reference64.state_dict()
     for key, value in reference.state_dict().items():
-        # gradient accumulation over micro-batches reorders sums: 1e-5 on O(0.1-1) weights
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-5, msg=key)
+        _assert_near_float64(full[key], value, state64[key], key, reduction)
     return pipe.gather_timeline()
 
 
@@ -254,7 +281,7 @@ def _check_gpt(name: str, num_microbatches: int, defer: bool = True) -> None:
     config = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=2, n_embd=16)
     torch.manual_seed(0)
     gpt = GPT(config)
-    reference = copy.deepcopy(gpt)
+    reference, reference64 = copy.deepcopy(gpt), copy.deepcopy(gpt).double()
     pipe = Pipeline(
         gpt_as_sequential(gpt),
         num_microbatches=num_microbatches,
@@ -262,8 +289,10 @@ def _check_gpt(name: str, num_microbatches: int, defer: bool = True) -> None:
         defer_weight_grads=defer,
     )
     # SGD with momentum: attention key biases have a true gradient of zero (DESIGN.md, Testing)
-    optimizer = torch.optim.SGD(pipe.module.parameters(), lr=0.1, momentum=0.9)
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    optimizers = [
+        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for m in (pipe.module, reference, reference64)
+    ]
 
     def loss_fn(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -273,16 +302,17 @@ def _check_gpt(name: str, num_microbatches: int, defer: bool = True) -> None:
         x, y = torch.randint(0, 12, (4, 8)), torch.randint(0, 12, (4, 8))
         pipe.train_step(x, y, loss_fn)
         loss_fn(reference(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
+        loss_fn(reference64(x), y).backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
     full = gpt_state_from_sequential(pipe.full_state_dict(), config.n_layer)
     assert full.keys() == reference.state_dict().keys()
+    state64 = reference64.state_dict()
     for key, value in reference.state_dict().items():
         # the tied wte/lm_head: first and last stage summed their gradients, so both equal one
-        # process's single matrix (1e-5: reordered float32 sums)
-        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-5, msg=key)
+        # process's single matrix; a weight gradient sums 4 x 8 tokens
+        _assert_near_float64(full[key], value, state64[key], key, 4 * 8)
 
 
 def _check_wavefront(world_size: int) -> None:
@@ -303,21 +333,35 @@ def _check_wavefront(world_size: int) -> None:
         ref_out, ref_state = reference(x_ref, hx_ref)
         out.square().sum().backward()
         ref_out.square().sum().backward()
-        # cell-by-cell vs cuDNN-style fused layers: float32 rounding only
-        tol = {"rtol": 1e-5, "atol": 1e-6}
-        torch.testing.assert_close(out, ref_out, **tol)
-        torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+        # float64 reference: the same RNN, input and initial state in double
+        reference64 = copy.deepcopy(reference).double()
+        x64 = x.detach().double().requires_grad_()
+        hx64 = None
+        if with_hx:
+            parts64 = [h.detach().double().requires_grad_() for h in parts]
+            hx64 = tuple(parts64) if len(parts64) == 2 else parts64[0]
+        out64, state64 = reference64(x64, hx64)
+        out64.square().sum().backward()
+        # cell-by-cell vs fused layers, float32 rounding only; the longest reduction is the
+        # backward through 6 steps of gate sums over 4 x 7 hidden units
+        length = 6 * 4 * 7
+        _assert_near_float64(out, ref_out, out64, "wavefront output", length)
+        _assert_near_float64(x.grad, x_ref.grad, x64.grad, "input gradient", length)
         if with_hx:  # the initial state's gradient, every layer's, as the unsplit RNN gives it
-            for got, want in zip(parts, ref_parts):
-                torch.testing.assert_close(got.grad, want.grad, **tol)
+            for got, want, want64 in zip(parts, ref_parts, parts64):
+                assert got.grad is not None, "no gradient reached the initial state"
+                _assert_near_float64(got.grad, want.grad, want64.grad, "hx gradient", length)
         finals = state if rnn_type is nn.LSTM else (state,)
         ref_finals = ref_state if rnn_type is nn.LSTM else (ref_state,)
-        for got, want in zip(finals, ref_finals):
-            torch.testing.assert_close(got, want, **tol)
+        finals64 = state64 if rnn_type is nn.LSTM else (state64,)
+        for got, want, want64 in zip(finals, ref_finals, finals64):
+            _assert_near_float64(got, want, want64, "final state", length)
         layer = split.layer
         for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
             got = getattr(rnn, f"{name}_l{layer}").grad  # the user's own parameter got it
-            torch.testing.assert_close(got, getattr(reference, f"{name}_l{layer}").grad, **tol)
+            want = getattr(reference, f"{name}_l{layer}").grad
+            want64 = getattr(reference64, f"{name}_l{layer}").grad
+            _assert_near_float64(got, want, want64, f"{name}_l{layer} gradient", length * 3)
         events = split.gather_timeline()  # LSTM/GRU steps: layer k step t waits for k-1 step t
         end = {(e.stage, e.kind, e.microbatch): e.end for e in events}
         assert len(events) == 2 * 6 * world_size  # forward and backward of 6 steps per layer
@@ -373,19 +417,6 @@ def test_pipeline_schedules_on_three_stages_equal_one_process(run_ranks, tmp_pat
 
 
 # ------------------------------------- tied parameters over several stage sets, gradient clipping
-
-_F32_EPS = torch.finfo(torch.float32).eps
-
-
-def _assert_near_float64(got, oracle, ref64, what, reduction_length):
-    """`got` (fp32, summed in another order) is as close to the float64 reference as the fp32
-    oracle is, within a factor 4 (two reorderings, micro-batch split and cross-stage sum, each
-    at most doubling the rounding error), plus a floor of one rounding per reduced term
-    (`reduction_length` terms of magnitude up to max|ref64|) for elements the oracle got exact."""
-    err = (got.detach().double() - ref64).abs().max().item()
-    oracle_err = (oracle.detach().double() - ref64).abs().max().item()
-    floor = reduction_length * _F32_EPS * ref64.abs().max().item()
-    assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
 
 
 class _TiedIn(nn.Module):
@@ -449,10 +480,15 @@ def _oracle_grads(model: nn.Sequential, x, y) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-def tied_groups_worker(schedule_name: str, defer: bool) -> dict:
-    """4 stages, tied groups {0, 3} and {1, 3}: gradients, clipping and one SGD step against
-    a single-process oracle (fp32) and a float64 reference, all computed here."""
+def tied_groups_worker() -> list[dict]:
+    """4 stages, tied groups {0, 3} and {1, 3}, two schedules (with and without the W pass)."""
     tessera.init()
+    return [_check_tied_groups("1f1b", True), _check_tied_groups("gpipe", False)]
+
+
+def _check_tied_groups(schedule_name: str, defer: bool) -> dict:
+    """Gradients, clipping and one SGD step against a single-process oracle (fp32) and a
+    float64 reference, all computed here; returns this stage's parameters by position."""
     model = _two_tied_groups_model()
     oracle, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     position = {id(p): k for k, p in enumerate(model.parameters())}
@@ -510,11 +546,10 @@ def tied_groups_worker(schedule_name: str, defer: bool) -> dict:
     return {position[id(p)]: p.detach().clone() for p in mine}
 
 
-@pytest.mark.parametrize("schedule_name,defer", [("1f1b", True), ("gpipe", False)])
-def test_two_tied_groups_on_different_stage_sets_equal_one_process(run_ranks, schedule_name, defer):
-    stages = run_ranks(tied_groups_worker, 4, schedule_name, defer, timeout_s=90)
-    holders = {0: [0, 3], 1: [1, 3]}  # parameter positions 0 (a) and 1 (b)
-    for position, ranks in holders.items():
-        assert all(position in stages[r] for r in ranks)
-        # each holder added the same parts in the same order: bitwise equal copies
-        assert torch.equal(stages[ranks[0]][position], stages[ranks[1]][position])
+def test_two_tied_groups_on_different_stage_sets_equal_one_process(run_ranks):
+    for stages in zip(*run_ranks(tied_groups_worker, 4, timeout_s=120)):  # per configuration
+        holders = {0: [0, 3], 1: [1, 3]}  # parameter positions 0 (a) and 1 (b)
+        for position, ranks in holders.items():
+            assert all(position in stages[r] for r in ranks)
+            # each holder added the same parts in the same order: bitwise equal copies
+            assert torch.equal(stages[ranks[0]][position], stages[ranks[1]][position])
