@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from functools import partial
 
 import pytest
 import torch
@@ -25,17 +26,6 @@ from tessera.tensor_parallel import (
 )
 from tessera.tensor_parallel._comm import STATS
 
-# Split matmuls sum their products in another order than the dense ones (and the all-reduce adds
-# partial sums): equal up to float32 rounding of values O(1), so 1e-5 absolute / relative.
-TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-def _close_states(tp_state, dense_state):
-    assert tp_state.keys() == dense_state.keys()
-    for key, value in dense_state.items():
-        torch.testing.assert_close(tp_state[key], value, **TOL, msg=key)
-
-
 _F32_EPS = torch.finfo(torch.float32).eps
 
 
@@ -51,15 +41,27 @@ def _assert_near_float64(got, oracle, ref64, what, reduction_length):
     assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
 
 
-def _train(model, batches, loss_fn, optimizer):
-    losses = []
-    for x, y in batches:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+def _double(t):
+    return t.double() if t.is_floating_point() else t
+
+
+def _train(models, batches, loss_fn, make_optimizer):
+    """Train each of (tensor-parallel, dense fp32, dense fp64) on the same batches."""
+    for model in models:
+        optimizer = make_optimizer(model.parameters())
+        cast = _double if next(model.parameters()).dtype == torch.float64 else (lambda t: t)
+        for x, y in batches:
+            loss_fn(model(cast(x)), cast(y)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _close_states(tp, dense, dense64, reduction_length):
+    """The gathered tensor-parallel state against the dense fp32 and fp64 ones."""
+    tp_state, state, state64 = full_state_dict(tp), dense.state_dict(), dense64.state_dict()
+    assert tp_state.keys() == state.keys()
+    for key, value in state.items():
+        _assert_near_float64(tp_state[key], value, state64[key], key, reduction_length)
 
 
 def _check_mlp():
@@ -73,11 +75,13 @@ def _check_mlp():
     dense64 = copy.deepcopy(dense).double()
     x = torch.randn(6, 8, requires_grad=True)
     x_tp = x.detach().clone().requires_grad_()
-    torch.testing.assert_close(tp(x_tp), dense(x), **TOL)
-    dense(x).square().sum().backward()
-    tp(x_tp).square().sum().backward()
-    dense64(x.detach().double()).square().sum().backward()
-    torch.testing.assert_close(x_tp.grad, x.grad, **TOL)  # f all-reduced the input gradient
+    x64 = x.detach().double().requires_grad_()
+    outs = [tp(x_tp), dense(x), dense64(x64)]
+    _assert_near_float64(*outs, "output", 16)  # sums of 16 features at most
+    for out in outs:
+        out.square().sum().backward()
+    # f all-reduced the input gradient
+    _assert_near_float64(x_tp.grad, x.grad, x64.grad, "input gradient", 16)
     # parameter gradients (AdamW below would hide a constant factor): this rank's slices
     rank = tessera.init().rank
     split = {"up.weight": 0, "up.bias": 0, "down.weight": 1, "out.weight": 0, "out.bias": 0}
@@ -102,12 +106,12 @@ def _check_mlp():
     for out in outs:
         out.square().sum().backward()
     _assert_near_float64(h_row.grad, h_dense.grad, h64.grad, "its input gradient", 8)
-    dense.zero_grad()
+    for model in (dense, dense64):
+        model.zero_grad()
     batches = [(torch.randn(6, 8), torch.randn(6, 4)) for _ in range(3)]
     # AdamW: every parameter here has a non-zero gradient, so Adam's division is harmless.
-    _train(dense, batches, F.mse_loss, torch.optim.AdamW(dense.parameters(), lr=1e-2))
-    _train(tp, batches, F.mse_loss, torch.optim.AdamW(tp.parameters(), lr=1e-2))
-    _close_states(full_state_dict(tp), dense.state_dict())
+    _train((tp, dense, dense64), batches, F.mse_loss, partial(torch.optim.AdamW, lr=1e-2))
+    _close_states(tp, dense, dense64, 6 * 16)
     # one all-reduce forward (g, after down) and one backward (f, before up), plus out's gather
     calls = STATS["calls"]
     tp(x_tp).sum().backward()
@@ -118,47 +122,55 @@ def _check_gpt():
     config = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=4, n_embd=16)
     torch.manual_seed(0)
     dense = GPT(config)
+    dense64 = copy.deepcopy(dense).double()
     tp = parallelize_gpt(copy.deepcopy(dense))
     idx = torch.randint(0, 16, (3, 8))
-    torch.testing.assert_close(tp(idx), dense(idx), **TOL)
+    _assert_near_float64(tp(idx), dense(idx), dense64(idx), "logits", 2 * 4 * 16)
     batches = [(torch.randint(0, 16, (3, 8)), torch.randint(0, 16, (3, 8))) for _ in range(3)]
 
     def loss_fn(logits, y):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     # SGD with momentum: attention key biases have a true gradient of zero (DESIGN.md, Testing).
-    _train(dense, batches, loss_fn, torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9))
-    _train(tp, batches, loss_fn, torch.optim.SGD(tp.parameters(), lr=0.1, momentum=0.9))
-    _close_states(full_state_dict(tp), dense.state_dict())
+    sgd = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    _train((tp, dense, dense64), batches, loss_fn, sgd)
+    _close_states(tp, dense, dense64, 3 * 8 * 16)  # a weight gradient sums 3 x 8 tokens
 
 
 def _check_vocab_and_conv():
     torch.manual_seed(0)
     embed, head = nn.Embedding(10, 6), nn.Linear(6, 10, bias=False)
     dense = nn.ModuleDict({"embed": embed, "head": head})
+    dense64 = copy.deepcopy(dense).double()
     tp = parallelize(copy.deepcopy(dense), {"embed": "vocab", "head": "vocab"})
     assert isinstance(tp["embed"], VocabParallelEmbedding)
     ids, targets = torch.randint(0, 10, (4, 5)), torch.randint(0, 10, (4, 5))
-    torch.testing.assert_close(tp["embed"](ids), embed(ids), **TOL)
+    # each id's row comes from one rank, the others add exact zeros
+    assert torch.equal(tp["embed"](ids), embed(ids))
     dense_loss = F.cross_entropy(head(embed(ids)).flatten(0, 1), targets.flatten())
+    logits64 = dense64["head"](dense64["embed"](ids))
+    loss64 = F.cross_entropy(logits64.flatten(0, 1), targets.flatten())
     local_logits = tp["head"](tp["embed"](ids))  # (4, 5, 10/2): this rank's vocabulary slice
     tp_loss = vocab_parallel_cross_entropy(local_logits, targets).mean()
-    torch.testing.assert_close(tp_loss, dense_loss, **TOL)
-    dense_loss.backward()
-    tp_loss.backward()
+    # a softmax over 10 logits (each a sum of 6), averaged over 20 tokens
+    _assert_near_float64(tp_loss, dense_loss, loss64, "loss", 10 * 6 + 20)
+    for loss in (dense_loss, tp_loss, loss64):
+        loss.backward()
     full = {n: p.grad for n, p in tp.named_parameters()}
     rank, size = tessera.init().rank, 2
-    torch.testing.assert_close(full["embed.weight"], embed.weight.grad.chunk(size)[rank], **TOL)
-    torch.testing.assert_close(full["head.weight"], head.weight.grad.chunk(size)[rank], **TOL)
+    for name in ("embed.weight", "head.weight"):
+        want = dict(dense.named_parameters())[name].grad.chunk(size)[rank]
+        want64 = dict(dense64.named_parameters())[name].grad.chunk(size)[rank]
+        _assert_near_float64(full[name], want, want64, f"gradient of {name}", 20 * 10)
 
     conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    conv64 = copy.deepcopy(conv).double()
     conv_tp = parallelize(copy.deepcopy(conv), {"0": "column"})
     assert isinstance(conv_tp[0], ChannelParallelConv2d) and conv_tp[0].weight.shape[0] == 4
     images = torch.randn(2, 3, 6, 6)
     batches = [(images, torch.randn(2, 4, 4, 4)) for _ in range(2)]
-    _train(conv, batches, F.mse_loss, torch.optim.AdamW(conv.parameters(), lr=1e-2))
-    _train(conv_tp, batches, F.mse_loss, torch.optim.AdamW(conv_tp.parameters(), lr=1e-2))
-    _close_states(full_state_dict(conv_tp), conv.state_dict())
+    _train((conv_tp, conv, conv64), batches, F.mse_loss, partial(torch.optim.AdamW, lr=1e-2))
+    _close_states(conv_tp, conv, conv64, 2 * 6 * 6)  # weight gradients sum 2 x 6 x 6 positions
 
 
 class _ConvNet(nn.Module):
