@@ -30,7 +30,13 @@ from tessera.pipeline import (
 )
 from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
-from tessera.pipeline.partition import balance_by_cost, check_balance
+from tessera.pipeline.partition import (
+    balance_by_cost,
+    check_balance,
+    parameter_costs,
+    stage_bounds,
+)
+from tessera.pipeline.stage import decode_meta, encode_meta, meta_length, shared_parameters
 from tessera.viz.timeline import pipeline_timeline
 
 _F32_EPS = torch.finfo(torch.float32).eps
@@ -113,6 +119,25 @@ def test_partition_balances_cost_and_checks_coverage():
         schedule("zigzag", 2, 2)
     with pytest.raises(ValueError, match="num_microbatches"):
         schedule("gpipe", 2, 0)
+
+
+def test_stage_cutting_helpers_without_processes():
+    model = _two_tied_groups_model()
+    # a: 8x8; LayerNorm 2x8, gate 8x8+8, b 8x8; linear 8x8+8; a and b again (tied: in each)
+    assert parameter_costs(model) == [64, 16 + 72 + 64, 72, 128]
+    bounds = stage_bounds([2, 1, 1])
+    assert bounds == [(0, 2), (2, 3), (3, 4)]
+    # positions in model.parameters(): a is 0, b is 1; a on stages 0 and 2, b on stages 0 and 2
+    assert shared_parameters(model, bounds) == [(0, [0, 2]), (1, [0, 2])]
+    assert shared_parameters(model, stage_bounds([1, 1, 1, 1])) == [(0, [0, 3]), (1, [1, 3])]
+    assert shared_parameters(model, stage_bounds([4])) == []  # one stage: nothing to exchange
+    # the metadata message: dtype, shape of one micro-batch's output, every micro-batch's size
+    out = torch.zeros(3, 5, 2, dtype=torch.float64)
+    meta = encode_meta(out, [3, 2, 2])
+    assert meta.numel() == meta_length(3)
+    assert decode_meta(meta) == (torch.float64, [5, 2], [3, 2, 2])
+    with pytest.raises(ValueError, match="cannot be sent"):
+        encode_meta(torch.zeros(2, dtype=torch.complex64), [2])
 
 
 def test_simulate_times_a_schedule_and_refuses_a_deadlocking_one():
