@@ -12,7 +12,8 @@ T messages of (B, H) each way. This is the pipelining of the GNMT-era multi-GPU 
 Every rank calls the module with the same input (only rank 0 reads it) and gets the whole output
 sequence (broadcast from the last layer), so a loss computed on every rank back-propagates
 correctly; gradients reach this rank's layer parameters (shared with the user's `nn.LSTM`: no
-copies) and the input. The final states `(h_n, c_n)` are returned without gradient.
+copies), the input and the initial state `hx` if given (every layer's, gathered). The final
+states `(h_n, c_n)` are returned without gradient.
 """
 
 from __future__ import annotations
