@@ -277,6 +277,8 @@ def test_plan_errors_before_any_communication():
         parallelize(model, {"0": "diagonal"})
     with pytest.raises(ValueError, match="style 'row' takes"):
         parallelize(model, {"1": "row"})
+    with pytest.raises(ValueError, match="0 matches plan patterns '0' and '\\?'"):
+        parallelize(model, {"0": "column", "?": "row"})
     assert isinstance(model[0], nn.Linear)  # nothing was replaced
 
 

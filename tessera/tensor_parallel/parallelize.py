@@ -111,6 +111,7 @@ def _plan_targets(
     named = dict(module.named_modules())
     order = {name: k for k, name in enumerate(named)}
     targets: list[tuple[str, str, nn.Module]] = []
+    chosen: dict[str, str] = {}  # module name -> the pattern that matched it
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(
@@ -120,6 +121,12 @@ def _plan_targets(
         if not matches:
             raise ValueError(f"plan pattern {pattern!r} matches no submodule")
         for name in matches:
+            if name in chosen:  # one module, two styles: which one wins would be silent
+                raise ValueError(
+                    f"{name} matches plan patterns {chosen[name]!r} and {pattern!r}; "
+                    f"give each module one style"
+                )
+            chosen[name] = pattern
             sub = named[name]
             kind = next((t for t in _BUILDERS[style] if type(sub) is t), None)
             if kind is None:
