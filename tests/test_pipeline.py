@@ -55,6 +55,9 @@ def _assert_near_float64(got, oracle, ref64, what, reduction_length):
     assert err <= 4 * oracle_err + floor, f"{what}: error {err:.3g}, oracle's {oracle_err:.3g}"
 
 
+WAIT_S = 60.0
+"""Bound of every wait between ranks here: a hang reports within a minute."""
+
 # ---------------------------------------------------------------- pure parts, no processes
 
 
@@ -402,7 +405,7 @@ def _check_wavefront(world_size: int) -> None:
 
 
 def pipeline_worker(out_dir: str) -> list:
-    ctx = tessera.init()
+    ctx = tessera.init(timeout_s=WAIT_S)
     _check_wavefront(ctx.world_size)
     idle = []
     for name in ("naive", "gpipe", "1f1b"):
@@ -507,7 +510,7 @@ def _oracle_grads(model: nn.Sequential, x, y) -> list[torch.Tensor]:
 
 def tied_groups_worker() -> list[dict]:
     """4 stages, tied groups {0, 3} and {1, 3}, two schedules (with and without the W pass)."""
-    tessera.init()
+    tessera.init(timeout_s=WAIT_S)
     return [_check_tied_groups("1f1b", True), _check_tied_groups("gpipe", False)]
 
 

@@ -26,6 +26,9 @@ from tessera.tensor_parallel import (
 )
 from tessera.tensor_parallel._comm import STATS
 
+WAIT_S = 60.0
+"""Bound of every wait between ranks here: a hang reports within a minute."""
+
 _F32_EPS = torch.finfo(torch.float32).eps
 
 
@@ -255,7 +258,7 @@ def _check_bad_input():
 
 
 def tp_worker():
-    tessera.init()
+    tessera.init(timeout_s=WAIT_S)
     torch.manual_seed(1)  # the same data on both ranks, as tensor parallelism needs
     _check_mlp()
     _check_gpt()
