@@ -10,17 +10,19 @@ weights, so the result computes what the dense module did. Styles:
 - "row": nn.Linear -> RowParallelLinear (input features split; follows a column layer);
   nn.Conv2d -> RowParallelConv2d (input channels split, partial outputs summed).
 
+- "vocab": nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ColumnParallelLinear whose split
+  logits feed `vocab_parallel_cross_entropy`.
+- "column_gather": nn.Linear -> ColumnParallelLinear with its output all-gathered.
+
 A "row" Conv2d pairs with the nearest "column" Conv2d registered before it (module order), as
 the MLP's two linears pair: the column conv then keeps its output channels split, only
 channel-wise layers (activations, pooling) may sit between the two, and the pair all-reduces
 once forward and once backward. The plan is refused if a row conv has no column conv before it
 or the column conv's output channels are not the row conv's input channels.
-- "vocab": nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ColumnParallelLinear whose split
-  logits feed `vocab_parallel_cross_entropy`.
-- "column_gather": nn.Linear -> ColumnParallelLinear with its output all-gathered.
 
-Every check (a pattern matching nothing, a wrong module type, a dimension the group size does not
-divide) raises ValueError before any module is changed or any message sent.
+Every check (a pattern matching nothing, a module matched by two patterns, a wrong module type,
+a dimension the group size does not divide, an unpaired or mismatched row conv, a grouped conv)
+raises ValueError before any module is changed or any message sent.
 """
 
 from __future__ import annotations
