@@ -9,7 +9,6 @@ weights, so the result computes what the dense module did. Styles:
   Conv2d takes them split).
 - "row": nn.Linear -> RowParallelLinear (input features split; follows a column layer);
   nn.Conv2d -> RowParallelConv2d (input channels split, partial outputs summed).
-
 - "vocab": nn.Embedding -> VocabParallelEmbedding; nn.Linear -> ColumnParallelLinear whose split
   logits feed `vocab_parallel_cross_entropy`.
 - "column_gather": nn.Linear -> ColumnParallelLinear with its output all-gathered.
