@@ -44,12 +44,46 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
         ),
         ("", ["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
         ("", ["--strategy", "hybrid", "--zero", "3"], r"zero must be 0, 1 or 2 \(ZeRO-1/2 inside"),
+        # What the model-parallel engines refused only once the ranks had started:
+        (
+            "",
+            ["--strategy", "pipeline", "--microbatches", "64"],
+            r"microbatches \(64\) must not exceed the batch each pipeline splits: "
+            r"batch_size 32 / dp 1 = 32",
+        ),
+        (
+            "",
+            ["--strategy", "hybrid", "--nproc", "4", "--dp", "2", "--microbatches", "17"],
+            r"microbatches \(17\) must not exceed .* batch_size 32 / dp 2 = 16",
+        ),
+        (
+            "",
+            ["--strategy", "tensor", "--nproc", "4", "--n-head", "2", "--n-embd", "32"],
+            r"model.n_head \(2\) must be divisible by the tensor-parallel degree \(4\)",
+        ),
+        (
+            "",
+            "--strategy hybrid --nproc 4 --tp 4 --n-head 6 --n-embd 96".split(),
+            r"model.n_head \(6\) must be divisible by the tensor-parallel degree \(4\)",
+        ),
+        (
+            "",
+            ["--strategy", "pipeline", "--nproc", "4", "--n-layer", "1"],
+            r"4 pipeline stages need at least 2 blocks .*model.n_layer is 1",
+        ),
     ],
 )
 def test_bad_config_stops_with_one_message_before_any_process(
     tmp_path, monkeypatch, capsys, yaml_text, flags, message
 ):
     monkeypatch.chdir(tmp_path)
+    import tessera.train.run
+
+    def no_ranks(*_args, **_kwargs):
+        raise AssertionError("a rank was started for a config that cannot run")
+
+    monkeypatch.setattr(tessera.train.run, "launch", no_ranks)
+    monkeypatch.setattr(tessera.train.run, "train_worker", no_ranks)
     (tmp_path / "run.yaml").write_text(yaml_text)
     assert main(["train", "--config", "run.yaml", *flags]) == 2
     err = capsys.readouterr().err

@@ -36,7 +36,7 @@ from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
 from tessera.tensor_parallel import full_state_dict, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
-from tessera.train.strategy import Engine, LossFn, OptimizerFactory, register_strategy
+from tessera.train.strategy import Engine, LossFn, OptimizerFactory
 
 __all__ = ["HybridEngine"]
 
@@ -237,7 +237,6 @@ def _all_gather_rows(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@register_strategy("pipeline")
 def pipeline_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:
@@ -247,7 +246,6 @@ def pipeline_strategy(
     )
 
 
-@register_strategy("tensor")
 def tensor_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:
@@ -255,7 +253,6 @@ def tensor_strategy(
     return HybridEngine(module, make_optimizer, ctx, config, tp=ctx.world_size, num_microbatches=1)
 
 
-@register_strategy("hybrid")
 def hybrid_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:
