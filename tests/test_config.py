@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 
+import tessera.train
 from tessera.cli import main
 from tessera.errors import ConfigError
-from tessera.train import build_config, load_yaml
+from tessera.train import build_config, load_yaml, register_strategy
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
@@ -106,3 +110,58 @@ def test_config_error_is_a_value_error():
         build_config({"steps": 0})
     with pytest.raises(ConfigError, match="dropout must be in"):
         build_config({"model": {"dropout": 1.5}})
+
+
+def _fresh_modules(code: str) -> list[str]:
+    """The tessera modules a fresh interpreter has loaded after running `code`."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    return [m for m in json.loads(out.stdout.splitlines()[-1]) if m.startswith("tessera")]
+
+
+ENGINE_PACKAGES = ("tessera.zero", "tessera.pipeline", "tessera.data_parallel", "tessera.tensor_")
+
+
+def test_validating_a_config_imports_no_engine():
+    loaded = _fresh_modules(
+        "import tessera.train.config as c\n"
+        "c.build_config({'strategy': 'hybrid', 'nproc': 4, 'dp': 2})\n"
+        "c.build_config({'strategy': 'zero3'})\n"
+        "from tessera.train import STRATEGIES\n"
+        "assert 'pipeline' in STRATEGIES and len(STRATEGIES) >= 10"
+    )
+    assert "tessera.train.config" in loaded
+    engines = [m for m in loaded if m.startswith(ENGINE_PACKAGES) or m == "tessera.train.loop"]
+    assert engines == []
+
+
+def test_strategy_interface_imports_none_of_its_engines():
+    # The old train/strategy.py imported every engine at its bottom, and the engines import it
+    # for their base class: a cycle. Now the registry names engines by "module:attribute".
+    loaded = _fresh_modules("import tessera.train.strategy, tessera.train.registry")
+    assert [m for m in loaded if m.startswith(ENGINE_PACKAGES)] == []
+
+
+def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeypatch):
+    from tessera.train import registry
+    from tessera.train.strategy import Engine
+
+    for name, target in registry.BUILTIN_STRATEGIES.items():
+        factory = registry.STRATEGIES[name]
+        assert callable(factory) and target.endswith(":" + factory.__name__), name
+    assert registry.STRATEGIES["single"] is Engine
+    monkeypatch.setattr(registry, "_user_strategies", {})
+
+    @register_strategy("mine")
+    class Mine(Engine):
+        pass
+
+    assert tessera.train.STRATEGIES["mine"] is Mine and "mine" in registry.strategy_names()
+    assert build_config({"strategy": "mine", "nproc": 1}).strategy == "mine"
+    for taken in ("mine", "zero2"):
+        with pytest.raises(ValueError, match=f"strategy '{taken}' is registered twice"):
+            register_strategy(taken)(Mine)
+    with pytest.raises(KeyError, match="unknown strategy 'nope'"):
+        registry.STRATEGIES["nope"]
