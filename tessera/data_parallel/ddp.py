@@ -16,7 +16,6 @@ compute per bucket exceeds the bucket's reduction time.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,7 @@ from tessera import comm
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.compression import CompressionHook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
+from tessera.runtime.context import default_timeout_s
 
 __all__ = ["DataParallel"]
 
@@ -100,7 +100,7 @@ class DataParallel(nn.Module):
             cap_bytes=int(bucket_cap_mb * 2**20),
             reduce_bucket=self._reduce_bucket,
             rank=self._rank,
-            timeout_s=float(os.environ.get("TESSERA_TIMEOUT_S", 300.0)),
+            timeout_s=default_timeout_s(),
             allocate=self._shared_allocator(named),
         )
 

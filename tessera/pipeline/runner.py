@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from tessera.pipeline.stage import (
     slice_stage,
 )
 from tessera.pipeline.timeline import Event
+from tessera.runtime.context import default_timeout_s
 
 __all__ = ["Pipeline"]
 
@@ -135,7 +135,7 @@ class Pipeline:
             self.deferral = WeightGradDeferral(
                 p for p in self.module.parameters() if id(p) not in self._tied_ids
             )
-        timeout_s = timeout_s or float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        timeout_s = timeout_s or default_timeout_s()
         self.links = Links(group, timeout_s) if num_stages > 1 else None
         self.group = group
         self.timeline: list[Event] = []

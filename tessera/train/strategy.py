@@ -150,4 +150,3 @@ class TorchDDPEngine(Engine):
         self._last_gradient_at = time.perf_counter()
         loss.backward()
         self.comm_seconds = max(0.0, time.perf_counter() - self._last_gradient_at)
-

@@ -26,7 +26,6 @@ moves twice the bytes of a reduce-scatter through memory, yet on a 2-core machin
 
 from __future__ import annotations
 
-import os
 import socket
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from tessera import comm
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.reducer import Reducer
 from tessera.errors import CollectiveTimeout
+from tessera.runtime.context import default_timeout_s
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
 
@@ -87,7 +87,7 @@ class ZeroOptimizer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout_s = float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        self.timeout_s = default_timeout_s()
         self.mixed_precision = mixed_precision
         named, units = self._ordered_parameters()
         if not named:
