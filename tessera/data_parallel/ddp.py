@@ -28,6 +28,7 @@ from tessera import comm
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.compression import CompressionHook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
+from tessera.flat import flatten, unflatten_into
 from tessera.runtime.context import default_timeout_s
 
 __all__ = ["DataParallel"]
@@ -149,12 +150,9 @@ class DataParallel(nn.Module):
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         with torch.no_grad():
             for same in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in same])
+                flat = flatten(same)
                 comm.broadcast(flat, self._src, group=self.group)
-                offset = 0
-                for tensor in same:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+                unflatten_into(flat, same)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Average one bucket over the group (runs on the reducer's communication thread)."""
