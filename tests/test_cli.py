@@ -1,4 +1,4 @@
-"""`tessera run` hands a script its arguments untouched; `tessera train` under it takes its world."""
+"""`tessera run` hands a script its arguments untouched; `tessera train` under it uses its world."""
 
 from __future__ import annotations
 

@@ -165,3 +165,17 @@ def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeyp
             register_strategy(taken)(Mine)
     with pytest.raises(KeyError, match="unknown strategy 'nope'"):
         registry.STRATEGIES["nope"]
+
+
+def test_under_torchrun_the_config_is_checked_against_its_world(monkeypatch):
+    # A worker of `tessera run --nnodes 2 -n 4`: 8 ranks, 4 on this machine (nproc = 4).
+    monkeypatch.delenv("TESSERA_INIT_FILE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"must be divisible by the number of ranks \(8\)"):
+        build_config({"nproc": 4, "batch_size": 12})
+    with pytest.raises(ConfigError, match="dp x tp x pp = 2 x 2 x 1 does not equal the 8 ranks"):
+        build_config({"strategy": "hybrid", "nproc": 4, "dp": 2, "tp": 2, "pp": 1})
+    assert build_config({"strategy": "hybrid", "nproc": 4, "dp": 2, "tp": 2}).nproc == 4
+    # tessera's own launcher sets WORLD_SIZE too, with its store file: then nproc is the world
+    monkeypatch.setenv("TESSERA_INIT_FILE", "/tmp/store")
+    assert build_config({"nproc": 4, "batch_size": 12}).batch_size == 12
