@@ -73,13 +73,6 @@ def _flag_layer(args: argparse.Namespace) -> dict[str, Any]:
     return layer
 
 
-def _torchrun_local_world() -> int | None:
-    """Processes per node when this process is a worker of tessera run / torchrun, else None."""
-    if "WORLD_SIZE" not in os.environ or "TESSERA_INIT_FILE" in os.environ:
-        return None
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-
-
 def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> None:
     """Under tessera run / torchrun, the processes exist already: nproc is their count per node.
 
@@ -87,9 +80,12 @@ def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> N
     the user expects another world than the one running, which is refused rather than ignored.
     A saved config being resumed does not count as given.
     """
-    local = _torchrun_local_world()
-    if local is None:
+    from tessera.train.config import torchrun_world
+
+    world = torchrun_world()
+    if world is None:
         return
+    local = world[1]
     given = [layer["nproc"] for layer in user_layers if "nproc" in layer]
     if given and given[-1] != local:
         raise ConfigError(

@@ -27,6 +27,7 @@ __all__ = [
     "config_to_dict",
     "job_world_size",
     "load_yaml",
+    "torchrun_world",
 ]
 
 OPTIMIZERS = ("adamw", "sgd")
@@ -215,18 +216,28 @@ class TrainConfig:
             )
 
 
-def job_world_size(nproc: int) -> int:
-    """How many ranks the job will have: torchrun's WORLD_SIZE in one of its workers, else nproc.
+def torchrun_world() -> tuple[int, int] | None:
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) in a worker of tessera run / torchrun, else None.
 
     tessera's own launcher also sets WORLD_SIZE, but with TESSERA_INIT_FILE beside it: a config
     built inside such a rank has the world it was launched with, nproc.
     """
-    if "WORLD_SIZE" in os.environ and "TESSERA_INIT_FILE" not in os.environ:
+    if "WORLD_SIZE" not in os.environ or "TESSERA_INIT_FILE" in os.environ:
+        return None
+    sizes = []
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, os.environ["WORLD_SIZE"])
         try:
-            return int(os.environ["WORLD_SIZE"])
+            sizes.append(int(value))
         except ValueError as exc:
-            raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from exc
-    return nproc
+            raise ConfigError(f"{name}={value!r} is not an integer") from exc
+    return sizes[0], sizes[1]
+
+
+def job_world_size(nproc: int) -> int:
+    """How many ranks the job will have: torchrun's WORLD_SIZE in one of its workers, else nproc."""
+    world = torchrun_world()
+    return nproc if world is None else world[0]
 
 
 def _type_matches(value: Any, annotation: Any) -> bool:
