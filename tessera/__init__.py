@@ -1,8 +1,16 @@
-"""tessera: distributed deep-learning training, every strategy in readable Python."""
+"""tessera: distributed deep-learning training, every strategy in readable Python.
 
-from tessera import comm, data_parallel, errors, pipeline, tensor_parallel, zero
-from tessera.data_parallel import DataParallel
-from tessera.mesh import Mesh
+`import tessera` loads only the runtime (init, launch); the strategy packages (`tessera.zero`,
+`tessera.pipeline`, ...) load on first use, so a tool that only reads a config or prints `--help`
+does not pay for, or depend on, every engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tessera import errors
 from tessera.runtime import Context, init, launch, shutdown
 
 __all__ = [
@@ -20,3 +28,28 @@ __all__ = [
     "zero",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "comm": ("tessera.comm", None),
+    "data_parallel": ("tessera.data_parallel", None),
+    "pipeline": ("tessera.pipeline", None),
+    "tensor_parallel": ("tessera.tensor_parallel", None),
+    "zero": ("tessera.zero", None),
+    "DataParallel": ("tessera.data_parallel", "DataParallel"),
+    "Mesh": ("tessera.mesh", "Mesh"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a strategy package or class on first access (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tessera' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -1,14 +1,21 @@
-"""The `tessera` command: `train` (the main job) and `run` (a thin front of torchrun)."""
+"""The `tessera` command: `train` (the main job) and `run` (a thin front of torchrun).
+
+`tessera run [OPTIONS] SCRIPT ARGS...` hands SCRIPT's arguments over untouched: the command line is
+cut at SCRIPT (or the module after -m) before any parser sees it, because argparse matches option
+prefixes anywhere on the line (torchrun's parser took `train --nproc 4` for its own
+`--nproc-per-node`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from typing import Any
 
-from tessera.errors import TesseraError
+from tessera.errors import ConfigError, TesseraError
 
 __all__ = ["main"]
 
@@ -28,9 +35,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{field.metadata.get('help', '')} (default: {default})"
         if field.name == "strategy":
-            from tessera.train.strategy import STRATEGIES
+            from tessera.train.registry import strategy_names
 
-            help_text += f"; one of: {', '.join(sorted(STRATEGIES))}"
+            help_text += f"; one of: {', '.join(strategy_names())}"
         dest = prefix + field.name
         if annotation is bool:
             parser.add_argument(
@@ -66,29 +73,87 @@ def _flag_layer(args: argparse.Namespace) -> dict[str, Any]:
     return layer
 
 
+def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> None:
+    """Under tessera run / torchrun, the processes exist already: nproc is their count per node.
+
+    An `nproc` the user gave (flag or --config file) must agree with it: a different number means
+    the user expects another world than the one running, which is refused rather than ignored.
+    A saved config being resumed does not count as given.
+    """
+    from tessera.train.config import torchrun_world
+
+    world = torchrun_world()
+    if world is None:
+        return
+    local = world[1]
+    given = [layer["nproc"] for layer in user_layers if "nproc" in layer]
+    if given and given[-1] != local:
+        raise ConfigError(
+            f"--nproc {given[-1]} disagrees with the {local} processes per node that tessera "
+            f"run / torchrun started (-n {local}); under tessera run leave --nproc out"
+        )
+    flags["nproc"] = local
+
+
 def _train(args: argparse.Namespace) -> int:
     from tessera.train.config import build_config, load_yaml
-    from tessera.train.run import config_layers_for_resume, print_summary, run_training
 
     layers = []
     if args.resume:
+        from tessera.train.run import config_layers_for_resume
+
         layers.append(config_layers_for_resume(args.resume))
-    if args.config:
-        layers.append(load_yaml(args.config))
+    user_layers = [load_yaml(args.config)] if args.config else []
     flags = _flag_layer(args)
     if args.resume:
         flags["out"] = args.resume
-    layers.append(flags)
-    config = build_config(*layers)
+    _settle_nproc([*user_layers, flags], flags)
+    config = build_config(*layers, *user_layers, flags)
+    from tessera.train.run import print_summary, run_training  # the loop: only once valid
+
     summary = run_training(config, resume=bool(args.resume))
     if summary is not None:
         print_summary(summary)
     return 0
 
 
+_RUN_OPTIONS_WITH_VALUE = {
+    "-n",
+    "--nproc-per-node",
+    "--nnodes",
+    "--node-rank",
+    "--rdzv-endpoint",
+    "--rdzv-backend",
+    "--rdzv-id",
+    "--max-restarts",
+}
+
+
+def _split_at_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`tessera run`'s own options, and [SCRIPT, its arguments...] untouched.
+
+    SCRIPT is the first word that is neither an option nor an option's value; `--` may also mark
+    where `tessera run`'s options end.
+    """
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            return argv[:i], argv[i + 1 :]
+        if not token.startswith("-") or token == "-":
+            return argv[:i], argv[i:]
+        i += 2 if token in _RUN_OPTIONS_WITH_VALUE else 1
+    return argv, []
+
+
 def _run(args: argparse.Namespace) -> int:
-    """Hand the job to torch.distributed.run (torchrun's elastic agent)."""
+    """Hand the job to torch.distributed.run (torchrun's elastic agent).
+
+    torchrun's parser reads only its own options (and a placeholder script); the real script and
+    its arguments are set on the parsed result, so no word of theirs is taken for torchrun's.
+    """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     argv = [
         "--nproc-per-node",
@@ -115,8 +180,14 @@ def _run(args: argparse.Namespace) -> int:
         raise TesseraError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT")
     if args.module:
         argv.append("--module")
-    argv += [args.script, *args.script_args]
-    torchrun.main(argv)
+    torchrun_args = torchrun.parse_args([*argv, "placeholder-script"])
+    torchrun_args.training_script = args.script
+    torchrun_args.training_script_args = list(args.script_args)
+    try:
+        torchrun.run(torchrun_args)
+    except ChildFailedError as exc:
+        print(exc.format_msg(), file=sys.stderr)
+        return 1
     return 0
 
 
@@ -159,6 +230,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
+        allow_abbrev=False,
         help="run a script on N processes per node (a thin front of torchrun)",
         description="Start SCRIPT on N local processes through torch.distributed.run; for several "
         "machines, start it on each with --nnodes, --node-rank and --rdzv-endpoint.",
@@ -172,7 +244,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     run.add_argument("script", help="the script (or module with -m) to run")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    run.add_argument("script_args", nargs="*", help="its arguments, passed on untouched")
     run.set_defaults(handler=_run)
 
     bench = commands.add_parser(
@@ -202,11 +274,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tessera` command."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    script_and_args: list[str] | None = None
+    if argv[:1] == ["run"]:
+        own, script_and_args = _split_at_script(argv[1:])
+        argv = ["run", *own, *script_and_args[:1]]
     args = _parser().parse_args(argv)
+    if script_and_args is not None:
+        args.script_args = script_and_args[1:]
     try:
         return args.handler(args)
     except TesseraError as exc:
-        print(f"tessera: error: {exc}", file=sys.stderr)
+        # Under torchrun every worker validates the same config: one message per node suffices.
+        if not isinstance(exc, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"tessera: error: {exc}", file=sys.stderr)
         return 2
 
 

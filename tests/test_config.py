@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import pytest
 
+import tessera.train
 from tessera.cli import main
 from tessera.errors import ConfigError
-from tessera.train import build_config, load_yaml
+from tessera.train import build_config, load_yaml, register_strategy
 
 
 def test_flags_override_the_file_which_overrides_defaults(tmp_path):
@@ -44,12 +48,46 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
         ),
         ("", ["--schedule", "zigzag"], "unknown schedule 'zigzag'"),
         ("", ["--strategy", "hybrid", "--zero", "3"], r"zero must be 0, 1 or 2 \(ZeRO-1/2 inside"),
+        # What the model-parallel engines refused only once the ranks had started:
+        (
+            "",
+            ["--strategy", "pipeline", "--microbatches", "64"],
+            r"microbatches \(64\) must not exceed the batch each pipeline splits: "
+            r"batch_size 32 / dp 1 = 32",
+        ),
+        (
+            "",
+            ["--strategy", "hybrid", "--nproc", "4", "--dp", "2", "--microbatches", "17"],
+            r"microbatches \(17\) must not exceed .* batch_size 32 / dp 2 = 16",
+        ),
+        (
+            "",
+            ["--strategy", "tensor", "--nproc", "4", "--n-head", "2", "--n-embd", "32"],
+            r"model.n_head \(2\) must be divisible by the tensor-parallel degree \(4\)",
+        ),
+        (
+            "",
+            "--strategy hybrid --nproc 4 --tp 4 --n-head 6 --n-embd 96".split(),
+            r"model.n_head \(6\) must be divisible by the tensor-parallel degree \(4\)",
+        ),
+        (
+            "",
+            ["--strategy", "pipeline", "--nproc", "4", "--n-layer", "1"],
+            r"4 pipeline stages need at least 2 blocks .*model.n_layer is 1",
+        ),
     ],
 )
 def test_bad_config_stops_with_one_message_before_any_process(
     tmp_path, monkeypatch, capsys, yaml_text, flags, message
 ):
     monkeypatch.chdir(tmp_path)
+    import tessera.train.run
+
+    def no_ranks(*_args, **_kwargs):
+        raise AssertionError("a rank was started for a config that cannot run")
+
+    monkeypatch.setattr(tessera.train.run, "launch", no_ranks)
+    monkeypatch.setattr(tessera.train.run, "train_worker", no_ranks)
     (tmp_path / "run.yaml").write_text(yaml_text)
     assert main(["train", "--config", "run.yaml", *flags]) == 2
     err = capsys.readouterr().err
@@ -72,3 +110,84 @@ def test_config_error_is_a_value_error():
         build_config({"steps": 0})
     with pytest.raises(ConfigError, match="dropout must be in"):
         build_config({"model": {"dropout": 1.5}})
+
+
+def _fresh_modules(code: str) -> list[str]:
+    """The tessera modules a fresh interpreter has loaded after running `code`."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    return [m for m in json.loads(out.stdout.splitlines()[-1]) if m.startswith("tessera")]
+
+
+ENGINE_PACKAGES = ("tessera.zero", "tessera.pipeline", "tessera.data_parallel", "tessera.tensor_")
+
+
+def test_validating_a_config_imports_no_engine():
+    loaded = _fresh_modules(
+        "import tessera.train.config as c\n"
+        "c.build_config({'strategy': 'hybrid', 'nproc': 4, 'dp': 2})\n"
+        "c.build_config({'strategy': 'zero3'})\n"
+        "from tessera.train import STRATEGIES\n"
+        "assert 'pipeline' in STRATEGIES and len(STRATEGIES) >= 10"
+    )
+    assert "tessera.train.config" in loaded
+    engines = [m for m in loaded if m.startswith(ENGINE_PACKAGES) or m == "tessera.train.loop"]
+    assert engines == []
+
+
+def test_strategy_interface_imports_none_of_its_engines():
+    # The old train/strategy.py imported every engine at its bottom, and the engines import it
+    # for their base class: a cycle. Now the registry names engines by "module:attribute".
+    loaded = _fresh_modules("import tessera.train.strategy, tessera.train.registry")
+    assert [m for m in loaded if m.startswith(ENGINE_PACKAGES)] == []
+
+
+def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeypatch):
+    from tessera.train import registry
+    from tessera.train.strategy import Engine
+
+    # what each engine module declared with @register_strategy before the registry named them
+    declared = {
+        "single": "Engine",
+        "torch-ddp": "TorchDDPEngine",
+        "ddp": "DDPEngine",
+        "local-sgd": "LocalSGDEngine",
+        "zero1": "Zero1Engine",
+        "zero2": "Zero2Engine",
+        "zero3": "Zero3Engine",
+        "pipeline": "pipeline_strategy",
+        "tensor": "tensor_strategy",
+        "hybrid": "hybrid_strategy",
+    }
+    assert {name: factory.__name__ for name, factory in registry.STRATEGIES.items()} == declared
+    assert [registry.STRATEGIES[f"zero{stage}"].stage for stage in (1, 2, 3)] == [1, 2, 3]
+    assert registry.STRATEGIES["single"] is Engine
+    monkeypatch.setattr(registry, "_user_strategies", {})
+
+    @register_strategy("mine")
+    class Mine(Engine):
+        pass
+
+    assert tessera.train.STRATEGIES["mine"] is Mine and "mine" in registry.strategy_names()
+    assert build_config({"strategy": "mine", "nproc": 1}).strategy == "mine"
+    for taken in ("mine", "zero2"):
+        with pytest.raises(ValueError, match=f"strategy '{taken}' is registered twice"):
+            register_strategy(taken)(Mine)
+    with pytest.raises(KeyError, match="unknown strategy 'nope'"):
+        registry.STRATEGIES["nope"]
+
+
+def test_under_torchrun_the_config_is_checked_against_its_world(monkeypatch):
+    # A worker of `tessera run --nnodes 2 -n 4`: 8 ranks, 4 on this machine (nproc = 4).
+    monkeypatch.delenv("TESSERA_INIT_FILE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match=r"must be divisible by the number of ranks \(8\)"):
+        build_config({"nproc": 4, "batch_size": 12})
+    with pytest.raises(ConfigError, match="dp x tp x pp = 2 x 2 x 1 does not equal the 8 ranks"):
+        build_config({"strategy": "hybrid", "nproc": 4, "dp": 2, "tp": 2, "pp": 1})
+    assert build_config({"strategy": "hybrid", "nproc": 4, "dp": 2, "tp": 2}).nproc == 4
+    # tessera's own launcher sets WORLD_SIZE too, with its store file: then nproc is the world
+    monkeypatch.setenv("TESSERA_INIT_FILE", "/tmp/store")
+    assert build_config({"nproc": 4, "batch_size": 12}).batch_size == 12

@@ -7,7 +7,6 @@ the algorithm ("auto": the cost model's fastest), and records the call for diagn
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -27,6 +26,7 @@ from tessera.comm.ring import all_gather_ring, all_reduce_ring, reduce_scatter_r
 from tessera.comm.round_robin import all_reduce_round_robin
 from tessera.comm.shm import shm_group
 from tessera.comm.tree import all_reduce_tree, broadcast_tree, reduce_tree
+from tessera.runtime.context import default_timeout_s
 
 __all__ = [
     "ALGORITHMS",
@@ -53,7 +53,7 @@ _ALL_REDUCE: dict[str, Callable[[torch.Tensor, str, Comm], None]] = {
 
 def _timeout(timeout: float | None) -> float:
     if timeout is None:
-        return float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        return default_timeout_s()
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     return float(timeout)

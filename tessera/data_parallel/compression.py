@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from tessera.data_parallel.bucket import Bucket
+from tessera.flat import flatten, unflatten_into
 
 __all__ = ["CompressionHook", "PowerSGD", "cast_hook", "resolve_compression"]
 
@@ -76,12 +77,9 @@ class PowerSGD:
                 self._error[key] = torch.zeros_like(matrix)
             self._compress(matrix, key, all_reduce)
         if uncompressed:
-            flat = torch.cat([g.reshape(-1) for g in uncompressed])
+            flat = flatten(uncompressed)
             all_reduce(flat)
-            offset = 0
-            for grad in uncompressed:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            unflatten_into(flat, uncompressed)
 
     def _compress(self, matrix: torch.Tensor, key: int, all_reduce: AllReduce) -> None:
         corrected = matrix + self._error[key]  # (n, m): this rank's gradient + what it owes

@@ -16,7 +16,6 @@ compute per bucket exceeds the bucket's reduction time.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +28,8 @@ from tessera import comm
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.compression import CompressionHook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
+from tessera.flat import flatten, unflatten_into
+from tessera.runtime.context import default_timeout_s
 
 __all__ = ["DataParallel"]
 
@@ -100,7 +101,7 @@ class DataParallel(nn.Module):
             cap_bytes=int(bucket_cap_mb * 2**20),
             reduce_bucket=self._reduce_bucket,
             rank=self._rank,
-            timeout_s=float(os.environ.get("TESSERA_TIMEOUT_S", 300.0)),
+            timeout_s=default_timeout_s(),
             allocate=self._shared_allocator(named),
         )
 
@@ -149,12 +150,9 @@ class DataParallel(nn.Module):
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         with torch.no_grad():
             for same in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in same])
+                flat = flatten(same)
                 comm.broadcast(flat, self._src, group=self.group)
-                offset = 0
-                for tensor in same:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+                unflatten_into(flat, same)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Average one bucket over the group (runs on the reducer's communication thread)."""

@@ -11,12 +11,11 @@ from torch import nn
 from tessera.data_parallel.ddp import DataParallel
 from tessera.data_parallel.naive import average_parameters
 from tessera.runtime.context import Context
-from tessera.train.strategy import Engine, OptimizerFactory, register_strategy
+from tessera.train.strategy import Engine, OptimizerFactory
 
 __all__ = ["DDPEngine", "LocalSGDEngine"]
 
 
-@register_strategy("ddp")
 class DDPEngine(Engine):
     """tessera's `DataParallel`: bulk-synchronous, gradients averaged every step."""
 
@@ -44,7 +43,6 @@ class DDPEngine(Engine):
         self.comm_seconds = self.ddp.exposed_comm_s
 
 
-@register_strategy("local-sgd")
 class LocalSGDEngine(Engine):
     """Local SGD: each rank steps on its own gradients; parameters are averaged every H steps.
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
+from tessera.flat import flatten, unflatten_into
 
 __all__ = ["average_gradients", "average_parameters"]
 
@@ -39,10 +40,7 @@ def average_parameters(
     params = [p for p in module.parameters()]
     if not params:
         return
-    flat = torch.cat([p.reshape(-1) for p in params])
+    flat = flatten(params)
     comm.all_reduce(flat, "sum", algorithm=algorithm, group=group)
     flat.div_(dist.get_world_size(group))
-    offset = 0
-    for param in params:
-        param.copy_(flat[offset : offset + param.numel()].view_as(param))
-        offset += param.numel()
+    unflatten_into(flat, params)

@@ -118,11 +118,6 @@ class StageZero(_ArmedForWeightPass):
             total += (grad.double().square() * weight).sum()
         return total
 
-    def scale_gradients(self, scale: float) -> None:
-        """Multiply this rank's reduced gradient slices by `scale` (gradient clipping)."""
-        for grad in self.inner.gradient_slices():
-            grad.mul_(scale)
-
     def step(self, lr: float) -> None:
         """Step this rank's slices, all-gather them into the parameters, clear the gradients."""
         for group in self.optimizer.param_groups:

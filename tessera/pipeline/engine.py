@@ -21,13 +21,13 @@ rank's stage and tensor-parallel shards and takes its own optimizer state.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.mesh import Mesh
 from tessera.models import GPT
 from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
@@ -36,7 +36,7 @@ from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
 from tessera.tensor_parallel import full_state_dict, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
-from tessera.train.strategy import Engine, LossFn, OptimizerFactory, register_strategy
+from tessera.train.strategy import Engine, LossFn, OptimizerFactory
 
 __all__ = ["HybridEngine"]
 
@@ -147,24 +147,13 @@ class HybridEngine(Engine):
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm over every stage and shard (replicated and tied parameters once)."""
         if self.zero is not None:  # each dp rank holds a distinct slice of the averaged grads
-            total = self.zero.grad_norm_sq()
-        else:
-            total = torch.zeros((), dtype=torch.float64)
-            if self.mesh.rank("dp") == 0:  # dp replicas hold equal gradients after averaging
-                for p, weight in zip(self.params, self._norm_weight):
-                    if p.grad is not None and weight:
-                        total += p.grad.detach().double().pow(2).sum()
-        if self.ctx.world_size > 1:
-            dist.all_reduce(total)
-        norm = math.sqrt(float(total))
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1 and self.zero is not None:
-            self.zero.scale_gradients(scale)
-        elif scale < 1:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+            total, grads = self.zero.grad_norm_sq(), self.zero.inner.gradient_slices()
+        else:  # dp replicas hold equal gradients after averaging: dp rank 0 counts them
+            grads = [p.grad for p in self.params]
+            weights = self._norm_weight if self.mesh.rank("dp") == 0 else [0.0] * len(grads)
+            total = squared_sum(grads, weights)
+        all_reduce = sum_over(None) if self.ctx.world_size > 1 else None
+        return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
 
     def step(self, lr: float) -> None:
         """Apply the optimizer (ZeRO: step this rank's slices and all-gather them)."""
@@ -237,7 +226,6 @@ def _all_gather_rows(tensor: torch.Tensor, world: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@register_strategy("pipeline")
 def pipeline_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:
@@ -247,7 +235,6 @@ def pipeline_strategy(
     )
 
 
-@register_strategy("tensor")
 def tensor_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:
@@ -255,7 +242,6 @@ def tensor_strategy(
     return HybridEngine(module, make_optimizer, ctx, config, tp=ctx.world_size, num_microbatches=1)
 
 
-@register_strategy("hybrid")
 def hybrid_strategy(
     module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
 ) -> Engine:

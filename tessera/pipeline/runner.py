@@ -23,8 +23,6 @@ al. 2021); see `schedule.py` for their bubbles and memory.
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.partition import balance_by_cost, check_balance, parameter_costs, stage_bounds
 from tessera.pipeline.schedule import Action, _check
@@ -47,6 +46,7 @@ from tessera.pipeline.stage import (
     slice_stage,
 )
 from tessera.pipeline.timeline import Event
+from tessera.runtime.context import default_timeout_s
 
 __all__ = ["Pipeline"]
 
@@ -138,7 +138,7 @@ class Pipeline:
             self.deferral = WeightGradDeferral(
                 p for p in self.module.parameters() if id(p) not in self._tied_ids
             )
-        timeout_s = timeout_s or float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        timeout_s = timeout_s or default_timeout_s()
         self.links = Links(group, timeout_s) if num_stages > 1 else None
         self.group = group
         self.timeline: list[Event] = []
@@ -334,14 +334,8 @@ class Pipeline:
 
     def grad_norm_sq(self) -> torch.Tensor:
         """This stage's share of the squared global gradient norm (tied parameters counted once)."""
-        total = torch.zeros((), dtype=torch.float64)
-        for p in self.module.parameters():
-            if p.grad is None:
-                continue
-            if not self.counts_in_norm(p):
-                continue
-            total += p.grad.detach().double().pow(2).sum()
-        return total
+        params = list(self.module.parameters())
+        return squared_sum([p.grad for p in params], [self.counts_in_norm(p) for p in params])
 
     def full_key(self, stage_key: str) -> str:
         """The full model's key of this stage's state-dict key `stage_key`."""
@@ -356,16 +350,12 @@ class Pipeline:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every stage's gradients so the global norm is at most `max_norm`; return it."""
-        norm_sq = self.grad_norm_sq()
-        if self.num_stages > 1:
-            dist.all_reduce(norm_sq, group=self.group)
-        norm = math.sqrt(float(norm_sq))
-        scale = max_norm / (norm + 1e-6)
-        if scale < 1:
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
+        return clip_grad_norm(
+            [p.grad for p in self.module.parameters()],
+            max_norm,
+            local_sq_sum=self.grad_norm_sq(),
+            all_reduce=sum_over(self.group) if self.num_stages > 1 else None,
+        )
 
     def full_state_dict(
         self, *, stage_state: dict[str, torch.Tensor] | None = None

@@ -18,7 +18,6 @@ states `(h_n, c_n)` are returned without gradient.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch.func import functional_call
 
 from tessera.pipeline.stage import Links
 from tessera.pipeline.timeline import Event
+from tessera.runtime.context import default_timeout_s
 
 __all__ = ["WavefrontRNN", "wavefront"]
 
@@ -134,7 +134,7 @@ class WavefrontRNN(nn.Module):
             if hasattr(rnn, f"{name}_l{self.layer}"):
                 setattr(self.cell, name, getattr(rnn, f"{name}_l{self.layer}"))
         self.names = [n for n, _ in self.cell.named_parameters()]
-        timeout = float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        timeout = default_timeout_s()
         self.links = Links(group, timeout) if size > 1 else None
         self.final_state: tuple[torch.Tensor, ...] = ()
         self.timeline: list[Event] = []

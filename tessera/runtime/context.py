@@ -19,10 +19,29 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "DEFAULT_TIMEOUT_S", "init", "shutdown"]
+__all__ = ["Context", "DEFAULT_TIMEOUT_S", "default_timeout_s", "init", "shutdown"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """Default bound of every blocking wait (5 minutes); TESSERA_TIMEOUT_S overrides it."""
+
+
+def default_timeout_s() -> float:
+    """The bound, in seconds, of every blocking wait of this process: the one place it is read.
+
+    `init(timeout_s=...)` publishes the job's value in TESSERA_TIMEOUT_S (so that processes this
+    one starts inherit it); without it, the variable as the user set it, else DEFAULT_TIMEOUT_S.
+    Every engine, collective and pipeline link asks here rather than reading the variable.
+    """
+    value = os.environ.get("TESSERA_TIMEOUT_S", "")
+    if value == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        timeout_s = float(value)
+    except ValueError:
+        timeout_s = float("nan")
+    if not timeout_s > 0 or timeout_s == float("inf"):
+        raise ValueError(f"TESSERA_TIMEOUT_S={value!r} is not a positive number of seconds")
+    return timeout_s
 
 
 @dataclass(frozen=True)
@@ -128,7 +147,7 @@ def _current_context() -> Context:
         local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()),
         device=device,
         backend=backend,
-        timeout_s=float(os.environ.get("TESSERA_TIMEOUT_S", DEFAULT_TIMEOUT_S)),
+        timeout_s=default_timeout_s(),
     )
 
 
@@ -141,7 +160,7 @@ def init(backend: str | None = None, *, timeout_s: float | None = None) -> Conte
     if dist.is_initialized():
         return _current_context()
     if timeout_s is None:
-        timeout_s = float(os.environ.get("TESSERA_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+        timeout_s = default_timeout_s()
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     os.environ["TESSERA_TIMEOUT_S"] = str(timeout_s)

@@ -11,12 +11,12 @@ the job's deadline (TESSERA_TIMEOUT_S), and the bytes each rank contributes are 
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
 
 from tessera import comm
+from tessera.runtime.context import default_timeout_s
 
 __all__ = ["STATS", "all_gather_dim", "all_reduce", "group_rank", "group_size"]
 
@@ -28,7 +28,7 @@ STATS = {"all_reduce_bytes": 0, "all_gather_bytes": 0, "calls": 0}
 
 
 def _timeout() -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(os.environ.get("TESSERA_TIMEOUT_S", 300.0)))
+    return datetime.timedelta(seconds=default_timeout_s())
 
 
 def group_size(group: dist.ProcessGroup | None) -> int:

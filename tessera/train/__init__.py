@@ -1,9 +1,16 @@
-"""The training loop, its config, strategies, metrics and checkpoints."""
+"""The training loop, its config, strategies, metrics and checkpoints.
 
-from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+The config and the strategy registry load eagerly (they are light); the engines and the loop load
+on first use, so validating a config imports none of the strategy packages.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from tessera.train.config import ModelSettings, TrainConfig, build_config, load_yaml
-from tessera.train.run import run_training
-from tessera.train.strategy import STRATEGIES, Engine, TorchDDPEngine, register_strategy
+from tessera.train.registry import STRATEGIES, register_strategy
 
 __all__ = [
     "STRATEGIES",
@@ -18,3 +25,24 @@ __all__ = [
     "run_training",
     "save_checkpoint",
 ]
+
+_LAZY = {
+    "Engine": "tessera.train.strategy",
+    "TorchDDPEngine": "tessera.train.strategy",
+    "load_checkpoint": "tessera.train.checkpoint",
+    "save_checkpoint": "tessera.train.checkpoint",
+    "run_training": "tessera.train.run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load the loop, the engines' base class and checkpoints on first access (PEP 562)."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tessera.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -8,6 +8,7 @@ Precedence: defaults < the YAML file (`--config`) < command-line flags.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -17,8 +18,17 @@ from typing import Any
 import yaml
 
 from tessera.errors import ConfigError
+from tessera.train.registry import STRATEGIES
 
-__all__ = ["ModelSettings", "TrainConfig", "build_config", "config_to_dict", "load_yaml"]
+__all__ = [
+    "ModelSettings",
+    "TrainConfig",
+    "build_config",
+    "config_to_dict",
+    "job_world_size",
+    "load_yaml",
+    "torchrun_world",
+]
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("naive", "gpipe", "1f1b")
@@ -56,7 +66,11 @@ class TrainConfig:
     """One training run of `tessera train`."""
 
     strategy: str = _option("torch-ddp", "How training is split over ranks.")
-    nproc: int = _option(2, "Local processes to spawn (under torchrun its world size wins).")
+    nproc: int = _option(
+        2,
+        "Processes on this machine. Under tessera run / torchrun they are started already: "
+        "leave it out, or it must equal -n (--nproc-per-node).",
+    )
     steps: int = _option(450, "Total optimizer steps; a resumed run continues up to this number.")
     seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
     batch_size: int = _option(32, "Global batch in sequences per step, split over the ranks.")
@@ -97,8 +111,6 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        from tessera.train.strategy import STRATEGIES
-
         if self.strategy not in STRATEGIES:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}; choose one of {sorted(STRATEGIES)}"
@@ -143,18 +155,24 @@ class TrainConfig:
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
-        from tessera.comm import ALGORITHMS
+        if self.comm_algorithm != "auto":
+            from tessera.comm import ALGORITHMS  # only then: the collectives are not light
 
-        if self.comm_algorithm != "auto" and self.comm_algorithm not in ALGORITHMS:
-            raise ConfigError(
-                f"unknown comm_algorithm {self.comm_algorithm!r}; use auto or one of {ALGORITHMS}"
-            )
-        self.check_world_size(self.nproc)
+            if self.comm_algorithm not in ALGORITHMS:
+                raise ConfigError(
+                    f"unknown comm_algorithm {self.comm_algorithm!r}; "
+                    f"use auto or one of {ALGORITHMS}"
+                )
+        self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
 
     def check_world_size(self, world_size: int) -> None:
-        """Refuse a world size this config cannot run on (also checked on ranks under torchrun)."""
+        """Refuse a world size this config cannot run on, before any rank starts.
+
+        Everything an engine would refuse at set-up from the config and the number of ranks alone
+        is checked here, so that the user gets one message instead of a traceback per rank.
+        """
         if self.strategy == "single" and world_size != 1:
             raise ConfigError(f"strategy 'single' runs one process; got {world_size} ranks")
         if self.batch_size % world_size:
@@ -169,6 +187,57 @@ class TrainConfig:
                     f"dp x tp x pp = {self.dp} x {self.tp} x {pp} does not equal the "
                     f"{world_size} ranks"
                 )
+        layout = {
+            "pipeline": (1, 1, world_size),
+            "tensor": (1, world_size, 1),
+            "hybrid": (self.dp, self.tp, self.pp or world_size // (self.dp * self.tp)),
+        }
+        if self.strategy in layout:
+            self._check_model_parallel(*layout[self.strategy])
+
+    def _check_model_parallel(self, dp: int, tp: int, pp: int) -> None:
+        """What the pipeline and tensor-parallel engines need of the GPT and the batch."""
+        model = self.model
+        if model.n_head % tp:
+            raise ConfigError(
+                f"model.n_head ({model.n_head}) must be divisible by the tensor-parallel "
+                f"degree ({tp})"
+            )
+        if pp > model.n_layer + 2:  # the stages cut [embedding, *blocks, head]
+            raise ConfigError(
+                f"{pp} pipeline stages need at least {pp - 2} blocks (each stage holds one of "
+                f"embedding, blocks, head); model.n_layer is {model.n_layer}"
+            )
+        rows = self.batch_size // dp
+        if self.strategy != "tensor" and self.microbatches > rows:
+            raise ConfigError(
+                f"microbatches ({self.microbatches}) must not exceed the batch each pipeline "
+                f"splits: batch_size {self.batch_size} / dp {dp} = {rows} sequences"
+            )
+
+
+def torchrun_world() -> tuple[int, int] | None:
+    """(WORLD_SIZE, LOCAL_WORLD_SIZE) in a worker of tessera run / torchrun, else None.
+
+    tessera's own launcher also sets WORLD_SIZE, but with TESSERA_INIT_FILE beside it: a config
+    built inside such a rank has the world it was launched with, nproc.
+    """
+    if "WORLD_SIZE" not in os.environ or "TESSERA_INIT_FILE" in os.environ:
+        return None
+    sizes = []
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, os.environ["WORLD_SIZE"])
+        try:
+            sizes.append(int(value))
+        except ValueError as exc:
+            raise ConfigError(f"{name}={value!r} is not an integer") from exc
+    return sizes[0], sizes[1]
+
+
+def job_world_size(nproc: int) -> int:
+    """How many ranks the job will have: torchrun's WORLD_SIZE in one of its workers, else nproc."""
+    world = torchrun_world()
+    return nproc if world is None else world[0]
 
 
 def _type_matches(value: Any, annotation: Any) -> bool:

@@ -11,7 +11,9 @@ as `bucket_cap_mb`), and returns an `Engine`, which the loop uses as
 and checkpoints through `engine.state_dict()` / `engine.load_state_dict()`. The loop never asks
 which strategy runs. `train_step` is the unit (not separate forward and backward) because a
 pipeline interleaves the forwards and backwards of micro-batches inside one step.
-Later strategies (tessera's own DDP, ZeRO, pipelines) register with `@register_strategy(name)`.
+Strategies are named in `tessera.train.registry` (tessera's own as "module:attribute" strings, so
+this module never imports the engines that subclass `Engine`); users add theirs with
+`@register_strategy(name)`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from tessera.runtime.context import Context
+from tessera.train.registry import STRATEGIES, register_strategy
 
 if TYPE_CHECKING:
     from tessera.train.config import TrainConfig
@@ -41,23 +44,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 StrategyFactory = Callable[[nn.Module, OptimizerFactory, Context, Any], "Engine"]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
-STRATEGIES: dict[str, StrategyFactory] = {}
-"""Strategy name -> factory; `tessera train --strategy NAME` picks from these."""
 
-
-def register_strategy(name: str) -> Callable[[StrategyFactory], StrategyFactory]:
-    """Class or function decorator adding a strategy to `STRATEGIES` under `name`."""
-
-    def add(factory: StrategyFactory) -> StrategyFactory:
-        if name in STRATEGIES:
-            raise ValueError(f"strategy {name!r} is registered twice")
-        STRATEGIES[name] = factory
-        return factory
-
-    return add
-
-
-@register_strategy("single")
 class Engine:
     """One process, no communication: the reference every other strategy must equal.
 
@@ -127,7 +114,6 @@ class Engine:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
-@register_strategy("torch-ddp")
 class TorchDDPEngine(Engine):
     """PyTorch's own DistributedDataParallel: the anchor tessera's strategies are compared with.
 
@@ -164,9 +150,3 @@ class TorchDDPEngine(Engine):
         self._last_gradient_at = time.perf_counter()
         loss.backward()
         self.comm_seconds = max(0.0, time.perf_counter() - self._last_gradient_at)
-
-
-# Strategies defined next to their algorithms register themselves on import.
-from tessera.data_parallel import engine as _data_parallel_engine  # noqa: E402, F401
-from tessera.pipeline import engine as _pipeline_engine  # noqa: E402, F401
-from tessera.zero import engine as _zero_engine  # noqa: E402, F401

@@ -19,7 +19,7 @@ from torch import nn
 
 from tessera.runtime.context import Context
 from tessera.train.checkpoint import load_checkpoint
-from tessera.train.strategy import Engine, OptimizerFactory, register_strategy
+from tessera.train.strategy import Engine, OptimizerFactory
 from tessera.zero.api import STAGES, full_state_dict
 from tessera.zero.checkpoint import load_shards, save_shard
 
@@ -108,21 +108,18 @@ def _remove_stale_shards(run_dir: Path, checkpoint: Path, keep: str) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-@register_strategy("zero1")
 class Zero1Engine(ZeroEngine):
     """ZeRO stage 1: optimizer states sharded (communication as DDP)."""
 
     stage = 1
 
 
-@register_strategy("zero2")
 class Zero2Engine(ZeroEngine):
     """ZeRO stage 2: optimizer states and gradients sharded (communication as DDP)."""
 
     stage = 2
 
 
-@register_strategy("zero3")
 class Zero3Engine(ZeroEngine):
     """ZeRO stage 3: parameters sharded too, gathered per block (1.5x DDP's communication)."""
 

@@ -26,7 +26,6 @@ moves twice the bytes of a reduce-scatter through memory, yet on a 2-core machin
 
 from __future__ import annotations
 
-import os
 import socket
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -38,9 +37,12 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from tessera import comm
+from tessera.clip import clip_grad_norm
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.reducer import Reducer
 from tessera.errors import CollectiveTimeout
+from tessera.flat import flatten, unflatten_into
+from tessera.runtime.context import default_timeout_s
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
 
@@ -87,7 +89,7 @@ class ZeroOptimizer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout_s = float(os.environ.get("TESSERA_TIMEOUT_S", 300.0))
+        self.timeout_s = default_timeout_s()
         self.mixed_precision = mixed_precision
         named, units = self._ordered_parameters()
         if not named:
@@ -224,16 +226,11 @@ class ZeroOptimizer:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients to global norm <= `max_norm`; the norm is summed over all shards."""
-        local = sum(
-            (grad.float().square().sum() for grad in self.gradient_slices()),
-            torch.zeros((), dtype=torch.float32),
-        ).reshape(1)
-        total = float(self._collective(_all_reduce_sum, local, self.group)[0].sqrt())
-        coefficient = min(1.0, max_norm / (total + 1e-6))  # as torch.nn.utils.clip_grad_norm_
-        if coefficient < 1.0:
-            for grad in self.gradient_slices():
-                grad.mul_(coefficient)
-        return total
+        return clip_grad_norm(
+            self.gradient_slices(),
+            max_norm,
+            all_reduce=lambda total: self._collective(_all_reduce_sum, total, self.group),
+        )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -359,9 +356,6 @@ def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup 
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for same in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        flat = flatten(same)
         comm.broadcast(flat, src, group=group)
-        offset = 0
-        for tensor in same:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+        unflatten_into(flat, same)

@@ -1,0 +1,79 @@
+"""`tessera run` hands a script its arguments untouched; `tessera train` under it uses its world."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TINY = (
+    "--n-layer 1 --n-embd 16 --n-head 2 --block-size 16 --batch-size 4 --corpus-bytes 20000 "
+    "--sample-tokens 0 --no-progress --steps 2"
+).split()
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _tessera(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tessera", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "own", "rest"),
+    [
+        (["-n", "2", "s.py", "--nproc", "4"], ["-n", "2"], ["s.py", "--nproc", "4"]),
+        (["-m", "tessera", "train", "-n", "3"], ["-m"], ["tessera", "train", "-n", "3"]),
+        (
+            ["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "-m", "x", "--", "y"],
+            ["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:1", "-m"],
+            ["x", "--", "y"],
+        ),
+        (["-n", "1", "--", "-odd-name.py", "-v"], ["-n", "1"], ["-odd-name.py", "-v"]),
+        (["-n", "1"], ["-n", "1"], []),
+    ],
+)
+def test_run_command_line_is_cut_at_the_script(argv, own, rest):
+    from tessera.cli import _split_at_script
+
+    assert _split_at_script(argv) == (own, rest)
+
+
+def test_run_hands_script_and_module_their_arguments_untouched(tmp_path):
+    # Words that torchrun's parser (or tessera run's) would take for its own options:
+    # --nproc abbreviates --nproc-per-node, -m and --nnodes are options of both.
+    words = ["--nproc", "4", "--nnodes", "x", "-m", "--rdzv-endpoint", "--", "-n"]
+    echo = (
+        "import json, os, sys\n"
+        "name = 'rank' + os.environ['RANK'] + '-' + os.path.basename(sys.argv[0]) + '.json'\n"
+        "open(name, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
+    (tmp_path / "echo_script.py").write_text(echo)
+    (tmp_path / "echo_module.py").write_text(echo)
+    for form in (["echo_script.py"], ["-m", "echo_module"]):
+        out = _tessera("run", "-n", "1", *form, *words, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+    for file in ("echo_script.py", "echo_module.py"):
+        assert json.loads((tmp_path / f"rank0-{file}.json").read_text()) == words
+
+
+def test_train_under_tessera_run_takes_the_world_it_is_given(tmp_path):
+    # --nproc left out: the world is what tessera run started (here one process), so the
+    # one-process strategy runs; it used to be checked against --nproc's default of 2.
+    command = ["run", "-n", "1", "-m", "tessera", "train", "--strategy", "single"]
+    ok = _tessera(*command, *TINY, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert "single on 1 rank" in ok.stdout
+    # --nproc given and different from -n: refused before training, with one message
+    bad = _tessera("run", "-n", "2", "-m", "tessera", "train", "--nproc", "3", *TINY, cwd=tmp_path)
+    assert bad.returncode != 0
+    assert bad.stderr.count("tessera: error: ") == 1, bad.stderr
+    assert "--nproc 3 disagrees with the 2 processes per node" in bad.stderr

@@ -1,0 +1,186 @@
+"""Every command README.md shows, run as written (plus flags that make the model tiny).
+
+Each test takes its command from the README by its exact text, so a README edit that changes a
+command fails here until the new command is run too; `test_every_readme_command_is_run_here`
+fails for a command no test runs. `tessera` is run as `python -m tessera` (the same `main`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tessera.train.metrics import read_metrics
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+TINY_MODEL = (
+    "--n-layer 1 --n-embd 32 --n-head 2 --block-size 32 --batch-size 8 --corpus-bytes 50000 "
+    "--sample-tokens 20 --no-progress"
+).split()
+"""Appended to `tessera train` commands: model and data sizes (with a small `--steps` after a
+command's own, which the last one given overrides), never the options the README shows."""
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+"""Two OpenMP threads per process on a loaded 2-core machine spin at every barrier: 50x slower."""
+
+NOT_RUN = {
+    "make demo": "creates a virtualenv and installs from the network; runs `tessera train`",
+    "make test": "runs this suite (and creates a virtualenv)",
+    "make lint": "creates a virtualenv; `ruff check .` is run by CI",
+}
+RUN_HERE = (
+    "tessera train --help",
+    "tessera train --strategy single --nproc 1",
+    "tessera train --strategy torch-ddp --nproc 2 --steps 100 --out runs/a",
+    "tessera train --resume runs/a --steps 200",
+    "tessera train --config my.yaml --lr 1e-3",
+    *(
+        f"tessera run -n 4 --nnodes 2 --node-rank {node} --rdzv-endpoint host0:29500 "
+        "-m tessera train --nproc 4"
+        for node in (0, 1)
+    ),
+)
+"""The README commands the tests below run, each through `readme(command)`."""
+
+
+def readme_commands() -> list[str]:
+    """The command lines of README.md's bash blocks, without comments."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.splitlines():
+            command = line.split("#", 1)[0].strip()
+            if command:
+                commands.append(command)
+    return commands
+
+
+def readme(command: str) -> list[str]:
+    """`command` split into words, after checking that README.md shows it exactly so."""
+    assert command in readme_commands(), f"README.md no longer shows: {command}"
+    assert command in RUN_HERE, f"list {command!r} in RUN_HERE"
+    words = shlex.split(command)
+    return [sys.executable, "-m", "tessera", *words[1:]] if words[0] == "tessera" else words
+
+
+def _run(argv: list[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_train_help_lists_every_option_and_strategy(tmp_path):
+    out = _run(readme("tessera train --help"), tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps lines
+    for option in ("--strategy", "--nproc", "--steps", "--resume", "--config", "--microbatches"):
+        assert option in text
+    for strategy in ("single", "torch-ddp", "ddp", "local-sgd", "zero3", "pipeline", "hybrid"):
+        assert strategy in text
+
+
+def test_single_process_reference_run(tmp_path):
+    command = readme("tessera train --strategy single --nproc 1")
+    out = _run([*command, *TINY_MODEL, "--steps", "5"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()  # runs/<timestamp>/
+    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoint.pt", "sample.txt"):
+        assert (run_dir / name).is_file(), name
+    assert "single on 1 rank" in out.stdout
+    assert len(read_metrics(run_dir / "metrics.jsonl")) == 5
+
+
+def test_two_rank_run_then_resume_to_a_later_step(tmp_path):
+    first = _run(
+        [
+            *readme("tessera train --strategy torch-ddp --nproc 2 --steps 100 --out runs/a"),
+            *TINY_MODEL,
+            "--steps",
+            "4",
+        ],
+        tmp_path,
+    )
+    assert first.returncode == 0, first.stderr
+    assert "torch-ddp on 2 ranks" in first.stdout
+    command = readme("tessera train --resume runs/a --steps 200")
+    resumed = _run([*command, *TINY_MODEL, "--steps", "7"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(r"steps \(this run / total\)\s*│\s*3 / 7", resumed.stdout)
+    steps = [row["step"] for row in read_metrics(tmp_path / "runs/a/metrics.jsonl")]
+    assert steps == list(range(1, 8))
+
+
+def test_flags_override_the_config_file(tmp_path):
+    (tmp_path / "my.yaml").write_text("steps: 3\nlr: 0.5\nnproc: 1\nmodel: {n_layer: 1}\n")
+    out = _run([*readme("tessera train --config my.yaml --lr 1e-3"), *TINY_MODEL], tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert (saved["lr"], saved["steps"], saved["nproc"]) == (1e-3, 3, 1)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_as_the_readme_starts_them(tmp_path):
+    """The README's two `tessera run` lines, with one process per node on 127.0.0.1.
+
+    torchrun's parser used to read the trainer's `--nproc` as an abbreviation of its own
+    `--nproc-per-node` ("ambiguous option"), so neither node started.
+    """
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = []
+    for node in (0, 1):
+        command = readme(
+            f"tessera run -n 4 --nnodes 2 --node-rank {node} --rdzv-endpoint host0:29500 "
+            "-m tessera train --nproc 4"
+        )
+        # tiny: one process per node (and so --nproc 1, which must equal -n), local rendezvous
+        command = [{"4": "1", "host0:29500": endpoint}.get(word, word) for word in command]
+        nodes.append(
+            subprocess.Popen(
+                [*command, *TINY_MODEL, "--steps", "3"],
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=ENV,
+            )
+        )
+    outputs = []
+    for process in nodes:
+        try:
+            out, err = process.communicate(timeout=120)
+        finally:
+            for other in nodes:  # a failed node leaves the other waiting at the rendezvous
+                if other.poll() is None and process.returncode not in (None, 0):
+                    other.kill()
+        assert process.returncode == 0, err
+        outputs.append(out)
+    assert sum("torch-ddp on 2 ranks" in out for out in outputs) == 1  # one world of two
+    assert len(read_metrics(tmp_path / "runs/torchrun-tessera/metrics.jsonl")) == 3
+
+
+def test_library_example_runs_and_prints_what_the_readme_says(tmp_path):
+    code = re.search(r"```python\n(import tessera\n.*?)```", README.read_text(), flags=re.S)[1]
+    expected = re.search(r"# (\[.*?\]): every rank's return value", code)[1]
+    (tmp_path / "example.py").write_text(code)
+    out = _run([sys.executable, "example.py"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == expected == "[0.0, 10.0, 20.0, 30.0]"
+
+
+def test_every_readme_command_is_run_here():
+    """Every command of README.md is run by a test above or excused in NOT_RUN."""
+    missing = set(readme_commands()) - set(RUN_HERE) - set(NOT_RUN)
+    assert not missing, f"README.md commands no test runs: {sorted(missing)}"
+    assert set(readme_commands()) >= set(RUN_HERE) | set(NOT_RUN)
