@@ -6,25 +6,36 @@ list is drawn in the parent by hypothesis (edge lengths always included) and pas
 rank, so all ranks run the same cases; each rank's values come from a generator seeded by
 (case, rank). Every result is compared with the exact reduction of all ranks' inputs (gathered
 with torch's all_gather, computed in float64) and with torch's own all_reduce.
+
+A failure must show within a minute: hypothesis only draws here (no shrinking, which would
+re-spawn the ranks again and again), the drawn cases run in one spawn, each collective in it
+times out after `COLLECTIVE_TIMEOUT_S` (a rank that waits for a message never sent: an
+off-by-one) and the spawn after `SPAWN_TIMEOUT_S`. A failing case is named in full in the
+message (its values follow from its index), so it reproduces without hypothesis.
 """
 
 from __future__ import annotations
 
 import glob
+import os
 import time
-from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import tessera
 from tessera import comm
-from tessera.comm._p2p import group_info
-from tessera.comm.shm import shm_group
+from tessera.comm import _shm_files
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
+
+COLLECTIVE_TIMEOUT_S = 20
+"""Timeout of every collective in the spawned ranks (tessera's and torch's)."""
+
+SPAWN_TIMEOUT_S = 60
+"""Bound of one spawn: a passing world-4 run takes ~15 s here, under load up to ~40 s."""
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 OPS = ("sum", "mean", "max", "min", "product")
@@ -124,7 +135,10 @@ def _check_all_reduce(cases: list[tuple], group=None) -> int:
     rank = dist.get_rank(group)
     for case_id, (algorithm, op, dtype, n, strided) in enumerate(cases):
         x = _values(case_id, rank, n, dtype, op)
-        what = f"all_reduce {algorithm} {op} {dtype} n={n} strided={strided} world={world}"
+        what = (
+            f"case #{case_id}: all_reduce {algorithm} {op} {dtype} n={n} strided={strided} "
+            f"world={world}"
+        )
         want = _exact(_gather(x, world, group), op, world)
         native = _native(x, op, world, group)
         if strided:  # a non-contiguous view whose neighbours must stay untouched
@@ -133,7 +147,9 @@ def _check_all_reduce(cases: list[tuple], group=None) -> int:
             target.copy_(x)
         else:
             target = x.clone()
-        out = comm.all_reduce(target, op, algorithm=algorithm, group=group, timeout=60)
+        out = comm.all_reduce(
+            target, op, algorithm=algorithm, group=group, timeout=COLLECTIVE_TIMEOUT_S
+        )
         assert out is target, what
         _assert_close(target, want, what + " vs exact")
         # torch's own result: low precision accumulates in its own order (bf16: a few ulps)
@@ -178,12 +194,13 @@ def _check_others(world: int, group=None) -> int:
                 assert torch.equal(got, torch.cat(parts)), f"all_gather {dtype} {shape}"
                 count += 1
             for rows in (0, 1, world - 1, world + 1, 2 * world + 3):
-                x = _values(case_id + rows, rank, rows * 2, dtype, "sum").reshape(rows, 2)
-                full = _exact(_gather(x, world, group), "sum", world)
-                got = comm.reduce_scatter(x, "sum", group=group)
+                op = ("sum", "mean", "max")[rows % 3]
+                x = _values(case_id + rows, rank, rows * 2, dtype, op).reshape(rows, 2)
+                full = _exact(_gather(x, world, group), op, world)
+                got = comm.reduce_scatter(x, op, group=group)
                 mine = full.tensor_split(world)[rank]
                 assert got.shape == mine.shape, f"reduce_scatter shape {got.shape} {mine.shape}"
-                _assert_close(got, mine, f"reduce_scatter {dtype} rows={rows}")
+                _assert_close(got, mine, f"reduce_scatter {op} {dtype} rows={rows}")
                 count += 1
     return count
 
@@ -200,6 +217,22 @@ def _rank_world(cases: list[tuple], subgroup_ranks: list[int] | None) -> int:
     return count
 
 
+def _draw_cases(world: int) -> list[tuple]:
+    """One case list drawn by hypothesis, here in the parent: draw only, never shrink."""
+    drawn = []
+
+    @settings(max_examples=1, deadline=None, database=None, phases=(Phase.generate,))
+    @given(
+        random_lengths=st.lists(st.integers(2, 3000), min_size=3, max_size=3),
+        strided=st.lists(st.booleans(), min_size=NUM_CASES, max_size=NUM_CASES),
+    )
+    def draw(random_lengths: list[int], strided: list[bool]) -> None:
+        drawn.append(make_cases(world, random_lengths, strided))
+
+    draw()
+    return drawn[0]
+
+
 @pytest.mark.parametrize(
     "world, subgroup",
     [
@@ -210,15 +243,16 @@ def _rank_world(cases: list[tuple], subgroup_ranks: list[int] | None) -> int:
         pytest.param(5, [1, 3, 4], marks=pytest.mark.slow),
     ],
 )
-@settings(max_examples=1, deadline=None, database=None)
-@given(data=st.data())
-def test_collectives_match_torch(world, subgroup, data):
-    # Hypothesis draws the case list here, in the parent, so that every rank runs the same
-    # cases; one example per world size, since each costs a spawn of `world` processes.
-    random_lengths = data.draw(st.lists(st.integers(2, 3000), min_size=3, max_size=3))
-    strided = data.draw(st.lists(st.booleans(), min_size=NUM_CASES, max_size=NUM_CASES))
-    cases = make_cases(world, random_lengths, strided)
-    counts = tessera.launch(_rank_world, world, cases, subgroup, timeout_s=240)
+def test_collectives_match_torch(world, subgroup):
+    cases = _draw_cases(world)
+    counts = tessera.launch(
+        _rank_world,
+        world,
+        cases,
+        subgroup,
+        timeout_s=SPAWN_TIMEOUT_S,
+        env={"TESSERA_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S)},
+    )
     assert counts[0] >= len(cases)
 
 
@@ -237,19 +271,10 @@ def _rank_shared_buffer() -> list:
             results.append((dtype, op, a.clone(), b.clone()))
     big = torch.ones(3000, dtype=torch.float32) * ctx.rank  # grows the scratch segment
     comm.all_reduce(big, algorithm="shm")
-    # every file was unlinked once all ranks had it mapped: nothing is left in /dev/shm
-    base = shm_group(group_info(None))._base
-    assert glob.glob(base + "*") == [], glob.glob(base + "*")
-    # ranks that look like they are on different hosts: shm falls back to the ring
-    with mock.patch("tessera.comm.shm.socket.gethostname", return_value=f"host{ctx.rank}"):
-        apart = dist.new_group(list(range(ctx.world_size)))
-        x = torch.full((5,), float(ctx.rank))
-        comm.all_reduce(x, algorithm="shm", group=apart)
-        assert not shm_group(group_info(apart)).same_host
-        assert comm.history()[-1].algorithm == "shm"
-        plain = comm.shared_buffer(4, group=apart)
-        assert plain.shape == (4,) and torch.all(plain == 0)
-    results.append(("big", big[0].item(), x[0].item()))
+    # every file was unlinked once all ranks had it mapped: nothing of ours is left in /dev/shm
+    mine = glob.glob(os.path.join(_shm_files.SHM_DIR, f"tessera-*-{os.getpid()}-*"))
+    assert mine == [], mine
+    results.append(("big", big[0].item(), big[-1].item()))
     return results
 
 

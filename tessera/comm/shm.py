@@ -21,27 +21,33 @@ a named pipe that the arriving rank writes one byte to: a kernel wakeup (~50 µs
 instead of a gloo barrier (~500 µs), without burning a core. Spinning on the counters first
 (`SPIN_S`, TESSERA_SHM_SPIN_US) was measured on this 2-vCPU VM: no faster in collectives (and
 slower for spins over ~50 µs), so it is off by default; sleeping with timed naps instead of the
-pipe was no faster either. Files are unlinked as soon as every rank has them mapped,
-so nothing is left in /dev/shm even when a rank is killed. Ranks on different hosts (hostnames
-compared once per group) fall back to the ring.
+pipe was no faster either. The counters are read and written with sequentially consistent
+atomics (`_atomics`): a release/acquire pair orders each slot's data before the counter that
+announces it, on any CPU.
+
+Who shares memory is probed, not guessed from host names (two containers can share a name and
+not a /dev/shm): group rank 0 creates the control page with a random token in it, every rank
+opens it by its published name, reads the token through its mapping and opens every peer's
+pipe; the verdicts are all-gathered and, unless every rank succeeded, the group has no shared
+memory and every shm request falls back to the native algorithm. The same happens where the
+accesses cannot be ordered (`_atomics.MODE` is None). Files get unguessable names, private
+modes and exclusive creation, are unlinked as soon as every rank has them mapped, and are
+cleaned up on SIGTERM and after dead jobs (`_shm_files`).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import mmap
 import os
+import secrets
 import select
-import socket
 import struct
 import time
-import uuid
 
 import torch
 import torch.distributed as dist
 
-from tessera.comm import diagnostics
+from tessera.comm import _atomics, _shm_files, diagnostics
 from tessera.comm._ops import accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
 from tessera.errors import CollectiveTimeout
@@ -58,22 +64,10 @@ _BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back
 _COUNTER = 64  # int64 word of a rank's control slot holding its barrier count
 _SLEEPING = 80  # int64 word: 1 while the rank sleeps in poll() and wants a wake-up token
 _DESC = diagnostics.DESCRIPTOR_LEN
+_TOKEN_BYTES = 16  # the probe's token, at the start of the control page's header (last) page
+_NAME_AT, _NAME_MAX = 64, 256  # header bytes holding the name of the segment being set up
 
-
-_unlink_at_exit: set[str] = set()  # files created here and not yet unlinked (a rank died early)
-
-
-@atexit.register
-def _cleanup() -> None:
-    for path in list(_unlink_at_exit):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    _unlink_at_exit.discard(path)
+_swept = False
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -83,20 +77,29 @@ def _round_up(value: int, unit: int) -> int:
 class _Segment:
     """One mapped file: `slots` slots of `slot_bytes` bytes, one per rank."""
 
-    def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
+    def __init__(self, name: str, fd: int, slots: int, slot_bytes: int) -> None:
+        self.name = name
         self.slot_bytes = slot_bytes
-        size = slots * slot_bytes
-        if create:
-            _unlink_at_exit.add(path)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
-            if create:
-                os.ftruncate(fd, size)
+            size = slots * slot_bytes
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"shared-memory file {name} is not {size} bytes long")
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         self.raw = torch.frombuffer(self.map, dtype=torch.uint8)  # (slots * slot_bytes,)
         self.plans: dict[tuple, tuple] = {}
+
+    @classmethod
+    def create(cls, kind: str, slots: int, slot_bytes: int) -> _Segment:
+        """A new file under a fresh random name (see `_shm_files`), mapped."""
+        name, fd = _shm_files.create_file(kind, slots * slot_bytes)
+        return cls(name, fd, slots, slot_bytes)
+
+    @classmethod
+    def open(cls, name: str, slots: int, slot_bytes: int) -> _Segment:
+        """Map the file a peer created and published as `name`."""
+        return cls(name, _shm_files.open_checked(name, os.O_RDWR, fifo=False), slots, slot_bytes)
 
     def slot(self, rank: int, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         """A (numel,) tensor of `dtype` at byte `offset` of `rank`'s slot."""
@@ -114,59 +117,106 @@ class _Segment:
 
 
 class ShmGroup:
-    """The shared-memory state of one process group: control page, pipes and segments."""
+    """The shared-memory state of one process group: control page, pipes and segments.
+
+    Created collectively (every rank of the group at once); `same_host` says whether the probe
+    found every rank able to share memory with every other.
+    """
 
     def __init__(self, info: GroupInfo) -> None:
+        global _swept
         self.info = info
-        p, r = info.size, info.rank
-        hosts: list = [None] * p
-        dist.all_gather_object(hosts, (socket.gethostname(), uuid.uuid4().hex), group=info.group)
-        self.same_host = len({host for host, _ in hosts}) == 1
-        if not self.same_host:
+        self.same_host = False
+        _shm_files.install_sigterm_cleanup()
+        if not _swept:
+            _swept = True
+            _shm_files.sweep_stale()
+        mode = _atomics.MODE
+        # 1. every rank makes its wake-up pipe; rank 0 also the control page, with a token
+        inbox_name, offer, control, inbox = None, None, None, -1
+        if mode is not None:
+            try:
+                inbox_name = _shm_files.create_fifo()
+                # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
+                inbox = _shm_files.open_checked(inbox_name, os.O_RDWR | os.O_NONBLOCK, fifo=True)
+                if info.rank == 0:
+                    control = _Segment.create("control", info.size + 1, _PAGE)
+                    token = secrets.token_bytes(_TOKEN_BYTES)
+                    header = info.size * _PAGE
+                    control.map[header : header + _TOKEN_BYTES] = token
+                    offer = (control.name, token)
+            except OSError:
+                pass  # no usable /dev/shm on this rank: it votes no below
+        offers: list = [None] * info.size
+        dist.all_gather_object(offers, (inbox_name, offer), group=info.group)
+        # 2. the probe: open what the others published; 3. vote; the names are then unneeded
+        outboxes: list[int] = []
+        able = inbox >= 0 and offers[0][1] is not None and all(o[0] for o in offers)
+        if able:
+            try:
+                control, outboxes = self._open_peers(offers, control)
+            except (OSError, ValueError):
+                able = False
+        votes: list = [None] * info.size
+        dist.all_gather_object(votes, able, group=info.group)
+        if inbox_name is not None:
+            _shm_files.unlink(inbox_name)
+        if control is not None and info.rank == 0:
+            _shm_files.unlink(control.name)
+        if not all(votes):
+            for fd in [inbox, *outboxes]:
+                if fd >= 0:
+                    os.close(fd)
             return
-        self._base = f"/dev/shm/tessera-{hosts[0][1]}"  # chosen by group rank 0, known to all
-        mine = f"{self._base}-pipe{r}"
-        _unlink_at_exit.add(mine)
-        os.mkfifo(mine, 0o600)
-        # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
-        self._inbox = os.open(mine, os.O_RDWR | os.O_NONBLOCK)
-        control = f"{self._base}-control"
-        if r == 0:
-            self._control = _Segment(control, p, _PAGE, create=True)
-        dist.barrier(group=info.group)
-        if r != 0:
-            self._control = _Segment(control, p, _PAGE, create=False)
-        self._outboxes = [
-            os.open(f"{self._base}-pipe{q}", os.O_WRONLY | os.O_NONBLOCK) if q != r else -1
-            for q in range(p)
-        ]
-        dist.barrier(group=info.group)
-        _unlink(mine)
-        if r == 0:
-            _unlink(control)
-        self._words = memoryview(self._control.map).cast("q")  # int64 words of the control page
+        self.same_host = True
+        self._control = control
+        self._inbox, self._outboxes = inbox, outboxes
+        self._words = _atomics.Words(control.raw, memoryview(control.map), mode)
+        self._nap_ms = _atomics.NAP_MS[mode]
         self._slot_words = _PAGE // 8
-        self._peers = [q for q in range(p) if q != r]
+        self._peers = [q for q in range(info.size) if q != info.rank]
         self._poll = select.poll()
         self._poll.register(self._inbox, select.POLLIN)
-        self._spin = p <= (os.cpu_count() or 1)
+        self._spin = info.size <= (os.cpu_count() or 1)
         self._count = 0  # barriers passed: the same on every rank
-        self._generation = 0
         self._scratch: _Segment | None = None
         self._shared: list[_Segment] = []
 
+    def _open_peers(self, offers: list, control: _Segment | None) -> tuple[_Segment, list[int]]:
+        """Map rank 0's control page (checking its token) and open every peer's pipe."""
+        p, r = self.info.size, self.info.rank
+        if r != 0:
+            name, token = offers[0][1]
+            control = _Segment.open(name, p + 1, _PAGE)
+            header = p * _PAGE
+            if control.map[header : header + _TOKEN_BYTES] != token:
+                raise ValueError(f"{name} does not hold group rank 0's token")
+        outboxes = []
+        try:
+            for q in range(p):
+                flags = os.O_WRONLY | os.O_NONBLOCK
+                outboxes.append(
+                    _shm_files.open_checked(offers[q][0], flags, fifo=True) if q != r else -1
+                )
+        except OSError:
+            for fd in outboxes:
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        return control, outboxes
+
     # --------------------------------------------------------------------------- barrier
     def _arrived(self, count: int) -> bool:
-        words, stride = self._words, self._slot_words
-        return all(words[q * stride + _COUNTER] >= count for q in self._peers)
+        load, stride = self._words.load, self._slot_words
+        return all(load(q * stride + _COUNTER) >= count for q in self._peers)
 
     def barrier(self, op: str, seq: int, timeout_s: float) -> None:
         """Block until every rank of the group reached this barrier (spin, then sleep)."""
         self._count += 1
         count, words, stride, me = self._count, self._words, self._slot_words, self.info.rank
-        words[me * stride + _COUNTER] = count
+        words.store(me * stride + _COUNTER, count)  # releases this rank's writes to the slots
         for q in self._peers:  # wake the ranks that sleep waiting for us
-            if words[q * stride + _SLEEPING]:
+            if words.load(q * stride + _SLEEPING):
                 os.write(self._outboxes[q], b"x")
         if self._spin:
             stop = time.perf_counter() + SPIN_S
@@ -175,24 +225,25 @@ class ShmGroup:
                     return
         deadline = time.monotonic() + timeout_s
         while True:
-            words[me * stride + _SLEEPING] = 1
+            # Raise the flag, then look: an arriving rank stores its counter, then looks at the
+            # flag. Sequential consistency lets at most one of the two looks miss the other.
+            words.store(me * stride + _SLEEPING, 1)
             if self._arrived(count):
-                words[me * stride + _SLEEPING] = 0
+                words.store(me * stride + _SLEEPING, 0)
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                words[me * stride + _SLEEPING] = 0
+                words.store(me * stride + _SLEEPING, 0)
                 self._timeout(op, seq, timeout_s, count)
-            # A wake-up can be missed only through store reordering; 1 ms bounds that case.
-            self._poll.poll(min(1.0, remaining * 1000))
+            self._poll.poll(min(self._nap_ms, remaining * 1000))
             try:
                 os.read(self._inbox, 4096)  # drain tokens; the counters are the truth
             except BlockingIOError:
                 pass
 
     def _timeout(self, op: str, seq: int, timeout_s: float, count: int) -> None:
-        words, stride = self._words, self._slot_words
-        missing = [self.info.ranks[q] for q in self._peers if words[q * stride + _COUNTER] < count]
+        load, stride = self._words.load, self._slot_words
+        missing = [self.info.ranks[q] for q in self._peers if load(q * stride + _COUNTER) < count]
         raise CollectiveTimeout(
             dist.get_rank(),
             op,
@@ -226,18 +277,29 @@ class ShmGroup:
 
     # -------------------------------------------------------------------------- segments
     def _new_segment(self, slot_bytes: int, timeout_s: float) -> _Segment:
-        self._generation += 1
-        path = f"{self._base}-seg{self._generation}"
+        """A new segment: rank 0 creates it and publishes its name in the control page."""
         slot_bytes = _round_up(max(slot_bytes, _ALIGN), _PAGE)
-        p = self.info.size
+        p, header = self.info.size, self.info.size * _PAGE + _NAME_AT
         if self.info.rank == 0:
-            segment = _Segment(path, p, slot_bytes, create=True)
+            segment = _Segment.create("seg", p, slot_bytes)
+            try:
+                name = segment.name.encode()
+                self._control.map[header : header + _NAME_MAX] = name.ljust(_NAME_MAX, b"\0")
+                self.barrier("shm segment", -1, timeout_s)  # the name is out
+                self.barrier("shm segment", -1, timeout_s)  # every rank has it mapped
+            finally:  # the memory lives until the last rank unmaps it
+                _shm_files.unlink(segment.name)
+            return segment
         self.barrier("shm segment", -1, timeout_s)
-        if self.info.rank != 0:
-            segment = _Segment(path, p, slot_bytes, create=False)
+        name = bytes(self._control.map[header : header + _NAME_MAX]).rstrip(b"\0").decode()
+        try:
+            segment = _Segment.open(name, p, slot_bytes)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: cannot map the shared-memory segment {name} that "
+                f"group rank 0 created ({exc})"
+            ) from exc
         self.barrier("shm segment", -1, timeout_s)
-        if self.info.rank == 0:
-            _unlink(path)  # every rank has it mapped: the memory lives until the last unmaps
         return segment
 
     def scratch(self, nbytes: int, timeout_s: float) -> _Segment:
