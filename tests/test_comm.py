@@ -34,8 +34,11 @@ from tessera.errors import CollectiveMismatch, CollectiveTimeout
 COLLECTIVE_TIMEOUT_S = 20
 """Timeout of every collective in the spawned ranks (tessera's and torch's)."""
 
-SPAWN_TIMEOUT_S = 60
-"""Bound of one spawn: a passing world-4 run takes ~15 s here, under load up to ~40 s."""
+SPAWN_TIMEOUT_S = 90
+"""Bound of one spawn, for a hang outside any collective (none is known). A passing world-4 run
+takes ~15 s on an idle 2-core machine and 34 s was measured with seven other test runs sharing
+it, so 60 s would fail healthy runs; failures themselves surface sooner (a wrong value at once,
+a hang after `COLLECTIVE_TIMEOUT_S`)."""
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 OPS = ("sum", "mean", "max", "min", "product")
@@ -147,9 +150,13 @@ def _check_all_reduce(cases: list[tuple], group=None) -> int:
             target.copy_(x)
         else:
             target = x.clone()
-        out = comm.all_reduce(
-            target, op, algorithm=algorithm, group=group, timeout=COLLECTIVE_TIMEOUT_S
-        )
+        try:
+            out = comm.all_reduce(
+                target, op, algorithm=algorithm, group=group, timeout=COLLECTIVE_TIMEOUT_S
+            )
+        except Exception as exc:
+            exc.add_note(f"in {what}")  # a timeout or mismatch names its case too
+            raise
         assert out is target, what
         _assert_close(target, want, what + " vs exact")
         # torch's own result: low precision accumulates in its own order (bf16: a few ulps)
