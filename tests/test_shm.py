@@ -31,8 +31,7 @@ from torch import nn
 
 import tessera
 from tessera import comm
-from tessera.comm import _atomics, _shm_files
-from tessera.comm.shm import ShmGroup
+from tessera.comm import _atomics, _shm_files, _shm_setup
 from tessera.zero import full_state_dict, initialize
 
 SPAWN_TIMEOUT_S = 90
@@ -97,6 +96,18 @@ def test_peer_files_of_the_wrong_kind_are_refused(tmp_path, monkeypatch):
         _shm_files.open_checked("../etc/passwd", os.O_RDONLY, fifo=False)
     _shm_files.unlink(name)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_handler_unlinks_then_chains(tmp_path, monkeypatch):
+    monkeypatch.setattr(_shm_files, "SHM_DIR", str(tmp_path))
+    calls = []
+    for previous in (lambda signum, frame: calls.append(signum), signal.SIG_IGN):
+        name, fd = _shm_files.create_file("seg", 64)
+        os.close(fd)
+        monkeypatch.setattr(_shm_files, "_previous_sigterm", previous)
+        _shm_files._on_sigterm(signal.SIGTERM, None)  # SIG_IGN: returns, the process lives on
+        assert not (tmp_path / name).exists()
+    assert calls == [signal.SIGTERM]
 
 
 # ---------------------------------------------- names, squatters, dead jobs (one spawn)
@@ -215,13 +226,13 @@ def _rank_stalls_in_setup(pid_dir: str) -> None:
     ctx = tessera.init()
     Path(pid_dir, f"rank{ctx.rank}").write_text(str(os.getpid()))
     if ctx.rank == 1:  # stops between creating its pipe and voting: rank 0 waits in gloo
-        opened = ShmGroup._open_peers
+        opened = _shm_setup._open_peers
 
-        def slow(self, *args):
+        def slow(*args):
             time.sleep(60)
-            return opened(self, *args)
+            return opened(*args)
 
-        mock.patch.object(ShmGroup, "_open_peers", slow).start()
+        mock.patch.object(_shm_setup, "_open_peers", slow).start()
     comm.all_reduce(torch.ones(4), algorithm="shm")
 
 

@@ -25,21 +25,16 @@ pipe was no faster either. The counters are read and written with sequentially c
 atomics (`_atomics`): a release/acquire pair orders each slot's data before the counter that
 announces it, on any CPU.
 
-Who shares memory is probed, not guessed from host names (two containers can share a name and
-not a /dev/shm): group rank 0 creates the control page with a random token in it, every rank
-opens it by its published name, reads the token through its mapping and opens every peer's
-pipe; the verdicts are all-gathered and, unless every rank succeeded, the group has no shared
-memory and every shm request falls back to the native algorithm. The same happens where the
-accesses cannot be ordered (`_atomics.MODE` is None). Files get unguessable names, private
-modes and exclusive creation, are unlinked as soon as every rank has them mapped, and are
-cleaned up on SIGTERM and after dead jobs (`_shm_files`).
+Who shares memory is probed, not guessed from host names (`_shm_setup.probe`); a group that
+cannot share it, or a machine that cannot order the accesses, falls back to the native
+algorithm for every shm request. Files get unguessable names, private modes and exclusive
+creation, are unlinked as soon as every rank has them mapped, and are cleaned up on SIGTERM
+and after dead jobs (`_shm_files`).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import secrets
 import select
 import struct
 import time
@@ -47,9 +42,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from tessera.comm import _atomics, _shm_files, diagnostics
+from tessera.comm import _shm_files, diagnostics
 from tessera.comm._ops import accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
+from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
 from tessera.errors import CollectiveTimeout
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
@@ -58,152 +54,41 @@ SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 0)) * 1e-6
 """How long a barrier spins before sleeping (only when the group has no more ranks than cores);
 0 by default: see the module docstring."""
 
-_PAGE = 4096
 _ALIGN = 64  # slice boundaries on cache lines, so two ranks never write the same line
 _BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back hits in cache
 _COUNTER = 64  # int64 word of a rank's control slot holding its barrier count
 _SLEEPING = 80  # int64 word: 1 while the rank sleeps in poll() and wants a wake-up token
 _DESC = diagnostics.DESCRIPTOR_LEN
-_TOKEN_BYTES = 16  # the probe's token, at the start of the control page's header (last) page
-_NAME_AT, _NAME_MAX = 64, 256  # header bytes holding the name of the segment being set up
-
-_swept = False
 
 
 def _round_up(value: int, unit: int) -> int:
     return (value + unit - 1) // unit * unit
 
 
-class _Segment:
-    """One mapped file: `slots` slots of `slot_bytes` bytes, one per rank."""
-
-    def __init__(self, name: str, fd: int, slots: int, slot_bytes: int) -> None:
-        self.name = name
-        self.slot_bytes = slot_bytes
-        try:
-            size = slots * slot_bytes
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"shared-memory file {name} is not {size} bytes long")
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.raw = torch.frombuffer(self.map, dtype=torch.uint8)  # (slots * slot_bytes,)
-        self.plans: dict[tuple, tuple] = {}
-
-    @classmethod
-    def create(cls, kind: str, slots: int, slot_bytes: int) -> _Segment:
-        """A new file under a fresh random name (see `_shm_files`), mapped."""
-        name, fd = _shm_files.create_file(kind, slots * slot_bytes)
-        return cls(name, fd, slots, slot_bytes)
-
-    @classmethod
-    def open(cls, name: str, slots: int, slot_bytes: int) -> _Segment:
-        """Map the file a peer created and published as `name`."""
-        return cls(name, _shm_files.open_checked(name, os.O_RDWR, fifo=False), slots, slot_bytes)
-
-    def slot(self, rank: int, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-        """A (numel,) tensor of `dtype` at byte `offset` of `rank`'s slot."""
-        start = rank * self.slot_bytes + offset
-        return self.raw[start : start + numel * dtype.itemsize].view(dtype)
-
-    def owns(self, tensor: torch.Tensor, rank: int) -> int | None:
-        """Byte offset of `tensor` inside `rank`'s slot, or None if it does not live there."""
-        base = self.raw.data_ptr() + rank * self.slot_bytes
-        ptr = tensor.data_ptr()
-        end = ptr + tensor.numel() * tensor.element_size()
-        if base <= ptr and end <= base + self.slot_bytes and tensor.is_contiguous():
-            return ptr - base
-        return None
-
-
 class ShmGroup:
     """The shared-memory state of one process group: control page, pipes and segments.
 
     Created collectively (every rank of the group at once); `same_host` says whether the probe
-    found every rank able to share memory with every other.
+    (`_shm_setup.probe`) found every rank able to share memory with every other.
     """
 
     def __init__(self, info: GroupInfo) -> None:
-        global _swept
         self.info = info
-        self.same_host = False
-        _shm_files.install_sigterm_cleanup()
-        if not _swept:
-            _swept = True
-            _shm_files.sweep_stale()
-        mode = _atomics.MODE
-        # 1. every rank makes its wake-up pipe; rank 0 also the control page, with a token
-        inbox_name, offer, control, inbox = None, None, None, -1
-        if mode is not None:
-            try:
-                inbox_name = _shm_files.create_fifo()
-                # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
-                inbox = _shm_files.open_checked(inbox_name, os.O_RDWR | os.O_NONBLOCK, fifo=True)
-                if info.rank == 0:
-                    control = _Segment.create("control", info.size + 1, _PAGE)
-                    token = secrets.token_bytes(_TOKEN_BYTES)
-                    header = info.size * _PAGE
-                    control.map[header : header + _TOKEN_BYTES] = token
-                    offer = (control.name, token)
-            except OSError:
-                pass  # no usable /dev/shm on this rank: it votes no below
-        offers: list = [None] * info.size
-        dist.all_gather_object(offers, (inbox_name, offer), group=info.group)
-        # 2. the probe: open what the others published; 3. vote; the names are then unneeded
-        outboxes: list[int] = []
-        able = inbox >= 0 and offers[0][1] is not None and all(o[0] for o in offers)
-        if able:
-            try:
-                control, outboxes = self._open_peers(offers, control)
-            except (OSError, ValueError):
-                able = False
-        votes: list = [None] * info.size
-        dist.all_gather_object(votes, able, group=info.group)
-        if inbox_name is not None:
-            _shm_files.unlink(inbox_name)
-        if control is not None and info.rank == 0:
-            _shm_files.unlink(control.name)
-        if not all(votes):
-            for fd in [inbox, *outboxes]:
-                if fd >= 0:
-                    os.close(fd)
+        link = probe(info)
+        self.same_host = link is not None
+        if link is None:
             return
-        self.same_host = True
-        self._control = control
-        self._inbox, self._outboxes = inbox, outboxes
-        self._words = _atomics.Words(control.raw, memoryview(control.map), mode)
-        self._nap_ms = _atomics.NAP_MS[mode]
-        self._slot_words = _PAGE // 8
+        self._control = link.control
+        self._inbox, self._outboxes = link.inbox, link.outboxes
+        self._words, self._nap_ms = link.words, link.nap_ms
+        self._slot_words = PAGE // 8
         self._peers = [q for q in range(info.size) if q != info.rank]
         self._poll = select.poll()
         self._poll.register(self._inbox, select.POLLIN)
         self._spin = info.size <= (os.cpu_count() or 1)
         self._count = 0  # barriers passed: the same on every rank
-        self._scratch: _Segment | None = None
-        self._shared: list[_Segment] = []
-
-    def _open_peers(self, offers: list, control: _Segment | None) -> tuple[_Segment, list[int]]:
-        """Map rank 0's control page (checking its token) and open every peer's pipe."""
-        p, r = self.info.size, self.info.rank
-        if r != 0:
-            name, token = offers[0][1]
-            control = _Segment.open(name, p + 1, _PAGE)
-            header = p * _PAGE
-            if control.map[header : header + _TOKEN_BYTES] != token:
-                raise ValueError(f"{name} does not hold group rank 0's token")
-        outboxes = []
-        try:
-            for q in range(p):
-                flags = os.O_WRONLY | os.O_NONBLOCK
-                outboxes.append(
-                    _shm_files.open_checked(offers[q][0], flags, fifo=True) if q != r else -1
-                )
-        except OSError:
-            for fd in outboxes:
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        return control, outboxes
+        self._scratch: Segment | None = None
+        self._shared: list[Segment] = []
 
     # --------------------------------------------------------------------------- barrier
     def _arrived(self, count: int) -> bool:
@@ -257,7 +142,7 @@ class ShmGroup:
         if words is None:
             return None
         mine = struct.pack(f"{_DESC}q", *words)
-        start = self.info.rank * _PAGE
+        start = self.info.rank * PAGE
         self._control.map[start : start + len(mine)] = mine
         return mine
 
@@ -266,7 +151,7 @@ class ShmGroup:
         if mine is None:
             return
         for q in self._peers:
-            theirs = self._control.map[q * _PAGE : q * _PAGE + len(mine)]
+            theirs = self._control.map[q * PAGE : q * PAGE + len(mine)]
             if theirs != mine:
                 diagnostics.compare(
                     list(struct.unpack(f"{_DESC}q", mine)),
@@ -276,24 +161,24 @@ class ShmGroup:
                 )
 
     # -------------------------------------------------------------------------- segments
-    def _new_segment(self, slot_bytes: int, timeout_s: float) -> _Segment:
+    def _new_segment(self, slot_bytes: int, timeout_s: float) -> Segment:
         """A new segment: rank 0 creates it and publishes its name in the control page."""
-        slot_bytes = _round_up(max(slot_bytes, _ALIGN), _PAGE)
-        p, header = self.info.size, self.info.size * _PAGE + _NAME_AT
+        slot_bytes = _round_up(max(slot_bytes, _ALIGN), PAGE)
+        p, header = self.info.size, self.info.size * PAGE + NAME_AT
         if self.info.rank == 0:
-            segment = _Segment.create("seg", p, slot_bytes)
+            segment = Segment.create("seg", p, slot_bytes)
             try:
                 name = segment.name.encode()
-                self._control.map[header : header + _NAME_MAX] = name.ljust(_NAME_MAX, b"\0")
+                self._control.map[header : header + NAME_MAX] = name.ljust(NAME_MAX, b"\0")
                 self.barrier("shm segment", -1, timeout_s)  # the name is out
                 self.barrier("shm segment", -1, timeout_s)  # every rank has it mapped
             finally:  # the memory lives until the last rank unmaps it
                 _shm_files.unlink(segment.name)
             return segment
         self.barrier("shm segment", -1, timeout_s)
-        name = bytes(self._control.map[header : header + _NAME_MAX]).rstrip(b"\0").decode()
+        name = bytes(self._control.map[header : header + NAME_MAX]).rstrip(b"\0").decode()
         try:
-            segment = _Segment.open(name, p, slot_bytes)
+            segment = Segment.open(name, p, slot_bytes)
         except (OSError, ValueError) as exc:
             raise RuntimeError(
                 f"rank {dist.get_rank()}: cannot map the shared-memory segment {name} that "
@@ -302,7 +187,7 @@ class ShmGroup:
         self.barrier("shm segment", -1, timeout_s)
         return segment
 
-    def scratch(self, nbytes: int, timeout_s: float) -> _Segment:
+    def scratch(self, nbytes: int, timeout_s: float) -> Segment:
         """The copy-in segment, grown (by doubling, alike on every rank) to `nbytes` per slot."""
         if self._scratch is None or self._scratch.slot_bytes < nbytes:
             old = self._scratch.slot_bytes if self._scratch is not None else 0
@@ -316,7 +201,7 @@ class ShmGroup:
         self._shared.append(segment)
         return segment.slot(self.info.rank, numel, dtype)
 
-    def find(self, tensor: torch.Tensor) -> tuple[_Segment, int] | None:
+    def find(self, tensor: torch.Tensor) -> tuple[Segment, int] | None:
         """The shared segment and slot offset `tensor` lives at, if it came from shared_buffer."""
         for segment in self._shared:
             offset = segment.owns(tensor, self.info.rank)
@@ -324,7 +209,7 @@ class ShmGroup:
                 return segment, offset
         return None
 
-    def _plan(self, segment: _Segment, offset: int, numel: int, dtype: torch.dtype) -> tuple:
+    def _plan(self, segment: Segment, offset: int, numel: int, dtype: torch.dtype) -> tuple:
         """Cached views: every slot as (numel,) and this rank's [lo, hi) slice bounds."""
         key = (offset, numel, dtype)
         plan = segment.plans.get(key)
