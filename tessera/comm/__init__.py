@@ -12,6 +12,7 @@ from tessera.comm.api import (
     broadcast,
     reduce,
     reduce_scatter,
+    same_host,
     shared_buffer,
 )
 from tessera.comm.cost import CostParams, calibrate, choose, predict
@@ -30,6 +31,7 @@ __all__ = [
     "predict",
     "reduce",
     "reduce_scatter",
+    "same_host",
     "set_checks",
     "shared_buffer",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "broadcast",
     "reduce",
     "reduce_scatter",
+    "same_host",
     "shared_buffer",
 ]
 
@@ -64,8 +65,20 @@ def _check_algorithm(algorithm: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"algorithm must be 'auto' or one of {allowed}, got {algorithm!r}")
 
 
+def same_host(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every rank of `group` can share memory with every other (collective, cached).
+
+    Decided by a probe, not by host names: the first call per group (every rank at once) has
+    group rank 0 create a file in /dev/shm holding a random token, and succeeds only if every
+    rank can map it, read the token and reach every peer's wake-up pipe (`tessera.comm.shm`).
+    False also where this machine cannot order shared-memory accesses. A one-rank group: True.
+    """
+    info = group_info(group)
+    return _same_host(info)
+
+
 def _same_host(info: GroupInfo) -> bool:
-    return shm_group(info).same_host
+    return info.size == 1 or shm_group(info).same_host
 
 
 _choices: dict[tuple, str] = {}
@@ -140,7 +153,7 @@ def all_reduce(
         if group_shm.same_host:
             group_shm.all_reduce(tensor, op, seq, timeout_s, descriptor)
             return tensor
-        algorithm = "ring"  # ranks on several hosts: every rank falls back alike
+        algorithm = "native"  # no shared memory (see `same_host`): every rank falls back alike
     comm = Comm(info, seq, "all_reduce", timeout_s, descriptor)
     if algorithm == "native":
         buf = _work_buffer(tensor, copy=False)  # bf16/fp16: reduced in float32 here too
@@ -239,7 +252,7 @@ def broadcast(
         if group_shm.same_host:
             group_shm.broadcast(tensor, root, seq, timeout_s, descriptor)
             return tensor
-        algorithm = "tree"
+        algorithm = "native"  # no shared memory: every rank falls back alike
     comm = Comm(info, seq, "broadcast", timeout_s, descriptor)
     buf = tensor if tensor.is_contiguous() else tensor.contiguous()
     if algorithm == "native":

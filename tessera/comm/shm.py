@@ -21,29 +21,31 @@ a named pipe that the arriving rank writes one byte to: a kernel wakeup (~50 µs
 instead of a gloo barrier (~500 µs), without burning a core. Spinning on the counters first
 (`SPIN_S`, TESSERA_SHM_SPIN_US) was measured on this 2-vCPU VM: no faster in collectives (and
 slower for spins over ~50 µs), so it is off by default; sleeping with timed naps instead of the
-pipe was no faster either. Files are unlinked as soon as every rank has them mapped,
-so nothing is left in /dev/shm even when a rank is killed. Ranks on different hosts (hostnames
-compared once per group) fall back to the ring.
+pipe was no faster either. The counters are read and written with sequentially consistent
+atomics (`_atomics`): a release/acquire pair orders each slot's data before the counter that
+announces it, on any CPU.
+
+Who shares memory is probed, not guessed from host names (`_shm_setup.probe`); a group that
+cannot share it, or a machine that cannot order the accesses, falls back to the native
+algorithm for every shm request. Files get unguessable names, private modes and exclusive
+creation, are unlinked as soon as every rank has them mapped, and are cleaned up on SIGTERM
+and after dead jobs (`_shm_files`).
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import mmap
 import os
 import select
-import socket
 import struct
 import time
-import uuid
 
 import torch
 import torch.distributed as dist
 
-from tessera.comm import diagnostics
+from tessera.comm import _shm_files, diagnostics
 from tessera.comm._ops import accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
+from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
 from tessera.errors import CollectiveTimeout
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
@@ -52,7 +54,6 @@ SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 0)) * 1e-6
 """How long a barrier spins before sleeping (only when the group has no more ranks than cores);
 0 by default: see the module docstring."""
 
-_PAGE = 4096
 _ALIGN = 64  # slice boundaries on cache lines, so two ranks never write the same line
 _BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back hits in cache
 _COUNTER = 64  # int64 word of a rank's control slot holding its barrier count
@@ -60,113 +61,47 @@ _SLEEPING = 80  # int64 word: 1 while the rank sleeps in poll() and wants a wake
 _DESC = diagnostics.DESCRIPTOR_LEN
 
 
-_unlink_at_exit: set[str] = set()  # files created here and not yet unlinked (a rank died early)
-
-
-@atexit.register
-def _cleanup() -> None:
-    for path in list(_unlink_at_exit):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-    _unlink_at_exit.discard(path)
-
-
 def _round_up(value: int, unit: int) -> int:
     return (value + unit - 1) // unit * unit
 
 
-class _Segment:
-    """One mapped file: `slots` slots of `slot_bytes` bytes, one per rank."""
-
-    def __init__(self, path: str, slots: int, slot_bytes: int, create: bool) -> None:
-        self.slot_bytes = slot_bytes
-        size = slots * slot_bytes
-        if create:
-            _unlink_at_exit.add(path)
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.raw = torch.frombuffer(self.map, dtype=torch.uint8)  # (slots * slot_bytes,)
-        self.plans: dict[tuple, tuple] = {}
-
-    def slot(self, rank: int, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
-        """A (numel,) tensor of `dtype` at byte `offset` of `rank`'s slot."""
-        start = rank * self.slot_bytes + offset
-        return self.raw[start : start + numel * dtype.itemsize].view(dtype)
-
-    def owns(self, tensor: torch.Tensor, rank: int) -> int | None:
-        """Byte offset of `tensor` inside `rank`'s slot, or None if it does not live there."""
-        base = self.raw.data_ptr() + rank * self.slot_bytes
-        ptr = tensor.data_ptr()
-        end = ptr + tensor.numel() * tensor.element_size()
-        if base <= ptr and end <= base + self.slot_bytes and tensor.is_contiguous():
-            return ptr - base
-        return None
-
-
 class ShmGroup:
-    """The shared-memory state of one process group: control page, pipes and segments."""
+    """The shared-memory state of one process group: control page, pipes and segments.
+
+    Created collectively (every rank of the group at once); `same_host` says whether the probe
+    (`_shm_setup.probe`) found every rank able to share memory with every other.
+    """
 
     def __init__(self, info: GroupInfo) -> None:
         self.info = info
-        p, r = info.size, info.rank
-        hosts: list = [None] * p
-        dist.all_gather_object(hosts, (socket.gethostname(), uuid.uuid4().hex), group=info.group)
-        self.same_host = len({host for host, _ in hosts}) == 1
-        if not self.same_host:
+        link = probe(info)
+        self.same_host = link is not None
+        if link is None:
             return
-        self._base = f"/dev/shm/tessera-{hosts[0][1]}"  # chosen by group rank 0, known to all
-        mine = f"{self._base}-pipe{r}"
-        _unlink_at_exit.add(mine)
-        os.mkfifo(mine, 0o600)
-        # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
-        self._inbox = os.open(mine, os.O_RDWR | os.O_NONBLOCK)
-        control = f"{self._base}-control"
-        if r == 0:
-            self._control = _Segment(control, p, _PAGE, create=True)
-        dist.barrier(group=info.group)
-        if r != 0:
-            self._control = _Segment(control, p, _PAGE, create=False)
-        self._outboxes = [
-            os.open(f"{self._base}-pipe{q}", os.O_WRONLY | os.O_NONBLOCK) if q != r else -1
-            for q in range(p)
-        ]
-        dist.barrier(group=info.group)
-        _unlink(mine)
-        if r == 0:
-            _unlink(control)
-        self._words = memoryview(self._control.map).cast("q")  # int64 words of the control page
-        self._slot_words = _PAGE // 8
-        self._peers = [q for q in range(p) if q != r]
+        self._control = link.control
+        self._inbox, self._outboxes = link.inbox, link.outboxes
+        self._words, self._nap_ms = link.words, link.nap_ms
+        self._slot_words = PAGE // 8
+        self._peers = [q for q in range(info.size) if q != info.rank]
         self._poll = select.poll()
         self._poll.register(self._inbox, select.POLLIN)
-        self._spin = p <= (os.cpu_count() or 1)
+        self._spin = info.size <= (os.cpu_count() or 1)
         self._count = 0  # barriers passed: the same on every rank
-        self._generation = 0
-        self._scratch: _Segment | None = None
-        self._shared: list[_Segment] = []
+        self._scratch: Segment | None = None
+        self._shared: list[Segment] = []
 
     # --------------------------------------------------------------------------- barrier
     def _arrived(self, count: int) -> bool:
-        words, stride = self._words, self._slot_words
-        return all(words[q * stride + _COUNTER] >= count for q in self._peers)
+        load, stride = self._words.load, self._slot_words
+        return all(load(q * stride + _COUNTER) >= count for q in self._peers)
 
     def barrier(self, op: str, seq: int, timeout_s: float) -> None:
         """Block until every rank of the group reached this barrier (spin, then sleep)."""
         self._count += 1
         count, words, stride, me = self._count, self._words, self._slot_words, self.info.rank
-        words[me * stride + _COUNTER] = count
+        words.store(me * stride + _COUNTER, count)  # releases this rank's writes to the slots
         for q in self._peers:  # wake the ranks that sleep waiting for us
-            if words[q * stride + _SLEEPING]:
+            if words.load(q * stride + _SLEEPING):
                 os.write(self._outboxes[q], b"x")
         if self._spin:
             stop = time.perf_counter() + SPIN_S
@@ -175,24 +110,25 @@ class ShmGroup:
                     return
         deadline = time.monotonic() + timeout_s
         while True:
-            words[me * stride + _SLEEPING] = 1
+            # Raise the flag, then look: an arriving rank stores its counter, then looks at the
+            # flag. Sequential consistency lets at most one of the two looks miss the other.
+            words.store(me * stride + _SLEEPING, 1)
             if self._arrived(count):
-                words[me * stride + _SLEEPING] = 0
+                words.store(me * stride + _SLEEPING, 0)
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                words[me * stride + _SLEEPING] = 0
+                words.store(me * stride + _SLEEPING, 0)
                 self._timeout(op, seq, timeout_s, count)
-            # A wake-up can be missed only through store reordering; 1 ms bounds that case.
-            self._poll.poll(min(1.0, remaining * 1000))
+            self._poll.poll(min(self._nap_ms, remaining * 1000))
             try:
                 os.read(self._inbox, 4096)  # drain tokens; the counters are the truth
             except BlockingIOError:
                 pass
 
     def _timeout(self, op: str, seq: int, timeout_s: float, count: int) -> None:
-        words, stride = self._words, self._slot_words
-        missing = [self.info.ranks[q] for q in self._peers if words[q * stride + _COUNTER] < count]
+        load, stride = self._words.load, self._slot_words
+        missing = [self.info.ranks[q] for q in self._peers if load(q * stride + _COUNTER) < count]
         raise CollectiveTimeout(
             dist.get_rank(),
             op,
@@ -206,7 +142,7 @@ class ShmGroup:
         if words is None:
             return None
         mine = struct.pack(f"{_DESC}q", *words)
-        start = self.info.rank * _PAGE
+        start = self.info.rank * PAGE
         self._control.map[start : start + len(mine)] = mine
         return mine
 
@@ -215,7 +151,7 @@ class ShmGroup:
         if mine is None:
             return
         for q in self._peers:
-            theirs = self._control.map[q * _PAGE : q * _PAGE + len(mine)]
+            theirs = self._control.map[q * PAGE : q * PAGE + len(mine)]
             if theirs != mine:
                 diagnostics.compare(
                     list(struct.unpack(f"{_DESC}q", mine)),
@@ -225,22 +161,33 @@ class ShmGroup:
                 )
 
     # -------------------------------------------------------------------------- segments
-    def _new_segment(self, slot_bytes: int, timeout_s: float) -> _Segment:
-        self._generation += 1
-        path = f"{self._base}-seg{self._generation}"
-        slot_bytes = _round_up(max(slot_bytes, _ALIGN), _PAGE)
-        p = self.info.size
+    def _new_segment(self, slot_bytes: int, timeout_s: float) -> Segment:
+        """A new segment: rank 0 creates it and publishes its name in the control page."""
+        slot_bytes = _round_up(max(slot_bytes, _ALIGN), PAGE)
+        p, header = self.info.size, self.info.size * PAGE + NAME_AT
         if self.info.rank == 0:
-            segment = _Segment(path, p, slot_bytes, create=True)
+            segment = Segment.create("seg", p, slot_bytes)
+            try:
+                name = segment.name.encode()
+                self._control.map[header : header + NAME_MAX] = name.ljust(NAME_MAX, b"\0")
+                self.barrier("shm segment", -1, timeout_s)  # the name is out
+                self.barrier("shm segment", -1, timeout_s)  # every rank has it mapped
+            finally:  # the memory lives until the last rank unmaps it
+                _shm_files.unlink(segment.name)
+            return segment
         self.barrier("shm segment", -1, timeout_s)
-        if self.info.rank != 0:
-            segment = _Segment(path, p, slot_bytes, create=False)
+        name = bytes(self._control.map[header : header + NAME_MAX]).rstrip(b"\0").decode()
+        try:
+            segment = Segment.open(name, p, slot_bytes)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(
+                f"rank {dist.get_rank()}: cannot map the shared-memory segment {name} that "
+                f"group rank 0 created ({exc})"
+            ) from exc
         self.barrier("shm segment", -1, timeout_s)
-        if self.info.rank == 0:
-            _unlink(path)  # every rank has it mapped: the memory lives until the last unmaps
         return segment
 
-    def scratch(self, nbytes: int, timeout_s: float) -> _Segment:
+    def scratch(self, nbytes: int, timeout_s: float) -> Segment:
         """The copy-in segment, grown (by doubling, alike on every rank) to `nbytes` per slot."""
         if self._scratch is None or self._scratch.slot_bytes < nbytes:
             old = self._scratch.slot_bytes if self._scratch is not None else 0
@@ -254,7 +201,7 @@ class ShmGroup:
         self._shared.append(segment)
         return segment.slot(self.info.rank, numel, dtype)
 
-    def find(self, tensor: torch.Tensor) -> tuple[_Segment, int] | None:
+    def find(self, tensor: torch.Tensor) -> tuple[Segment, int] | None:
         """The shared segment and slot offset `tensor` lives at, if it came from shared_buffer."""
         for segment in self._shared:
             offset = segment.owns(tensor, self.info.rank)
@@ -262,7 +209,7 @@ class ShmGroup:
                 return segment, offset
         return None
 
-    def _plan(self, segment: _Segment, offset: int, numel: int, dtype: torch.dtype) -> tuple:
+    def _plan(self, segment: Segment, offset: int, numel: int, dtype: torch.dtype) -> tuple:
         """Cached views: every slot as (numel,) and this rank's [lo, hi) slice bounds."""
         key = (offset, numel, dtype)
         plan = segment.plans.get(key)

@@ -26,7 +26,6 @@ moves twice the bytes of a reduce-scatter through memory, yet on a 2-core machin
 
 from __future__ import annotations
 
-import socket
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -95,7 +94,7 @@ class ZeroOptimizer:
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
         _check_same_model(module, group)
-        self.one_host = self.world > 1 and _on_one_host(group)
+        self.one_host = self.world > 1 and comm.same_host(group)
         """Every rank of the group on this host: collectives go through shared memory."""
         _broadcast_from_first(list(module.parameters()) + list(module.buffers()), group)
         fp32 = {id(p): p.detach().float().reshape(-1) for _, p in named}
@@ -321,12 +320,6 @@ def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> to
 
 def _all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return comm.all_gather(tensor, group=group)
-
-
-def _on_one_host(group: dist.ProcessGroup | None) -> bool:
-    names: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return len(set(names)) == 1
 
 
 def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> None:
