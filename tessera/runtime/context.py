@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.comm.stream import close_streams
+
 __all__ = ["Context", "DEFAULT_TIMEOUT_S", "init", "shutdown"]
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -164,6 +166,7 @@ def init(backend: str | None = None, *, timeout_s: float | None = None) -> Conte
 
 
 def shutdown() -> None:
-    """Leave the process group (a no-op if none was joined)."""
+    """Stop the communication streams, then leave the process group (no-op if none was joined)."""
+    close_streams()
     if dist.is_initialized():
         dist.destroy_process_group()
