@@ -36,7 +36,7 @@ __all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
 
 HISTORY = 64
 _KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "shared_buffer")
-DESCRIPTOR_LEN = 16  # int64 words; see `describe`
+DESCRIPTOR_LEN = 17  # int64 words; see `describe_words`
 _MAX_DIMS = 8
 
 
@@ -116,18 +116,19 @@ def describe_words(entry: Record, root: int = -1) -> list[int]:
         SUPPORTED_DTYPES.index(entry.dtype) if entry.dtype in SUPPORTED_DTYPES else -1,
         root,
         len(entry.shape),
-        entry.label,
+        0,  # free for the transport (shm writes a shared tensor's offset here)
     ]
     shape = list(entry.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
     if len(entry.shape) > _MAX_DIMS:  # fold the remaining dims into the last word
         shape[-1] = int(torch.tensor(entry.shape[_MAX_DIMS - 1 :]).prod())
-    return words + shape
+    return words + shape + [entry.label]  # the issuing engine and bucket, word 16
 
 
 def explain(words: list[int]) -> str:
     """A readable form of a descriptor, for error messages."""
-    seq, kind, algo, op, dtype, root, ndim, label = words[:8]
+    seq, kind, algo, op, dtype, root, ndim = words[:7]
     shape = tuple(words[8 : 8 + min(ndim, _MAX_DIMS)])
+    label = words[8 + _MAX_DIMS] if len(words) > 8 + _MAX_DIMS else 0
 
     def pick(names: tuple, i: int) -> str:
         return str(names[i]) if 0 <= i < len(names) else "?"
