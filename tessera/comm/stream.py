@@ -87,8 +87,6 @@ class CommStream:
         self._thread = threading.Thread(target=self._work, name=f"tessera-stream-{name}")
         self._thread.daemon = True  # a rank that dies mid-collective must still exit
         self._thread.start()
-        self.submitted = 0
-        """Tasks submitted so far (the stream's sequence number; tests and diagnosis read it)."""
 
     @property
     def closed(self) -> bool:
@@ -113,7 +111,6 @@ class CommStream:
         if self._closed:
             raise RuntimeError(f"the communication stream of group {self.name} is closed")
         future: Future = Future()
-        self.submitted += 1
         if self.on_worker():
             _run_labeled(future, fn, args, label)
         else:
