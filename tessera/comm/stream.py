@@ -36,7 +36,6 @@ The worker is created at the first `stream_for(group)` and stopped by `close_str
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import queue
 import threading
@@ -210,7 +209,7 @@ def run_in_order(group: dist.ProcessGroup | None, fn: Callable[..., Any], *args:
     stream = existing_stream(group)
     if stream is None or stream.on_worker():
         return fn(*args)
-    return stream.run(functools.partial(fn, *args), what=getattr(fn, "__name__", "collective"))
+    return stream.run(fn, *args, what=getattr(fn, "__name__", "collective"))
 
 
 def close_streams() -> None:
