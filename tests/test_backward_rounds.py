@@ -205,5 +205,6 @@ def _gradient_after_its_bucket_was_reduced() -> None:
 
 
 def test_a_gradient_that_cannot_be_reduced_any_more_names_its_parameter(run_ranks):
-    with pytest.raises(RankFailedError, match=r"parameter 'extra' received a second gradient"):
+    expected = r"parameter 'extra' received a second gradient after its bucket was launched"
+    with pytest.raises(RankFailedError, match=expected):
         run_ranks(_gradient_after_its_bucket_was_reduced, WORLD, timeout_s=60)

@@ -21,8 +21,9 @@ group-mean gradient, as with torch's DDP. A round starts at the wrapped forward
 first gradient; a round started that way cannot know which parameters the backward reaches, so at
 its end every bucket not yet launched is reduced too (a missing gradient counts as zero). A
 gradient that arrives for a parameter already counted in a round still running (marked unused at
-forward, or reached twice in one backward by reentrant checkpointing) cannot be reduced any more:
-it raises, naming the parameter, instead of staying on this rank only.
+forward, or reached twice in one backward by reentrant checkpointing) is still reduced if its
+bucket has not been launched; once it has, the gradient cannot be reduced any more: it raises,
+naming the parameter, instead of staying on this rank only.
 
 With `release_buffers=True` (ZeRO-2/3) a bucket's buffer exists only from its first gradient
 until its reduction has finished: the full gradients are freed as soon as they are reduced.
@@ -164,13 +165,15 @@ class Reducer:
                 return
             if bucket.ready[position]:
                 if not self._round_ended:
+                    if bucket.index >= self._next_launch:
+                        return  # counted once; its new gradient is in the buffer, not yet sent
                     raise RuntimeError(
                         f"rank {self._rank}: parameter {bucket.names[position]!r} received a "
-                        "second gradient in one reduction round (it was marked unused at "
-                        "forward, or one backward reached it twice, as reentrant checkpointing "
-                        "does); its bucket is already being reduced, so this gradient would stay "
-                        "on this rank only. Use it inside the wrapped forward, or pass "
-                        "find_unused_parameters=False."
+                        "second gradient after its bucket was launched in this reduction round "
+                        "(it was marked unused at forward, or one backward reached it twice, as "
+                        "reentrant checkpointing does): the gradient would stay on this rank "
+                        "only. Use the parameter inside the wrapped forward (or pass "
+                        "find_unused_parameters=False), and checkpoint with use_reentrant=False."
                     )
                 # A backward with no forward since the last one ended: a round of its own.
                 self._start_round(from_forward=False)
