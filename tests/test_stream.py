@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from test_backward_rounds import _ratio
 from torch import nn
@@ -20,7 +21,7 @@ from torch import nn
 import tessera
 from tessera import comm
 from tessera.comm.diagnostics import describe_label, encode_label
-from tessera.comm.stream import CommStream
+from tessera.comm.stream import CommStream, close_streams, existing_stream, run_in_order
 from tessera.data_parallel import DataParallel
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
 from tessera.zero import ZeroStage2
@@ -125,18 +126,30 @@ def _two_wrappers_in_one_order() -> dict:
     optimizer.step()
     ratios += [_ratio(p, stepped32[n], stepped64[n], WORLD + 1) for n, p in params.items()]
     labels = {describe_label(record.label) for record in comm.history() if record.seq > before}
-    return {
+    found = {
         "ratio": max(ratios),
         "one_stream": wrapped_gen.reducer.stream is wrapped_disc.reducer.stream,
         "threads": sorted(t.name for t in threading.enumerate() if "tessera-stream" in t.name),
         "labels": labels,
     }
+    # main-thread collectives (tensor parallelism) queue behind a group's stream if it has one
+    found["ordered_on"] = run_in_order(None, lambda: threading.current_thread().name)
+    found["inline_on"] = run_in_order(
+        dist.new_group([0, 1]), lambda: threading.current_thread().name
+    )
+    stream = existing_stream(None)
+    close_streams()
+    found["closed"] = stream.closed and existing_stream(None) is None
+    found["stopped"] = not any("tessera-stream" in t.name for t in threading.enumerate())
+    return found
 
 
 def test_two_wrappers_on_one_group_share_one_stream_and_pair_correctly(run_ranks):
     for found in run_ranks(_two_wrappers_in_one_order, WORLD):
         assert found["ratio"] <= 1.0, found
         assert found["one_stream"] and len(found["threads"]) == 1, found
+        assert found["ordered_on"] == found["threads"][0] and found["inline_on"] == "MainThread"
+        assert found["closed"] and found["stopped"], found
         # every collective of the step went through the stream, labelled with its engine
         assert {label.split(" ")[0] for label in found["labels"]} == {
             "DataParallel#0",
