@@ -36,7 +36,7 @@ __all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
 
 HISTORY = 64
 _KINDS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "shared_buffer")
-DESCRIPTOR_LEN = 16  # int64 words; see `describe`
+DESCRIPTOR_LEN = 17  # int64 words; see `describe_words`
 _MAX_DIMS = 8
 
 
@@ -52,6 +52,8 @@ class Record:
     dtype: torch.dtype
     group_ranks: tuple[int, ...]
     call_site: str
+    label: int = 0
+    """Which engine issued it, and which of its buckets (`encode_label`); 0: no engine."""
 
 
 _history: collections.deque[Record] = collections.deque(maxlen=HISTORY)
@@ -91,7 +93,9 @@ def record(
     seq: int, kind: str, algorithm: str, op: str, tensor: torch.Tensor, ranks: tuple[int, ...]
 ) -> Record:
     """Append one collective to this rank's history and return its record."""
-    entry = Record(seq, kind, algorithm, op, tuple(tensor.shape), tensor.dtype, ranks, _call_site())
+    entry = Record(
+        seq, kind, algorithm, op, tuple(tensor.shape), tensor.dtype, ranks, _call_site(), _label()
+    )
     _history.append(entry)
     return entry
 
@@ -112,25 +116,27 @@ def describe_words(entry: Record, root: int = -1) -> list[int]:
         SUPPORTED_DTYPES.index(entry.dtype) if entry.dtype in SUPPORTED_DTYPES else -1,
         root,
         len(entry.shape),
-        0,
+        0,  # free for the transport (shm writes a shared tensor's offset here)
     ]
     shape = list(entry.shape[:_MAX_DIMS]) + [0] * (_MAX_DIMS - min(len(entry.shape), _MAX_DIMS))
     if len(entry.shape) > _MAX_DIMS:  # fold the remaining dims into the last word
         shape[-1] = int(torch.tensor(entry.shape[_MAX_DIMS - 1 :]).prod())
-    return words + shape
+    return words + shape + [entry.label]  # the issuing engine and bucket, word 16
 
 
 def explain(words: list[int]) -> str:
     """A readable form of a descriptor, for error messages."""
     seq, kind, algo, op, dtype, root, ndim = words[:7]
     shape = tuple(words[8 : 8 + min(ndim, _MAX_DIMS)])
+    label = words[8 + _MAX_DIMS] if len(words) > 8 + _MAX_DIMS else 0
 
     def pick(names: tuple, i: int) -> str:
         return str(names[i]) if 0 <= i < len(names) else "?"
 
     text = f"#{seq} {pick(_KINDS, kind)}(shape={shape}, dtype={pick(SUPPORTED_DTYPES, dtype)}"
     text += f", op={pick(OPS, op)}, algorithm={pick(ALGORITHMS, algo)}"
-    return text + (f", root={root})" if root >= 0 else ")")
+    text += f", root={root}" if root >= 0 else ""
+    return text + (f", issued by {describe_label(label)})" if label else ")")
 
 
 def compare(mine: list[int], theirs: list[int], rank: int, peer: int) -> None:
@@ -142,6 +148,48 @@ def compare(mine: list[int], theirs: list[int], rank: int, peer: int) -> None:
         f"{explain(theirs)}: every rank of a group must call the same collectives, "
         "in the same order, with the same shapes, dtypes and ops"
     )
+
+
+# ---------------------------------------------------------------------------------- labels
+ENGINE_KINDS = ("DataParallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "tensor parallel", "engine")
+"""Engines that label their collectives (`tessera.comm.stream.EngineTag`)."""
+_ITEM_BITS = 24
+_ORDINAL_BITS = 16
+_label_of_thread = threading.local()
+
+
+def encode_label(kind: str, ordinal: int, item: int = -1) -> int:
+    """One int64 naming engine `kind`'s `ordinal`-th instance on a group and its `item`.
+
+    The same on every rank for the same engine and bucket (ordinals follow construction order),
+    so a descriptor check also catches two equal-shaped buckets of different engines.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"unknown engine kind {kind!r}; one of {ENGINE_KINDS}")
+    if not 0 <= ordinal < 2**_ORDINAL_BITS or not -1 <= item < 2**_ITEM_BITS - 1:
+        raise ValueError(f"engine ordinal {ordinal} or item {item} out of range")
+    code = ENGINE_KINDS.index(kind) + 1
+    return (code << (_ORDINAL_BITS + _ITEM_BITS)) | (ordinal << _ITEM_BITS) | (item + 1)
+
+
+def describe_label(label: int) -> str:
+    """`encode_label`'s words back in text: "DataParallel#1 item 3"."""
+    code = label >> (_ORDINAL_BITS + _ITEM_BITS)
+    ordinal = (label >> _ITEM_BITS) & (2**_ORDINAL_BITS - 1)
+    item = (label & (2**_ITEM_BITS - 1)) - 1
+    kind = ENGINE_KINDS[code - 1] if 1 <= code <= len(ENGINE_KINDS) else "?"
+    return f"{kind}#{ordinal}" + (f" item {item}" if item >= 0 else "")
+
+
+def set_label(label: int) -> int:
+    """Label the collectives this thread issues from now on; returns the previous label."""
+    previous = _label()
+    _label_of_thread.value = label
+    return previous
+
+
+def _label() -> int:
+    return getattr(_label_of_thread, "value", 0)
 
 
 # --------------------------------------------------------------------------------- timeouts

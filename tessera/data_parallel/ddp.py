@@ -16,6 +16,7 @@ compute per bucket exceeds the bucket's reduction time.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tessera import comm
+from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.compression import CompressionHook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
@@ -94,8 +96,11 @@ class DataParallel(nn.Module):
         self._world = dist.get_world_size(group)
         self._rank = dist.get_rank()
         self._src = dist.get_global_rank(group, 0) if group is not None else 0
-        self._check_same_model()
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        # Every collective of this wrapper runs on the group's one stream, in program order,
+        # behind whatever other engines on the group queued before (`tessera.comm.stream`).
+        stream = stream_for(group)
+        stream.run(self._check_same_model, what="DataParallel model check")
+        stream.run(self._broadcast, list(module.parameters()) + list(module.buffers()))
         self.reducer = Reducer(
             named,
             cap_bytes=int(bucket_cap_mb * 2**20),
@@ -103,6 +108,8 @@ class DataParallel(nn.Module):
             rank=self._rank,
             timeout_s=default_timeout_s(),
             allocate=self._shared_allocator(named),
+            group=group,
+            engine_kind="DataParallel",
         )
 
     def _shared_allocator(self, named: list[tuple[str, nn.Parameter]]) -> Any:
@@ -118,7 +125,8 @@ class DataParallel(nn.Module):
             return None
 
         def allocate(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            return comm.shared_buffer(numel, dtype, group=self.group)
+            make = functools.partial(comm.shared_buffer, numel, dtype, group=self.group)
+            return stream_for(self.group).run(make, what="shared_buffer")
 
         return allocate
 
@@ -155,7 +163,7 @@ class DataParallel(nn.Module):
                 unflatten_into(flat, same)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
-        """Average one bucket over the group (runs on the reducer's communication thread)."""
+        """Average one bucket over the group (runs on the group's communication stream)."""
 
         def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
             return comm.all_reduce(tensor, "mean", algorithm=self.algorithm, group=self.group)
@@ -177,7 +185,9 @@ class DataParallel(nn.Module):
         if self.broadcast_buffers and self._world > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                self._broadcast(buffers)
+                self.reducer.stream.run(
+                    self._broadcast, buffers, label=self.reducer.engine.label(), what="buffers"
+                )
         outputs = self.module(*inputs, **kwargs)
         if self.reducer.sync_enabled and torch.is_grad_enabled():
             unused: list[nn.Parameter] = []

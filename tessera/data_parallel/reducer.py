@@ -2,16 +2,28 @@
 
 During backward, a post-accumulate-grad hook on every parameter marks its gradient as arrived.
 When the last member of a bucket arrives, that bucket (and any later ones already complete) is
-handed to a single communication thread, strictly in bucket order, so every rank issues the same
-collectives in the same order while backward keeps computing the gradients of earlier layers. At
-the end of backward (an autograd engine callback) the reducer waits for the buckets still in
-flight: that wait is the communication backward could not hide (`exposed_comm_s`).
+submitted to the group's communication stream (`tessera.comm.stream`), strictly in bucket order,
+so every rank issues the same collectives in the same order while backward keeps computing the
+gradients of earlier layers. At the end of backward (an autograd engine callback) the reducer
+waits for the buckets still in flight: that wait is the communication backward could not hide
+(`exposed_comm_s`).
 
-One thread, not one per bucket: collectives on a group must be issued in the same order on every
-rank, and a FIFO worker gives that order for free; `submit` runs other collectives (ZeRO's
-parameter gathers) on that same thread, so they keep one order with the buckets. The reduction
-itself (tessera's collectives, or gloo's) releases the GIL while it waits on sockets or shared
-memory.
+The stream is one FIFO thread per process group, shared with every other engine on the group (a
+second `DataParallel`, ZeRO): collectives keep one order across engines, and each carries its
+engine's label so that ranks which submit in different orders get `CollectiveMismatch` instead of
+averaging the wrong buckets. `submit` runs other collectives (ZeRO's parameter gathers) on that
+same stream. The reduction itself releases the GIL while it waits on sockets or shared memory.
+
+Rounds. Each backward is one reduction round: `.grad` ends as the sum over backwards of the
+group-mean gradient, as with torch's DDP. A round starts at the wrapped forward
+(`prepare_for_backward`) or, for a backward without a forward since the last one ended (a second
+`backward(retain_graph=True)`, a loss on parameters used outside forward), at that backward's
+first gradient; a round started that way cannot know which parameters the backward reaches, so at
+its end every bucket not yet launched is reduced too (a missing gradient counts as zero). A
+gradient that arrives for a parameter already counted in a round still running (marked unused at
+forward, or reached twice in one backward by reentrant checkpointing) is still reduced if its
+bucket has not been launched; once it has, the gradient cannot be reduced any more: it raises,
+naming the parameter, instead of staying on this rank only.
 
 With `release_buffers=True` (ZeRO-2/3) a bucket's buffer exists only from its first gradient
 until its reduction has finished: the full gradients are freed as soon as they are reduced.
@@ -22,12 +34,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket, BufferFactory, assign_buckets
 from tessera.errors import CollectiveTimeout
 
@@ -48,6 +62,8 @@ class Reducer:
         allocate: BufferFactory | None = None,
         units: Sequence[int] | None = None,
         release_buffers: bool = False,
+        group: dist.ProcessGroup | None = None,
+        engine_kind: str = "DataParallel",
     ) -> None:
         kwargs = {"allocate": allocate} if allocate is not None else {}
         self.buckets = assign_buckets(named_params, cap_bytes, **kwargs, units=units)
@@ -62,10 +78,15 @@ class Reducer:
         self._reduce_bucket = reduce_bucket
         self._rank = rank
         self._timeout_s = timeout_s
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-ddp")
+        self.stream = stream_for(group)
+        """The group's one communication stream, shared with every engine on the group."""
+        self.engine = self.stream.register(engine_kind)
+        """This reducer's label on the stream (the same on every rank of the group)."""
         self._futures: list[Future] = []
         self._next_launch = 0
         self._callback_queued = False
+        self._round_ended = False  # the backward of the current round has finished
+        self._round_from_forward = False  # started by `prepare_for_backward` (forward)
         self._lock = threading.Lock()  # hooks of one backward may run on autograd worker threads
         self.sync_enabled = True
         """False inside `no_sync()`: gradients accumulate locally, nothing is launched."""
@@ -79,9 +100,12 @@ class Reducer:
             if release_buffers:
                 self._release(bucket)
 
-    def submit(self, fn: Callable[..., object], *args: object) -> Future:
-        """Run `fn(*args)` on the communication thread, after every collective already queued."""
-        return self._executor.submit(fn, *args)
+    def submit(self, fn: Callable[..., object], *args: object, item: int = -1) -> Future:
+        """Run `fn(*args)` on the group's stream, after every collective already queued there.
+
+        `item` (a bucket or unit index) labels its collectives for the cross-rank check.
+        """
+        return self.stream.submit(fn, *args, label=self.engine.label(item))
 
     def _ensure_buffer(self, bucket: Bucket) -> None:
         if self.release_buffers and bucket.buffer.numel() == 0 and bucket.offsets[-1] > 0:
@@ -102,11 +126,7 @@ class Reducer:
 
     def prepare_for_backward(self, unused: Sequence[nn.Parameter] = ()) -> None:
         """Start a new reduction round; `unused` parameters count as arrived (zero gradient)."""
-        self._futures = []
-        self._next_launch = 0
-        self._callback_queued = False
-        for bucket in self.buckets:
-            bucket.reset()
+        self._start_round(from_forward=True)
         for param in unused:
             bucket, position = self._where[id(param)]
             self._ensure_buffer(bucket)
@@ -126,6 +146,16 @@ class Reducer:
             return
         param.grad = view
 
+    def _start_round(self, *, from_forward: bool) -> None:
+        if self._futures:
+            self.wait()  # a round must not forget reductions still in flight
+        self._next_launch = 0
+        self._callback_queued = False
+        self._round_ended = False
+        self._round_from_forward = from_forward
+        for bucket in self.buckets:
+            bucket.reset()
+
     def _on_gradient(self, param: torch.Tensor) -> None:
         bucket, position = self._where[id(param)]
         with self._lock:
@@ -133,6 +163,20 @@ class Reducer:
             self._adopt_gradient(param, bucket, position)
             if not self.sync_enabled:
                 return
+            if bucket.ready[position]:
+                if not self._round_ended:
+                    if bucket.index >= self._next_launch:
+                        return  # counted once; its new gradient is in the buffer, not yet sent
+                    raise RuntimeError(
+                        f"rank {self._rank}: parameter {bucket.names[position]!r} received a "
+                        "second gradient after its bucket was launched in this reduction round "
+                        "(it was marked unused at forward, or one backward reached it twice, as "
+                        "reentrant checkpointing does): the gradient would stay on this rank "
+                        "only. Use the parameter inside the wrapped forward (or pass "
+                        "find_unused_parameters=False), and checkpoint with use_reentrant=False."
+                    )
+                # A backward with no forward since the last one ended: a round of its own.
+                self._start_round(from_forward=False)
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish)
                 self._callback_queued = True
@@ -148,12 +192,24 @@ class Reducer:
         ):
             launched = self.buckets[self._next_launch]
             reduce = self._reduce_and_release if self.release_buffers else self._reduce_bucket
-            self._futures.append(self._executor.submit(reduce, launched))
+            self._futures.append(self.submit(reduce, launched, item=launched.index))
             self._next_launch += 1
+
+    def _launch_the_rest(self) -> None:
+        """Count every gradient that has not arrived as zero, launching the remaining buckets."""
+        for bucket in self.buckets[self._next_launch :]:
+            for position, ready in enumerate(bucket.ready):
+                if not ready:
+                    self._ensure_buffer(bucket)
+                    self._adopt_gradient(bucket.params[position], bucket, position)
+                    self._mark(bucket, position)
 
     def _finish(self) -> None:
         """End of backward: every gradient must have arrived; wait for the reductions."""
         self._callback_queued = False
+        self._round_ended = True
+        if not self._round_from_forward:
+            self._launch_the_rest()  # a round without forward cannot tell unused from late
         if self._next_launch < len(self.buckets):
             missing = [
                 name
@@ -171,7 +227,8 @@ class Reducer:
     def wait(self) -> None:
         """Block until every launched bucket is reduced; re-raise a failed reduction."""
         began = time.perf_counter()
-        for index, future in enumerate(self._futures):
+        futures, self._futures = self._futures, []
+        for index, future in enumerate(futures):
             try:
                 future.result(timeout=self._timeout_s)
             except FutureTimeout:
@@ -181,7 +238,9 @@ class Reducer:
                     self._timeout_s,
                     "another rank has not finished its backward (or has failed)",
                 ) from None
-        self._futures = []
+            except BaseException:
+                _drain(futures[index + 1 :], self._timeout_s)  # nothing of ours stays queued
+                raise
         self.exposed_comm_s = time.perf_counter() - began
 
     def remove_hooks(self) -> None:
@@ -189,4 +248,14 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._executor.shutdown(wait=False)
+        futures, self._futures = self._futures, []
+        _drain(futures, self._timeout_s)  # the stream is shared: nothing of ours stays queued
+
+
+def _drain(futures: Sequence[Future], timeout_s: float) -> None:
+    """Wait for `futures` without raising: their failure was (or will be) reported elsewhere."""
+    for future in futures:
+        try:
+            future.result(timeout=timeout_s)
+        except BaseException:  # noqa: BLE001, S110 - already reported by the failing wait
+            pass

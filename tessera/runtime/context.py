@@ -183,6 +183,9 @@ def init(backend: str | None = None, *, timeout_s: float | None = None) -> Conte
 
 
 def shutdown() -> None:
-    """Leave the process group (a no-op if none was joined)."""
+    """Stop the communication streams, then leave the process group (no-op if none was joined)."""
+    from tessera.comm.stream import close_streams  # late: tessera.comm imports this module
+
+    close_streams()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -6,6 +6,10 @@ bandwidth at the 1-16 MB these layers move; see BENCHMARKS.md, comm). The all-ga
 `torch.distributed` (tessera's is ring only, slower than gloo's at these sizes). Every wait has
 the job's deadline (TESSERA_TIMEOUT_S), and the bytes each rank contributes are counted in
 `STATS` (benchmarks read it).
+
+These collectives run on the main thread, inside forward and backward. If another engine keeps a
+communication stream on the same group (`tessera.comm.stream`), they queue behind its work
+instead of racing it; on a group no engine streams on they run inline, with no thread hop.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tessera import comm
+from tessera.comm.stream import run_in_order
 from tessera.runtime.context import default_timeout_s
 
 __all__ = ["STATS", "all_gather_dim", "all_reduce", "group_rank", "group_size"]
@@ -49,6 +54,10 @@ def all_reduce(
         return tensor
     STATS["all_reduce_bytes"] += tensor.numel() * tensor.element_size()
     STATS["calls"] += 1
+    return run_in_order(group, _all_reduce, tensor, op, group)
+
+
+def _all_reduce(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
     return comm.all_reduce(tensor, op, group=group)
 
 
@@ -59,6 +68,12 @@ def all_gather_dim(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
         return tensor
     STATS["all_gather_bytes"] += tensor.numel() * tensor.element_size()
     STATS["calls"] += 1
+    return run_in_order(group, _all_gather_rows, tensor, group, size, dim)
+
+
+def _all_gather_rows(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, size: int, dim: int
+) -> torch.Tensor:
     tensor = tensor.contiguous().unsqueeze(0)  # (1, ...): gloo gathers along dim 0
     out = torch.empty((size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     work = _all_gather_single(out, tensor, group=group, async_op=True)

@@ -14,8 +14,8 @@ which is exactly single-process training for any element-wise optimizer (SGD, Ad
 an optimizer that mixes elements across a tensor (LAMB's trust ratio, Adafactor) would see
 slices instead of whole tensors. With `mixed_precision="bf16"` parameters and gradients are bf16
 for compute and communication and the masters are fp32 copies (the paper's K = 12 for Adam).
-All collectives run on the reducer's one communication thread, so every rank issues them in the
-same order.
+All collectives run on the group's one communication stream (`tessera.comm.stream`), shared with
+any other engine on the group, so every rank issues them in the same order.
 
 Transport: across hosts, a reduce-scatter and an all-gather are tessera's ring collectives, the
 paper's Ψ elements each. When the whole group is on one host, both run instead as tessera's
@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_map
 
 from tessera import comm
 from tessera.clip import clip_grad_norm
+from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.reducer import Reducer
 from tessera.errors import CollectiveTimeout
@@ -93,10 +94,12 @@ class ZeroOptimizer:
         named, units = self._ordered_parameters()
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
-        _check_same_model(module, group)
-        self.one_host = self.world > 1 and comm.same_host(group)
+        stream = stream_for(group)  # construction's collectives, in order with other engines'
+        stream.run(_check_same_model, module, group, what=f"ZeRO-{self.stage} model check")
+        self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
         """Every rank of the group on this host: collectives go through shared memory."""
-        _broadcast_from_first(list(module.parameters()) + list(module.buffers()), group)
+        everything = list(module.parameters()) + list(module.buffers())
+        stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
         fp32 = {id(p): p.detach().float().reshape(-1) for _, p in named}
         if mixed_precision == "bf16":
             for _, param in named:
@@ -113,6 +116,8 @@ class ZeroOptimizer:
             ),
             units=units,
             release_buffers=self.release_gradients,
+            group=group,
+            engine_kind=f"ZeRO-{self.stage}",
         )
         self.flats = [self._make_flat(bucket, fp32) for bucket in self.reducer.buckets]
         self.optimizer = make_optimizer([flat.master for flat in self.flats])
@@ -161,7 +166,7 @@ class ZeroOptimizer:
         return None
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
-        """Reduce one bucket's gradients (on the communication thread); per stage."""
+        """Reduce one bucket's gradients (on the communication stream); per stage."""
         raise NotImplementedError
 
     def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:
@@ -177,9 +182,10 @@ class ZeroOptimizer:
         """After the inner step: make the new slices visible as the module's parameters."""
         raise NotImplementedError
 
-    # -- collectives on the communication thread ----------------------------------------------
-    def _collective(self, fn: Any, *args: Any) -> Any:
-        future = self.reducer.submit(fn, *args)
+    # -- collectives on the group's communication stream -------------------------------------
+    def _collective(self, fn: Any, *args: Any, item: int = -1) -> Any:
+        """Run `fn(*args)` on the group's stream and wait for it (labelled with `item`)."""
+        future = self.reducer.submit(fn, *args, item=item)
         try:
             return future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -282,8 +288,8 @@ class ZeroOptimizer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, unsharded, in fp32 (collective: the masters are all-gathered)."""
         out: dict[str, torch.Tensor] = {}
-        for flat in self.flats:
-            full = self._collective(_all_gather, flat.master.detach(), self.group)
+        for index, flat in enumerate(self.flats):
+            full = self._collective(_all_gather, flat.master.detach(), self.group, item=index)
             offsets = flat.layout.offsets
             for index, name in enumerate(flat.layout.names):
                 piece = full[offsets[index] : offsets[index + 1]]
@@ -291,7 +297,7 @@ class ZeroOptimizer:
         return out
 
     def remove_hooks(self) -> None:
-        """Detach from the module and stop the communication thread; the optimizer is done.
+        """Detach from the module (after its queued collectives); the optimizer is done.
 
         Stages 1 and 2 leave the module's parameters at their current values; under stage 3 they
         are freed shards, so call `full_state_dict` first.

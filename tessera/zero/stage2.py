@@ -26,10 +26,13 @@ class ZeroStage2(ZeroOptimizer):
     release_gradients = True
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
+        # Each backward's reduction adds its average into the shard: several backwards before
+        # one step (accumulation, retain_graph) sum their group means, as DDP's `.grad` does.
         flat = self.flats[bucket.index]
         assert flat.bucket is bucket and flat.grad_shard is not None
         flat.grad_shard.add_(self._reduce_scatter_mean(bucket.buffer, flat.lo, flat.hi))
 
     def _publish(self) -> None:
-        for flat in self.flats:
-            self._collective(self._all_gather_into, flat.flat_param, flat.master.detach(), flat.lo)
+        for index, flat in enumerate(self.flats):
+            master = flat.master.detach()
+            self._collective(self._all_gather_into, flat.flat_param, master, flat.lo, item=index)
