@@ -104,6 +104,20 @@ class _AdamW:
             p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
 
 
+class _MomentumSGD:
+    """`--optimizer sgd`: heavy-ball momentum 0.9, no weight decay, buffer starts at zero."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.buffers = [torch.zeros_like(p) for p in params]
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], lr: float) -> None:
+        for p, g, buf in zip(self.params, grads, self.buffers):
+            buf.mul_(0.9).add_(g)
+            p.sub_(lr * buf)
+
+
 def _data(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
@@ -130,7 +144,9 @@ def oracle_run(config: TrainConfig, precision: str) -> dict[str, Any]:
         compute = GPT(masters.config).to(torch.bfloat16)
         compute.load_state_dict(masters.state_dict())
     params = list(masters.parameters())  # the tied embedding once
-    adamw = _AdamW(params, config.weight_decay)
+    optimizer = (
+        _MomentumSGD(params) if config.optimizer == "sgd" else _AdamW(params, config.weight_decay)
+    )
     losses, clip_coefficients, lrs = [], [], []
     for step in range(config.steps):
         x, y = batches.batch(step)  # the whole global batch: one process
@@ -142,7 +158,7 @@ def oracle_run(config: TrainConfig, precision: str) -> dict[str, Any]:
         coefficient = min(1.0, config.grad_clip / (norm + 1e-6)) if config.grad_clip else 1.0
         grads = [g * coefficient for g in grads]
         lr = expected_lr(step, config)
-        adamw.step(grads, lr)
+        optimizer.step(grads, lr)
         if compute is not masters:
             with torch.no_grad():
                 for low, master in zip(compute.parameters(), params):
