@@ -398,6 +398,7 @@ def test_partition_is_balanced_and_covers_every_element_once():
 def test_estimate_follows_the_paper():
     # Figure 1 of the ZeRO paper: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
     gb = [estimate_memory(7_500_000_000, 64, s)["total"] / 1e9 for s in range(4)]
+    # the paper prints one decimal: 0.05 GB is half its last digit
     assert gb == pytest.approx([120.0, 31.4, 16.6, 1.875], abs=0.05)
     one = estimate_memory(10, 3, 2, param_bytes=4, grad_bytes=4, optimizer_bytes=8)
     assert one == {"params": 40, "gradients": 16, "optimizer": 32, "total": 88}
