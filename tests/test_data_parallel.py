@@ -9,7 +9,15 @@ from _tolerance import check_close
 from torch import nn
 
 import tessera
-from tessera.data_parallel import DataParallel, average_gradients
+from tessera.data_parallel import (
+    Bucket,
+    DataParallel,
+    PowerSGD,
+    assign_buckets,
+    average_gradients,
+    average_parameters,
+    cast_hook,
+)
 from tessera.errors import RankFailedError
 from tessera.models import CNN, GPT, MLP, CNNConfig, GPTConfig, MLPConfig
 
@@ -288,7 +296,22 @@ def _direct_checks() -> dict:
         "exact": _unusual_oracle(torch.float64),
         "stale": stale,
         "local_sgd": _local_sgd_against_plain_loops(ctx),
+        "average_parameters": _average_parameters(ctx),
     }
+
+
+def _average_parameters(ctx) -> tuple[list, list]:
+    """Different weights per rank; afterwards every rank holds their mean (exact: (a+b)/2)."""
+    layer = nn.Linear(3, 2)
+    with torch.no_grad():
+        for i, p in enumerate(layer.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).view_as(p) * (ctx.rank + 1) + i)
+    expected = [
+        (torch.arange(p.numel(), dtype=torch.float32).view_as(p) * 1.5 + i).tolist()
+        for i, p in enumerate(layer.parameters())
+    ]
+    average_parameters(layer)
+    return [p.tolist() for p in layer.parameters()], expected
 
 
 def _local_sgd_oracle(world: int, period: int, steps: int, dtype: torch.dtype) -> list[dict]:
@@ -343,6 +366,75 @@ def test_gradients_sgd_steps_unused_branch_and_local_sgd_match_plain_loops(run_r
             check_close(ours, oracle, exact, what=f"rank {rank} gradient after step {step}")
         check_close(state, oracle_state, exact_state, what=f"rank {rank} SGD weights")
         check_close(*found["local_sgd"], what=f"rank {rank} local SGD")
+        ours, expected = found["average_parameters"]
+        assert ours == expected
+
+
+def test_buckets_group_parameters_in_reverse_under_the_cap():
+    params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate((4, 4, 10, 2))]
+    buckets = assign_buckets(params, cap_bytes=8 * 4)  # 8 float32 per bucket
+    assert all(isinstance(b, Bucket) for b in buckets)
+    # launch order is backward's: the last parameters first; p2 (10 > 8) gets its own bucket
+    assert [b.names for b in buckets] == [["p3"], ["p2"], ["p1", "p0"]]
+    assert [b.index for b in buckets] == [0, 1, 2]
+    assert buckets[2].offsets == [0, 4, 8] and buckets[2].nbytes == 32
+    view = buckets[2].view(1)  # p0's slice of the shared buffer
+    view.fill_(3.0)
+    assert buckets[2].buffer.tolist() == [0.0] * 4 + [3.0] * 4
+    buckets[2].reset()
+    assert buckets[2].pending == 2 and buckets[2].ready == [False, False]
+    # units never share a bucket
+    by_unit = assign_buckets(params, cap_bytes=10**6, units=[0, 0, 1, 1])
+    assert [b.names for b in by_unit] == [["p3", "p2"], ["p1", "p0"]]
+    with pytest.raises(ValueError, match="bucket capacity must be positive"):
+        assign_buckets(params, cap_bytes=0)
+
+
+def test_cast_hook_reduces_in_the_low_precision_dtype():
+    (bucket,) = assign_buckets([("w", nn.Parameter(torch.zeros(3)))], cap_bytes=10**6)
+    bucket.buffer.copy_(torch.tensor([1.0 + 2**-13, 3.0, -0.5]))
+    seen = []
+
+    def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+        seen.append(tensor.dtype)
+        return tensor.mul_(2)  # stands in for the group: a visible change
+
+    cast_hook(torch.float16)(bucket, all_reduce_mean)
+    assert seen == [torch.float16]
+    # 1 + 2^-13 is below float16's resolution at 1 (2^-10): rounded before the reduction
+    assert bucket.buffer.tolist() == [2.0, 6.0, -1.0] and bucket.buffer.dtype == torch.float32
+
+
+def test_powersgd_is_exact_on_low_rank_and_loses_nothing_over_steps():
+    """One process (the all-reduce is the identity): a rank-1 gradient is reproduced exactly by
+    rank-1 PowerSGD, and for a full-rank one, what was applied plus the error kept for later
+    equals the sum of the gradients (error feedback)."""
+    weight = nn.Parameter(torch.zeros(6, 5))
+    bias = nn.Parameter(torch.zeros(6))
+    (bucket,) = assign_buckets([("w", weight), ("b", bias)], cap_bytes=10**6)
+    w, b = bucket.names.index("w"), bucket.names.index("b")
+    g = torch.Generator().manual_seed(0)
+    low_rank = torch.outer(torch.randn(6, generator=g), torch.randn(5, generator=g))
+    bias_grad = torch.randn(6, generator=g)
+    hook = PowerSGD(rank=1, seed=0)
+    bucket.view(w).copy_(low_rank)
+    bucket.view(b).copy_(bias_grad)
+    hook(bucket, lambda t: t)
+    exact64 = low_rank.double()
+    check_close(bucket.view(w), low_rank, exact64, factor=1.0, ulps=64, what="rank-1 gradient")
+    assert torch.equal(bucket.view(b), bias_grad)  # vectors are reduced uncompressed
+    hook = PowerSGD(rank=1, seed=0)
+    grads = [torch.randn(6, 5, generator=g) for _ in range(3)]
+    applied = torch.zeros(6, 5)
+    for grad in grads:
+        bucket.view(w).copy_(grad)
+        hook(bucket, lambda t: t)
+        applied += bucket.view(w)
+    kept = next(iter(hook._error.values()))  # the residual error feedback carries forward
+    total = torch.stack(grads).double().sum(0)
+    check_close(applied.double() + kept.double(), total.float(), total, ulps=64, what="feedback")
+    with pytest.raises(ValueError, match="powersgd rank must be at least 1"):
+        PowerSGD(rank=0)
 
 
 def _unused_without_flag() -> None:

@@ -13,7 +13,7 @@ from _tolerance import check_close
 from test_pipeline import _check_mlp  # tests/ is on sys.path under pytest
 
 import tessera
-from tessera.mesh import Mesh
+from tessera.mesh import AXES, Mesh
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline.engine import HybridEngine
 from tessera.train.strategy import Engine
@@ -52,7 +52,7 @@ def _step(engine, x, y):
 
 def _check_mesh(ctx):
     mesh = Mesh(dp=2, tp=2)
-    assert (mesh.size("dp"), mesh.size("tp"), mesh.size("pp")) == (2, 2, 1)
+    assert [mesh.size(axis) for axis in AXES] == [1, 2, 2]
     assert mesh.rank("tp") == ctx.rank % 2 and mesh.rank("dp") == ctx.rank // 2
     assert dist.get_process_group_ranks(mesh.group("tp")) == [ctx.rank - ctx.rank % 2] + [
         ctx.rank - ctx.rank % 2 + 1
@@ -131,3 +131,8 @@ def test_mesh_must_multiply_to_the_world_size():
         Mesh(dp=2, tp=1)
     with pytest.raises(ValueError, match="positive int"):
         Mesh(dp=0)
+
+
+def test_axes_are_named_outermost_first():
+    # pp outermost, tp innermost: tp peers are consecutive ranks (checked in _check_mesh)
+    assert AXES == ("pp", "dp", "tp")

@@ -194,3 +194,25 @@ def test_two_nodes_train_like_one_node_with_the_same_ranks(tmp_path):
     oracle, exact = oracle_run(config, "fp32"), oracle_run(config, "fp64")
     check_close(one, oracle["state"], exact["state"], what="one node")
     check_close(two, oracle["state"], exact["state"], what="two nodes")
+
+
+def test_config_errors_are_tessera_errors_and_strategies_register():
+    from tessera.errors import CheckpointError, ConfigError, TesseraError
+    from tessera.train import STRATEGIES, ModelSettings, TorchDDPEngine, register_strategy
+
+    with pytest.raises(TesseraError, match=r"model.n_embd \(10\) must be divisible"):
+        ModelSettings(n_embd=10, n_head=4)
+    with pytest.raises(ConfigError, match="model.dropout must be in"):
+        build_config({"model": {"dropout": 1.0}})
+    assert build_config({"model": {"n_layer": 3}}).model == ModelSettings(n_layer=3)
+    assert issubclass(CheckpointError, TesseraError)
+    with pytest.raises(TesseraError, match="not a tessera checkpoint"):
+        load_checkpoint(__file__)
+    assert STRATEGIES["torch-ddp"] is TorchDDPEngine
+    added = register_strategy("test-only")(TorchDDPEngine)
+    try:
+        assert added is TorchDDPEngine and STRATEGIES["test-only"] is TorchDDPEngine
+        with pytest.raises(ValueError, match="'test-only' is registered twice"):
+            register_strategy("test-only")(TorchDDPEngine)
+    finally:
+        del STRATEGIES["test-only"]
