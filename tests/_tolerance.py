@@ -25,6 +25,7 @@ the reference's magnitude.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -98,6 +99,9 @@ def check_close(
             f"+ {ulps} ulps of ||float64||)"
         )
         found[name] = (error, budget)
+    if os.environ.get("TESSERA_TOLERANCE_REPORT"):  # how close each check comes to its bound
+        worst = max((e / b for e, b in found.values()), default=0.0)
+        print(f"tolerance: {what}: worst error / budget = {worst:.3f}")
     return found
 
 
