@@ -222,7 +222,9 @@ def _features() -> dict:
             (_loss(model(part_x), part_y) / 2).backward()  # two micro-batches, one step
         opt.step()
         found[f"accumulate{stage}"] = (
-            full_state_dict(model), oracle.state_dict(), exact.state_dict()
+            full_state_dict(model),
+            oracle.state_dict(),
+            exact.state_dict(),
         )
         with torch.no_grad():  # stage 3 gathers and frees per layer without a backward
             found[f"no_grad{stage}"] = (model(x), oracle(x), exact(x.double()))
@@ -387,12 +389,48 @@ def _gradients_and_one_sgd_step() -> dict:
             else:
                 found[(kind, stage, "sgd")] = (full_state_dict(model), *stepped)
                 model.reducer.remove_hooks()
-    return found
+    return found, _unused_branch_messages()
+
+
+class _SometimesBranch(nn.Module):
+    """Its last layer is used on some steps only (units: the layers of a ModuleList)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)])
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        x = self.layers[0](x)
+        return self.layers[1](x) + self.layers[2](x) if use_branch else self.layers[1](x)
+
+
+def _unused_branch_messages() -> list[str]:
+    """ZeRO has no find_unused_parameters: a parameter without gradient must be an error
+    naming it on the step it happens, never a silent stale or dropped gradient."""
+    tessera.init()
+    messages = []
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model, opt = initialize(_SometimesBranch(), torch.optim.SGD, stage=stage, lr=0.1)
+        try:
+            for use_branch in (True, False):
+                opt.zero_grad()
+                model(torch.ones(3, 4), use_branch).sum().backward()
+                opt.step()
+            messages.append("no error")
+        except RuntimeError as exc:
+            messages.append(str(exc))
+        opt.remove_hooks()
+    return messages
 
 
 def test_gradients_and_one_sgd_step_equal_the_whole_batch(run_ranks):
     # three ranks: no parameter size divides by 3 in mlp_odd, so every flat is padded
-    for rank, found in enumerate(run_ranks(_gradients_and_one_sgd_step, 3)):
+    for rank, (found, unused) in enumerate(run_ranks(_gradients_and_one_sgd_step, 3)):
+        for message in unused:
+            assert "received no gradient in this backward: layers.2.bias, layers.2.weight" in (
+                message
+            ), message
         for case, value in found.items():
             if case[2] == "class":
                 assert value is True, case
