@@ -14,6 +14,7 @@ from tessera.data import (
     CharTokenizer,
     LMBatches,
     load_corpus,
+    local_batch_size,
     make_classification,
     make_images,
     shard_indices,
@@ -229,3 +230,14 @@ def test_sharded_gradients_average_to_single_process_gradient():
     single = grad(shard_indices(64, 1, 16, 0, 1, seed=9))
     per_rank = [grad(shard_indices(64, 1, 16, r, 4, seed=9)) for r in range(4)]
     torch.testing.assert_close(torch.stack(per_rank).mean(0), single)  # float32 sum order only
+
+
+def test_local_batch_size_splits_evenly_or_refuses():
+    assert [local_batch_size(12, r, 4) for r in range(4)] == [3, 3, 3, 3]
+    assert local_batch_size(7, 0, 1) == 7
+    with pytest.raises(ValueError, match=r"global_batch_size \(10\) must be divisible"):
+        local_batch_size(10, 0, 4)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        local_batch_size(4, 2, 2)
+    with pytest.raises(ValueError, match="world_size must be positive"):
+        local_batch_size(4, 0, 0)

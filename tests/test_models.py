@@ -103,12 +103,20 @@ def test_gpt_init_scales_residual_projections():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=128))
     residual_std = 0.02 / math.sqrt(2 * 8)
+
+    def close_to(weight: torch.Tensor, std: float) -> bool:
+        # The sample std of n normal draws has a relative standard error of 1 / sqrt(2 (n - 1)):
+        # allow 5 of them (a correct init fails once in ~2 million), while a wrong scale such as
+        # the unscaled 0.02 for residual projections is off by 4x.
+        spread = 5 / math.sqrt(2 * (weight.numel() - 1))
+        return abs(weight.std().item() / std - 1) <= spread
+
     for block in model.blocks:
-        assert block.attn.proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
-        assert block.mlp.proj.weight.std().item() == pytest.approx(residual_std, rel=0.05)
-        assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+        assert close_to(block.attn.proj.weight, residual_std)
+        assert close_to(block.mlp.proj.weight, residual_std)
+        assert close_to(block.attn.qkv.weight, 0.02)
         assert torch.count_nonzero(block.attn.qkv.bias) == 0
-    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert close_to(model.wte.weight, 0.02)
 
 
 def test_generate_is_deterministic_with_seeded_generator():
@@ -224,5 +232,9 @@ def test_models_fit_a_tiny_batch():
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     first, last = _train(gpt, x, y, lm_loss, steps=40)
-    assert first == pytest.approx(math.log(11), rel=0.05)  # small init: near-uniform predictions
+    # Small init: logits have std ~0.02 * sqrt(n_embd) = 0.08 around zero, so the first loss is
+    # the uniform prediction's log(11) within ~1% (the target logits' spread averaged over 32
+    # tokens, plus half their variance); 5% leaves a 5x margin, a trained or broken head is off
+    # by far more.
+    assert first == pytest.approx(math.log(11), rel=0.05)
     assert last < 0.5 * first
