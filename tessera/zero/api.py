@@ -79,7 +79,7 @@ def initialize(
         wrapped = DataParallel(model, group=group)
         return wrapped, optimizer_class(model.parameters(), **optimizer_kwargs)
     make_optimizer = partial(optimizer_class, **optimizer_kwargs)
-    extra = {"units": units} if stage == 3 else {}
+    extra = {"units": units} if units is not None else {}
     optimizer = STAGES[stage](
         model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
     )
