@@ -4,9 +4,11 @@ Each case is a small model whose forward uses its parameters in a way tessera's 
 blocks kept in `nn.ModuleDict`s whose children are called one by one, a parameter used directly
 (`F.linear(x, self.weight)`), a module called twice, units of one weight, a `torch.no_grad()`
 forward between a training forward and its backward, a second (input) gradient after the units
-were freed, and units chosen with `units=` (classes, name patterns, nested). For each, on every
-rank: the gradient slices after one backward, the parameters after one SGD step without
-momentum, and after three AdamW steps, against an oracle written here as a plain PyTorch loop.
+were freed, activation checkpointing, and units chosen with `units=` (classes, name patterns,
+nested). For each, on every rank: the gradient slices after one backward, the parameters after
+one SGD step without momentum and after three AdamW steps, against an oracle written here as a
+plain PyTorch loop; and that units are freed (at most `max_gathered` at once in forward, none
+after the step), so that gathering everything once could not pass.
 
 Tolerance. Nothing here is exact: ZeRO averages per-rank means of a split batch where the oracle
 takes one mean. Both are fp32 computations of the same float64 quantity, rounding at every
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tessera
 from tessera.zero import full_state_dict, initialize
@@ -159,6 +162,16 @@ class Layers(StemHead):
         return h
 
 
+class CheckpointedLayers(Layers):
+    """Activation checkpointing: backward runs each layer's forward again, with its own
+    saved-tensor hooks (ZeRO-3's must not replace them)."""
+
+    def middle(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = h + checkpoint(layer, h, use_reentrant=False)
+        return h
+
+
 class Block(nn.Module):
     """Not in any container: only `units=` makes it a unit."""
 
@@ -229,6 +242,7 @@ CASES = [
     Case("units_of_one_weight", OneWeightUnits, num_flats=4),
     Case("no_grad_forward_between_forward_and_backward", Layers, _no_grad_forward_before_backward),
     Case("input_gradient_after_units_were_freed", Layers, _input_gradient_after_backward),
+    Case("activation_checkpointing", CheckpointedLayers),
     Case("units_given_as_classes", Attributes, units=[Block], num_flats=3),
     Case(
         "units_given_as_nested_patterns",

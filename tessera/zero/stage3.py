@@ -111,6 +111,8 @@ class ZeroStage3(ZeroOptimizer):
         self._calls: list[tuple[nn.Module, tuple[int, ...], Any]] = []
         self._order: list[int] = []
         """Units in the order of first use in the last forward with gradients (prefetch order)."""
+        self._position: dict[int, int] = {}
+        """`unit -> index in _order`."""
         self._recording: list[int] = []
         self._arrived: dict[int, set[int]] = {}
         self._finished: set[int] = set()
@@ -205,13 +207,13 @@ class ZeroStage3(ZeroOptimizer):
     def _next_unit(self, unit: int) -> int | None:
         if not self._order:  # first forward: module order
             return unit + 1 if unit < len(self._units) else None
-        at = self._order.index(unit) if unit in self._order else -1
+        at = self._position.get(unit, -1)
         return self._order[at + 1] if 0 <= at < len(self._order) - 1 else None
 
     def _previous_unit(self, unit: int) -> int | None:
         if not self._order:
             return unit - 1 if unit > 0 else None
-        at = self._order.index(unit) if unit in self._order else 0
+        at = self._position.get(unit, 0)
         return self._order[at - 1] if at > 0 else None
 
     # -- forward: module hooks --------------------------------------------------------------
@@ -219,7 +221,10 @@ class ZeroStage3(ZeroOptimizer):
         """Before a module holding parameters of `units` runs: gather them, prefetch the next."""
         with self._lock:
             saved_hooks = None
-            if not self._calls:  # outermost hooked forward: pack saved parameters by unit
+            # The outermost hooked forward packs saved parameters by unit. Not a forward run by
+            # backward (activation checkpointing's recomputation): its tensors are used at once,
+            # and a non-reentrant checkpoint must see them with its own hooks.
+            if not self._calls and torch._C._current_graph_task_id() == -1:
                 saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                 saved_hooks.__enter__()
                 if module is self.module:
@@ -254,6 +259,7 @@ class ZeroStage3(ZeroOptimizer):
                 training = torch.is_grad_enabled()
                 if training:
                     self._order = list(self._recording)
+                    self._position = {unit: at for at, unit in enumerate(self._order)}
                 # Backward starts with the root (head, final norm): keep it if one may follow.
                 self._release_unused(keep={0} if training else set())
 
