@@ -22,7 +22,6 @@ covers tensors that the oracle happens to get exactly right.
 
 from __future__ import annotations
 
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -375,26 +374,22 @@ def _bad_units() -> list[str]:
     return messages
 
 
-def _every_case(names: list[str]) -> dict[str, Any]:
+def _every_case(names: list[str]) -> list[str]:
+    """Check the named cases (a failure raises on its rank and ends the run), then bad input."""
     ctx = tessera.init()
     torch.set_num_threads(1)
-    failures = {}
     for case in CASES:
         if case.name in names:
             try:
                 _check_case(case, ctx)
-            except Exception:  # report every case, not only the first that fails
-                failures[case.name] = f"rank {ctx.rank}: {traceback.format_exc()}"
-    return {"failures": failures, "bad_units": _bad_units()}
+            except Exception as exc:
+                raise AssertionError(f"case {case.name}, rank {ctx.rank}: {exc}") from exc
+    return _bad_units()
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero3_equals_plain_pytorch_on_models_unlike_tesseras(run_ranks, world):
-    names = [case.name for case in CASES]
-    results = run_ranks(_every_case, world, names)
-    failures = {name: text for result in results for name, text in result["failures"].items()}
-    assert not failures, "\n\n".join(f"{name}:\n{text}" for name, text in failures.items())
-    bad = results[0]["bad_units"]
+    bad = run_ranks(_every_case, world, [case.name for case in CASES])[0]
     assert "ValueError: units= entry 'blok.*' matches no submodule of DictBlocks" in bad[0], bad
     assert "ValueError: units= entry 'GRU' matches no submodule" in bad[1], bad
     assert "TypeError: units= takes module classes or name patterns (str), got 3" in bad[2], bad
