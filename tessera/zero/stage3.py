@@ -69,7 +69,11 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
 
 
 class ZeroStage3(ZeroOptimizer):
-    """Optimizer states, gradients and parameters partitioned; units gathered on use."""
+    """Optimizer states, gradients and parameters partitioned; units gathered on use.
+
+    `units`: module classes and/or dotted name patterns choosing what is gathered as one
+    (`tessera.zero.units.select_units`); `None` keeps the default `find_units`.
+    """
 
     stage = 3
     release_gradients = True
