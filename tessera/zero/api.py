@@ -6,6 +6,7 @@ Stage 0 is tessera's `DataParallel` with a plain optimizer; stages 1-3 are `Zero
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -18,6 +19,7 @@ from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
 from tessera.zero.stage3 import ZeroStage3
+from tessera.zero.units import UnitSpec
 
 __all__ = ["STAGES", "full_state_dict", "initialize"]
 
@@ -50,6 +52,7 @@ def initialize(
     stage: int,
     group: dist.ProcessGroup | None = None,
     mixed_precision: str | None = None,
+    units: Sequence[UnitSpec] | UnitSpec | None = None,
     **optimizer_kwargs: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard `model`'s training state over `group` with ZeRO `stage` (0 = plain DDP).
@@ -58,19 +61,28 @@ def initialize(
     optimizer.step()`; each rank feeds its own slice of the batch. `mixed_precision="bf16"`
     computes and communicates in bf16 with fp32 master weights and optimizer state (stages 1-3).
     Every rank must build the same model; rank 0's initial weights are used.
+
+    `units` (stage 3) chooses what is gathered as one, like wrapping modules with FSDP2's
+    `fully_shard`: module classes and/or dotted name patterns (`"blocks.*"`); by default every
+    child of an `nn.ModuleList`/`nn.Sequential` with parameters (`tessera.zero.units`).
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_optimizer(optimizer_class, optimizer_kwargs)
     if mixed_precision not in (None, "bf16"):
         raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
+    if units is not None and stage != 3:
+        raise ValueError(f"units= chooses ZeRO-3's gather units; stage {stage} gathers nothing")
     if stage == 0:
         if mixed_precision is not None:
             raise ValueError("mixed_precision needs stage 1, 2 or 3 (stage 0 is plain DDP)")
         wrapped = DataParallel(model, group=group)
         return wrapped, optimizer_class(model.parameters(), **optimizer_kwargs)
     make_optimizer = partial(optimizer_class, **optimizer_kwargs)
-    optimizer = STAGES[stage](model, make_optimizer, group=group, mixed_precision=mixed_precision)
+    extra = {"units": units} if units is not None else {}
+    optimizer = STAGES[stage](
+        model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
+    )
     model._tessera_zero = optimizer  # full_state_dict(model) finds the shards here
     return model, optimizer
 

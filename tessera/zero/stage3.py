@@ -1,29 +1,38 @@
 """ZeRO stage 3 (P_os+g+p): optimizer states, gradients and parameters partitioned.
 
-Rajbhandari et al., SC 2020, section 5.3. The model is cut into units: every child of an
-`nn.ModuleList` or `nn.Sequential` that has parameters (a GPT block, an MLP layer), plus the
-root for everything else (embeddings, final norm, a tied head; a parameter shared by two units
-also belongs to the root). Each unit is one gradient bucket and one flat parameter buffer
-(`Reducer(units=...)`), of which a rank keeps only its slice between uses:
+Rajbhandari et al., SC 2020, section 5.3. The model is cut into units (`units.py`: by default
+every child of an `nn.ModuleList`/`nn.Sequential` with parameters, or the modules `units=`
+names; the root unit 0 holds the rest). Each unit is one gradient bucket and one flat parameter
+buffer, of which a rank keeps only its slice between uses. Correctness rests on two rules that
+hold for any `nn.Module`, however its forward calls its children:
 
-* forward: a module pre-hook all-gathers the unit's flat buffer just before its forward and
-  queues the gather of the next unit (prefetch: communication overlaps this unit's compute);
-  a post-hook frees the buffer's storage (`storage.resize_(0)`: the parameter tensors and the
-  references autograd saved keep their shape, so no user code changes);
-* backward: a hook on the unit's outputs gathers the unit again when the gradient reaches it,
-  and prefetches the unit before it; when the unit's last gradient has arrived its bucket is
-  reduce-scattered into this rank's gradient shard, and parameters and gradients are freed;
-* the root unit stays gathered from the start of forward to the end of backward.
+* forward: every module that holds parameters directly (and every unit module) has a pre-hook
+  that all-gathers the units owning them before it runs, so `b["norm"](x)` on a block kept in
+  an `nn.ModuleDict`, or `F.linear(x, self.weight)` in the owner's forward, finds its weights;
+* backward: parameters that autograd saves are packed as "unit u's tensor" by a saved-tensor
+  hook, and unpacking gathers unit u first. Backward therefore never reads a freed buffer, even
+  after a `torch.no_grad()` forward freed everything, in a second backward, or in a re-entrant
+  one. The storage is resized in place (`resize_`), so the saved tensors keep their shape.
 
-Communication per step: all-gather in forward (Ψ), all-gather in backward (Ψ), reduce-scatter
-of gradients (Ψ) = 3Ψ elements, 1.5x DDP's 2Ψ. Memory per rank: (2 + 2 + K)Ψ/N bytes plus the
-units in flight — `memory.estimate_memory(..., stage=3)`. All gathers and reductions run in
-order on the reducer's one communication thread.
+Freeing is only a memory policy: a unit is freed when a module of another unit starts after it
+has finished (a module called twice within its unit stays gathered), at the end of the forward
+(except the root, which backward needs first), once every gradient of the unit has arrived in
+backward, at the end of backward, and before the optimizer step. Prefetch (in the order units
+were first used in the last forward, module order before that): starting a unit queues the next
+one; unpacking a unit in backward queues the one before it.
+
+Every gather and free is decided on the training thread from the sequence of hooks, which is the
+same on every rank, and the gathers run on the reducer's one communication thread in the order
+decided, with the gradient reductions: every rank issues the same collectives in the same order.
+Communication per step: all-gather in forward (Ψ), in backward (Ψ), reduce-scatter of gradients
+(Ψ) = 3Ψ elements, 1.5x DDP's 2Ψ. Memory per rank: (2 + 2 + K)Ψ/N bytes plus the units in
+flight — `memory.estimate_memory(..., stage=3)`.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
@@ -32,42 +41,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from tessera.data_parallel.bucket import Bucket
 from tessera.errors import CollectiveTimeout
 from tessera.zero.optimizer import FlatShard, ZeroOptimizer
+from tessera.zero.units import UnitSpec, find_units, parameter_owners, select_units
 
 __all__ = ["ZeroStage3", "find_units"]
 
 
-def find_units(module: nn.Module) -> list[nn.Module]:
-    """Children of `nn.ModuleList`/`nn.Sequential` containers that have parameters, outermost."""
-    units: list[nn.Module] = []
+class _SavedParameter:
+    """What the saved-tensor hook keeps for a tensor that lives in unit `unit`'s buffer."""
 
-    def visit(parent: nn.Module) -> None:
-        for child in parent.children():
-            container = isinstance(parent, (nn.ModuleList, nn.Sequential))
-            if container and any(p.requires_grad for p in child.parameters()):
-                units.append(child)
-            else:
-                visit(child)
+    __slots__ = ("tensor", "unit")
 
-    visit(module)
-    return units
+    def __init__(self, unit: int, tensor: torch.Tensor) -> None:
+        self.unit = unit
+        self.tensor = tensor
 
 
-def _direct_parameters(module: nn.Module, skip: set[int]) -> list[nn.Parameter]:
-    """Parameters reachable from `module` without entering the modules in `skip`."""
-    found = [p for p in module._parameters.values() if p is not None]
-    for child in module.children():
-        if id(child) not in skip:
-            found += _direct_parameters(child, skip)
-    return found
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """Identity of a tensor's storage: the same for every view, kept across `resize_`."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
+        return None
 
 
 class ZeroStage3(ZeroOptimizer):
-    """Optimizer states, gradients and parameters partitioned; units gathered on use."""
+    """Optimizer states, gradients and parameters partitioned; units gathered on use.
+
+    `units`: module classes and/or dotted name patterns choosing what is gathered as one
+    (`tessera.zero.units.select_units`); `None` keeps the default `find_units`.
+    """
 
     stage = 3
     release_gradients = True
@@ -79,74 +85,102 @@ class ZeroStage3(ZeroOptimizer):
         *,
         group: dist.ProcessGroup | None = None,
         mixed_precision: str | None = None,
+        units: Sequence[UnitSpec] | UnitSpec | None = None,
     ) -> None:
-        self._units = find_units(module)
-        self._pending: dict[int, Future] = {}
-        self._lock = threading.Lock()
+        self._units = select_units(module, units)
         # One bucket per unit, whatever its size: the cap never splits one.
         super().__init__(
-            module,
-            make_optimizer,
-            group=group,
-            mixed_precision=mixed_precision,
+            module, make_optimizer, group=group, mixed_precision=mixed_precision,
             bucket_cap_mb=2**40,
-        )
-        self._flat_of_unit: dict[int, FlatShard] = {}
+        )  # fmt: skip
+        self._flats_of_unit: dict[int, list[FlatShard]] = {}
+        self._unit_of_storage: dict[int, int] = {}
         self._shards: list[torch.Tensor] = []
         for flat in self.flats:
-            self._flat_of_unit[self._unit_of[id(flat.bucket.params[0])]] = flat
+            unit = self._owner[id(flat.bucket.params[0])]
+            self._flats_of_unit.setdefault(unit, []).append(flat)
+            self._unit_of_storage[_storage_key(flat.flat_param)] = unit
             if self.mixed_precision is None:
                 self._shards.append(flat.master.detach())  # the fp32 master is the shard
             else:
                 self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
             flat.flat_param.untyped_storage().resize_(0)
-        for unit_id, unit in enumerate(self._units, start=1):
-            self._hooks.append(unit.register_forward_pre_hook(partial(self._before_unit, unit_id)))
-            self._hooks.append(unit.register_forward_hook(partial(self._after_unit, unit_id)))
+        self._lock = threading.RLock()  # backward hooks may run on autograd's worker threads
+        self._gathered: dict[int, Future] = {}
+        """Units gathered or being gathered (as decided; the gather may still be queued)."""
+        self._active: dict[int, int] = {}
+        """Per unit, how many of its modules are inside their forward now."""
+        self._idle: dict[int, None] = {}
+        """Gathered units whose modules have all returned: freed when another unit starts."""
+        self._calls: list[tuple[nn.Module, tuple[int, ...], Any]] = []
+        self._order: list[int] = []
+        """Units in the order of first use in the last forward with gradients (prefetch order)."""
+        self._position: dict[int, int] = {}
+        """`unit -> index in _order`."""
+        self._recording: list[int] = []
+        self._arrived: dict[int, set[int]] = {}
+        self._finished: set[int] = set()
+        """Units whose every gradient arrived in the running backward: not prefetched again."""
+        self._end_queued: set[int] = set()
+        self._hook_modules()
 
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
         """Root parameters first, then each unit's, in module order; tied ones go to the root."""
         named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        owners: dict[int, set[int]] = {id(p): set() for _, p in named}
-        for unit_id, unit in enumerate(self._units, start=1):
-            for param in unit.parameters():
-                owners.get(id(param), set()).add(unit_id)
-        for param in _direct_parameters(self.module, {id(u) for u in self._units}):
-            owners.get(id(param), set()).add(0)
-        self._unit_of = {key: (min(s) if len(s) == 1 else 0) for key, s in owners.items()}
-        named.sort(key=lambda item: self._unit_of[id(item[1])])  # stable: module order kept
-        return named, [self._unit_of[id(p)] for _, p in named]
+        self._owner = parameter_owners(self.module, self._units)
+        named.sort(key=lambda item: self._owner[id(item[1])])  # stable: module order kept
+        self._size_of_unit: dict[int, int] = {}
+        for _, param in named:
+            unit = self._owner[id(param)]
+            self._size_of_unit[unit] = self._size_of_unit.get(unit, 0) + 1
+        return named, [self._owner[id(p)] for _, p in named]
 
-    # -- gathering and freeing --------------------------------------------------------------
+    def _hook_modules(self) -> None:
+        """Hook every module that holds trainable parameters directly, every unit, the root."""
+        unit_of_module = {id(unit): index for index, unit in enumerate(self._units, start=1)}
+        unit_of_module[id(self.module)] = 0
+        for sub in self.module.modules():
+            owned = {
+                self._owner[id(p)] for p in sub._parameters.values() if p is not None
+                and id(p) in self._owner and p.requires_grad
+            }  # fmt: skip
+            if id(sub) in unit_of_module:
+                owned.add(unit_of_module[id(sub)])
+            if owned:
+                units = tuple(sorted(owned))
+                self._hooks.append(sub.register_forward_pre_hook(partial(self._enter, units)))
+                self._hooks.append(sub.register_forward_hook(self._exit, always_call=True))
+        for bucket in self.reducer.buckets:
+            for param in bucket.params:
+                hook = partial(self._on_gradient_arrived, self._owner[id(param)])
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+
+    # -- gathering and freeing (decided on the training thread, run on the comm thread) ------
     @torch.no_grad()
-    def _gather(self, flat: FlatShard) -> None:
-        """All-gather a unit's flat buffer into its storage (on the communication thread)."""
-        storage = flat.flat_param.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-        self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index], flat.lo)
+    def _gather_unit(self, unit: int) -> None:
+        """All-gather a unit's flat buffers into their storage (on the communication thread)."""
+        for flat in self._flats_of_unit[unit]:
+            storage = flat.flat_param.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
+            self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index], flat.lo)
 
-    def _request(self, unit_id: int) -> None:
-        """Queue the gather of a unit (prefetch) unless it is gathered or on its way."""
-        flat = self._flat_of_unit.get(unit_id)
-        if flat is None:
-            return
+    def _request(self, unit: int | None) -> Future | None:
+        """Queue the gather of a unit unless it is gathered or on its way; its future."""
+        if unit is None or unit not in self._flats_of_unit:
+            return None
         with self._lock:
-            gathered = flat.flat_param.untyped_storage().nbytes() > 0
-            if not gathered and unit_id not in self._pending:
-                self._pending[unit_id] = self.reducer.submit(self._gather, flat)
+            future = self._gathered.get(unit)
+            if future is None:
+                future = self.reducer.submit(self._gather_unit, unit)
+                self._gathered[unit] = future
+            return future
 
-    def _need(self, unit_id: int) -> None:
-        """Block until a unit's parameters are complete."""
-        flat = self._flat_of_unit.get(unit_id)
-        if flat is None:
-            return
-        with self._lock:
-            future = self._pending.pop(unit_id, None)
+    def _need(self, unit: int) -> None:
+        """Block until a unit's parameters are complete in its buffers."""
+        future = self._request(unit)
         if future is not None:
-            self._wait(future, f"all_gather of unit {unit_id}")
-        if flat.flat_param.untyped_storage().nbytes() == 0:  # freed since (or never queued)
-            self._collective(self._gather, flat)
+            self._wait(future, f"all_gather of ZeRO-3 unit {unit}")
 
     def _wait(self, future: Future, what: str) -> None:
         try:
@@ -156,50 +190,140 @@ class ZeroStage3(ZeroOptimizer):
                 dist.get_rank(), what, self.timeout_s, "another rank is not at this unit"
             ) from None
 
-    def _free(self, unit_id: int) -> None:
-        flat = self._flat_of_unit.get(unit_id)
-        if flat is not None:
-            with self._lock:
-                if unit_id not in self._pending:
-                    flat.flat_param.untyped_storage().resize_(0)
+    def _release(self, unit: int) -> None:
+        """Free a unit's buffers now (after its gather, if one is still in flight)."""
+        with self._lock:
+            future = self._gathered.pop(unit, None)
+            self._idle.pop(unit, None)
+            if future is None:
+                return
+            self._wait(future, f"all_gather of ZeRO-3 unit {unit}")
+            for flat in self._flats_of_unit[unit]:
+                flat.flat_param.untyped_storage().resize_(0)
 
-    # -- hooks ------------------------------------------------------------------------------
-    def _before_forward(self, module: nn.Module, args: tuple) -> tuple | None:
-        result = super()._before_forward(module, args)
-        self._need(0)
-        self._request(1)
-        return result
+    def _release_unused(self, keep: set[int] = frozenset()) -> None:
+        """Free every gathered unit that no running forward uses, except `keep`."""
+        with self._lock:
+            for unit in list(self._gathered):
+                if unit not in keep and self._active.get(unit, 0) == 0:
+                    self._release(unit)
 
-    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if not torch.is_grad_enabled():
-            self._free(0)
-        return super()._after_forward(module, args, output)
+    def _next_unit(self, unit: int) -> int | None:
+        if not self._order:  # first forward: module order
+            return unit + 1 if unit < len(self._units) else None
+        at = self._position.get(unit, -1)
+        return self._order[at + 1] if 0 <= at < len(self._order) - 1 else None
 
-    def _before_unit(self, unit_id: int, module: nn.Module, args: tuple) -> None:
-        self._need(unit_id)
-        self._request(unit_id + 1)
+    def _previous_unit(self, unit: int) -> int | None:
+        if not self._order:
+            return unit - 1 if unit > 0 else None
+        at = self._position.get(unit, 0)
+        return self._order[at - 1] if at > 0 else None
 
-    def _after_unit(self, unit_id: int, module: nn.Module, args: tuple, output: Any) -> None:
-        self._free(unit_id)
-        if torch.is_grad_enabled():
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(partial(self._before_unit_backward, unit_id))
+    # -- forward: module hooks --------------------------------------------------------------
+    def _enter(self, units: tuple[int, ...], module: nn.Module, args: tuple) -> None:
+        """Before a module holding parameters of `units` runs: gather them, prefetch the next."""
+        with self._lock:
+            saved_hooks = None
+            # The outermost hooked forward packs saved parameters by unit. Not a forward run by
+            # backward (activation checkpointing's recomputation): its tensors are used at once,
+            # and a non-reentrant checkpoint must see them with its own hooks.
+            if not self._calls and torch._C._current_graph_task_id() == -1:
+                saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                saved_hooks.__enter__()
+                if module is self.module:
+                    self._recording = []
+            self._calls.append((module, units, saved_hooks))
+            starting = [unit for unit in units if self._active.get(unit, 0) == 0]
+            for unit in units:
+                self._active[unit] = self._active.get(unit, 0) + 1
+                self._idle.pop(unit, None)
+            if any(unit != 0 for unit in starting):
+                for unit in list(self._idle):  # another unit starts: the finished ones go
+                    self._release(unit)
+            for unit in starting:
+                self._need(unit)
+                if unit not in self._recording:
+                    self._recording.append(unit)
+                    self._request(self._next_unit(unit))
 
-    def _before_unit_backward(self, unit_id: int, grad: torch.Tensor) -> None:
-        self._need(unit_id)
-        if unit_id > 1:
-            self._request(unit_id - 1)
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """After a module's forward (also when it raised): its units may be freed."""
+        with self._lock:
+            if not self._calls or self._calls[-1][0] is not module:
+                return  # our pre-hook did not run (an earlier pre-hook raised)
+            _, units, saved_hooks = self._calls.pop()
+            for unit in units:
+                self._active[unit] -= 1
+                if self._active[unit] == 0:
+                    self._idle[unit] = None
+            if saved_hooks is not None:
+                saved_hooks.__exit__(None, None, None)
+            if module is self.module and not self._calls:
+                training = torch.is_grad_enabled()
+                if training:
+                    self._order = list(self._recording)
+                    self._position = {unit: at for at, unit in enumerate(self._order)}
+                # Backward starts with the root (head, final norm): keep it if one may follow.
+                self._release_unused(keep={0} if training else set())
+
+    # -- backward: saved tensors and gradients ----------------------------------------------
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        unit = self._unit_of_storage.get(_storage_key(tensor))
+        return tensor if unit is None else _SavedParameter(unit, tensor)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedParameter):
+            return packed
+        with self._lock:
+            self._queue_end_of_backward()
+            self._need(packed.unit)
+            previous = self._previous_unit(packed.unit)
+            if previous is not None and previous not in self._finished:
+                self._request(previous)
+        return packed.tensor
+
+    def _on_gradient_arrived(self, unit: int, param: torch.Tensor) -> None:
+        """Free a unit once backward has produced every gradient of it."""
+        with self._lock:
+            self._queue_end_of_backward()
+            arrived = self._arrived.setdefault(unit, set())
+            arrived.add(id(param))
+            if len(arrived) == self._size_of_unit[unit]:
+                self._arrived.pop(unit)
+                self._finished.add(unit)
+                if self._active.get(unit, 0) == 0:
+                    self._release(unit)
+
+    def _queue_end_of_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in self._end_queued:  # -1: not inside a backward
+            self._end_queued.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                partial(self._end_of_backward, task)
+            )
+
+    def _end_of_backward(self, task: int) -> None:
+        with self._lock:
+            self._end_queued.discard(task)
+            self._arrived.clear()
+            self._finished.clear()
+            self._release_unused()
 
     # -- the stage's gradient path and step ---------------------------------------------------
     def _reduce_bucket(self, bucket: Bucket) -> None:
         flat = self.flats[bucket.index]
         assert flat.bucket is bucket and flat.grad_shard is not None
         flat.grad_shard.add_(self._reduce_scatter_mean(bucket.buffer, flat.lo, flat.hi))
-        flat.flat_param.untyped_storage().resize_(0)  # this unit's backward is over
+
+    def step(self, closure: Any = None) -> None:
+        """Free every gathered copy first: after the step it would hold the old values."""
+        self._release_unused()
+        super().step(closure)
 
     @torch.no_grad()
     def _publish(self) -> None:
+        self._release_unused()  # also after load_shards replaced the masters
         if self.mixed_precision is not None:
             for flat, shard in zip(self.flats, self._shards):
                 shard.copy_(flat.master)
