@@ -142,7 +142,7 @@ def test_every_zero_stage_resumes_adamw_bit_for_bit(run_ranks, tmp_path):
 
 def _save_then_reshard(folder: str) -> dict:
     """On two ranks: k steps and a save. On one rank (a second spawn): load and compare."""
-    ctx = tessera.init()
+    tessera.init()
     torch.set_num_threads(1)
     model, optimizer = _zero(2)
     _train(model, optimizer, range(K))
