@@ -47,24 +47,27 @@ TINY: dict[str, Any] = {
 }
 """Dropout on: a resumed run must also restore every rank's random state."""
 
-STRATEGIES: dict[str, dict[str, Any]] = {
-    "single": {"nproc": 1},
-    "ddp": {"bucket_cap_mb": 0.01},
-    "torch-ddp": {},
+RUNS: dict[str, dict[str, Any]] = {
+    "single": {"strategy": "single", "nproc": 1},
+    "ddp": {"strategy": "ddp", "bucket_cap_mb": 0.01},
+    "torch-ddp": {"strategy": "torch-ddp"},
     # Resumed between two averages (every 3 steps, resumed after 2): the counter matters.
-    "local-sgd": {"average_every": 3},
-    "zero1": {"bucket_cap_mb": 0.01},
-    "zero2": {"bucket_cap_mb": 0.01},
-    "zero3": {},
-    "pipeline": {"microbatches": 2},
-    "tensor": {},
-    "hybrid": {"dp": 2, "zero": 1, "microbatches": 2},
+    "local-sgd": {"strategy": "local-sgd", "average_every": 3},
+    "zero1": {"strategy": "zero1", "bucket_cap_mb": 0.01},  # several flat shards
+    "zero2": {"strategy": "zero2", "bucket_cap_mb": 0.01},
+    "zero3": {"strategy": "zero3"},
+    "zero3-bf16": {"strategy": "zero3", "mixed_precision": "bf16"},
+    "pipeline": {"strategy": "pipeline", "microbatches": 2},
+    "tensor": {"strategy": "tensor"},
+    "hybrid-zero1": {"strategy": "hybrid", "dp": 2, "zero": 1, "microbatches": 2},
+    "hybrid-zero2": {"strategy": "hybrid", "dp": 2, "zero": 2, "microbatches": 2},
 }
+"""Run name -> its config: every registered strategy, and the variants that save differently."""
 
 
-def _config(strategy: str, out: Path, steps: int, **extra: Any) -> Any:
-    layers = {"nproc": 2, **STRATEGIES[strategy], **extra}
-    return build_config(TINY, {"strategy": strategy, "steps": steps, "out": str(out), **layers})
+def _config(run: str, out: Path, steps: int) -> Any:
+    layers = {"nproc": 2, **RUNS[run]}
+    return build_config(TINY, {"steps": steps, "out": str(out), **layers})
 
 
 def _resume(run_dir: Path, steps: int) -> None:
@@ -110,39 +113,39 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-def _train_three_ways(strategies: list[str], root: str) -> None:
-    """On every rank, per strategy: 2k steps straight; k steps; resumed from step k to 2k.
+def _train_three_ways(runs: list[str], root: str) -> None:
+    """On every rank, per run: 2k steps straight; k steps; resumed from step k to 2k.
 
     The three runs share one spawn (starting ranks costs seconds). Each run starts like a
     fresh process would: `train_worker` seeds the RNG and builds model, engine and groups anew,
     and the resumed run restores every rank's RNG state from the checkpoint.
     """
-    for strategy in strategies:
-        folder = Path(root) / strategy
+    for run in runs:
+        folder = Path(root) / run
         for name, steps, resume in (("straight", 2 * K, False), ("split", K, False)):
             (folder / name).mkdir(parents=True, exist_ok=True)
-            train_worker(_config(strategy, folder / name, steps), str(folder / name), resume)
+            train_worker(_config(run, folder / name, steps), str(folder / name), resume)
         if tessera.init().is_main:
             assert load_checkpoint(folder / "split" / "checkpoint.pt")["step"] == K
-        train_worker(_config(strategy, folder / "split", 2 * K), str(folder / "split"), True)
+        train_worker(_config(run, folder / "split", 2 * K), str(folder / "split"), True)
 
 
 _straight_runs: dict[str, Path] = {}
-"""Strategy -> its straight run's folder, reused by the kill tests."""
+"""Run name -> its straight run's folder, reused by the kill tests."""
 
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """`straight(strategy)`: a run folder of 2k uninterrupted steps (made once per module)."""
+    """`straight(run)`: a run folder of 2k uninterrupted steps (made once per module)."""
 
-    def run(strategy: str) -> Path:
-        if strategy not in _straight_runs:
-            out = tmp_path_factory.mktemp("straight") / strategy
-            run_training(_config(strategy, out, 2 * K))
-            _straight_runs[strategy] = out
-        return _straight_runs[strategy]
+    def make(run: str) -> Path:
+        if run not in _straight_runs:
+            out = tmp_path_factory.mktemp("straight") / run
+            run_training(_config(run, out, 2 * K))
+            _straight_runs[run] = out
+        return _straight_runs[run]
 
-    return run
+    return make
 
 
 def _assert_same_run(resumed: Path, straight: Path) -> None:
@@ -152,30 +155,30 @@ def _assert_same_run(resumed: Path, straight: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "strategies",
+    "runs",
     [
         ["single"],
         ["ddp", "torch-ddp", "local-sgd"],
-        ["zero1", "zero2", "zero3"],
-        ["pipeline", "tensor", "hybrid"],
+        ["zero1", "zero2", "zero3", "zero3-bf16"],
+        ["pipeline", "tensor", "hybrid-zero1", "hybrid-zero2"],
     ],
-    ids=lambda strategies: "+".join(strategies),
+    ids=lambda runs: "+".join(runs),
 )
-def test_every_strategy_resumes_bit_for_bit_with_adamw(run_ranks, tmp_path, strategies):
-    nproc = STRATEGIES[strategies[0]].get("nproc", 2)
-    run_ranks(_train_three_ways, nproc, strategies, str(tmp_path), timeout_s=600)
-    for strategy in strategies:
-        _straight_runs.setdefault(strategy, tmp_path / strategy / "straight")
-        _assert_same_run(tmp_path / strategy / "split", tmp_path / strategy / "straight")
+def test_every_strategy_resumes_bit_for_bit_with_adamw(run_ranks, tmp_path, runs):
+    nproc = RUNS[runs[0]].get("nproc", 2)
+    run_ranks(_train_three_ways, nproc, runs, str(tmp_path), timeout_s=600)
+    for run in runs:
+        _straight_runs.setdefault(run, tmp_path / run / "straight")
+        _assert_same_run(tmp_path / run / "split", tmp_path / run / "straight")
 
 
 def test_the_resume_tests_cover_every_registered_strategy():
     from tessera.train.strategy import STRATEGIES as REGISTERED
 
-    assert sorted(REGISTERED) == sorted(STRATEGIES)
+    assert sorted(REGISTERED) == sorted({options["strategy"] for options in RUNS.values()})
 
 
-def _tessera_train_until_paused(run_dir: Path, strategy: str, pause: str, skip: int) -> None:
+def _tessera_train_until_paused(run_dir: Path, run: str, pause: str, skip: int) -> None:
     """Run `tessera train` until a rank holds at `pause`, then SIGKILL its process group."""
     marker = run_dir.parent / f"{run_dir.name}.paused"
     env = {
@@ -185,17 +188,16 @@ def _tessera_train_until_paused(run_dir: Path, strategy: str, pause: str, skip: 
         "TESSERA_TEST_PAUSE_MARKER": str(marker),
     }
     flags = {
-        "--strategy": strategy,
         "--steps": str(2 * K),
         "--checkpoint-every": str(K),
         "--out": str(run_dir),
-        "--nproc": str(STRATEGIES[strategy].get("nproc", 2)),
+        "--nproc": str(RUNS[run].get("nproc", 2)),
     }
     config = run_dir.parent / f"{run_dir.name}.yaml"
     config.write_text(_yaml({k: v for k, v in TINY.items() if k != "checkpoint_every"}))
     command = [sys.executable, "-m", "tessera", "train", "--config", str(config)]
     command += [item for pair in flags.items() for item in pair]
-    for key, value in STRATEGIES[strategy].items():
+    for key, value in RUNS[run].items():
         if key != "nproc":
             command += [f"--{key.replace('_', '-')}", str(value)]
     process = subprocess.Popen(
@@ -222,7 +224,7 @@ def _yaml(values: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "pause", "skip"),
+    ("run", "pause", "skip"),
     [
         # Mid-save: the ranks write the new step's shards while the previous step is committed.
         ("zero3", f"write:*/.step-{2 * K:08d}.partial/*", 0),
@@ -232,14 +234,15 @@ def _yaml(values: dict[str, Any]) -> str:
         ("local-sgd", "write:*/checkpoint.pt", 1),
     ],
 )
-def test_kill_9_during_a_save_keeps_the_previous_checkpoint(
-    tmp_path, straight, strategy, pause, skip
-):
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, straight, run, pause, skip):
     run_dir = tmp_path / "killed"
-    _tessera_train_until_paused(run_dir, strategy, pause, skip)
+    _tessera_train_until_paused(run_dir, run, pause, skip)
     checkpoint = load_checkpoint(run_dir / "checkpoint.pt")  # loads: the previous save is whole
     assert checkpoint["step"] == K
     # The killed run had logged steps past its checkpoint: they are dropped on resume.
     assert [step for step, _ in _losses(run_dir)] == list(range(1, 2 * K + 1))
     _resume(run_dir, 2 * K)
-    _assert_same_run(run_dir, straight(strategy))
+    _assert_same_run(run_dir, straight(run))
+    # Nothing the killed save left behind remains: no temporary file, no partial shard folder.
+    leftovers = list(run_dir.glob(".*")) + list(run_dir.glob("zero/.*"))
+    assert not leftovers, leftovers
