@@ -6,8 +6,13 @@ A rank's shard is two files in the step's folder:
   fp32 master weights and of every element-wise optimizer state, one tensor per run, keyed
   `kind|parameter|first element` (rank 0 adds the buffers, `extra|key|0`); written atomically;
 * `rank-R-of-W.pt`: written last with `tessera.train.checkpoint.save_checkpoint` (atomic,
-  SHA-256 checked): the layout, optimizer hyper-parameters and scalar state, and the SHA-256 of
-  the tensor file, which every reader verifies before trusting a byte of it.
+  SHA-256 checked): the layout, optimizer hyper-parameters, each flat shard's scalar state
+  (Adam's `step`: every flat keeps its own tensor) and the SHA-256 of the tensor file, which
+  every reader verifies before trusting a byte of it.
+
+A save is atomic per checkpoint, not only per file: every rank writes into `.NAME.partial` and
+group rank 0 renames it to `NAME` once all shards are complete, so a folder never mixes the
+shards of two saves (or two world sizes).
 
 The files name parameters, not buckets or ranks, so:
 
