@@ -247,3 +247,14 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, straight, 
     # Nothing the killed save left behind remains: no temporary file, no partial shard folder.
     leftovers = list(run_dir.glob(".*")) + list(run_dir.glob("zero/.*"))
     assert not leftovers, leftovers
+
+
+def test_metrics_log_drops_the_records_past_the_resumed_step(tmp_path):
+    from tessera.train.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "loss": {s / 10}}}\n' for s in range(1, 6)))
+    log = MetricsLog(path, resume_from_step=3)  # the run died after logging step 5
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    log.write({"step": 4, "loss": 0.0})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
