@@ -1,4 +1,4 @@
-"""Checkpoints: round trip, and refusal of truncated, corrupt and foreign files."""
+"""Checkpoints: round trip, refusal of truncated, corrupt and foreign files, folder commits."""
 
 from __future__ import annotations
 
@@ -53,3 +53,16 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
         save_checkpoint(path, {"unpicklable": lambda: None})
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+
+
+def test_a_shard_folder_is_replaced_whole(tmp_path):
+    from tessera.zero.checkpoint import _replace_folder
+
+    target, new = tmp_path / "step", tmp_path / ".step.partial"
+    target.mkdir()
+    (target / "rank-00000-of-00004.pt").write_text("old save")
+    new.mkdir()
+    (new / "rank-00000-of-00002.pt").write_text("new save")
+    _replace_folder(new, target)
+    assert [p.name for p in target.iterdir()] == ["rank-00000-of-00002.pt"]  # no stray shard
+    assert [p.name for p in tmp_path.iterdir()] == ["step"]  # neither .partial nor .old remain

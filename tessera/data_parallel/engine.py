@@ -6,10 +6,12 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
 from tessera.data_parallel.naive import average_parameters
+from tessera.errors import CheckpointError
 from tessera.runtime.context import Context
 from tessera.train.strategy import Engine, OptimizerFactory
 
@@ -49,6 +51,10 @@ class LocalSGDEngine(Engine):
     Communication drops H-fold; between averages the replicas drift apart, so the result is
     not the single-process one (that is the trade). Optimizer states stay local, as in Lin et
     al. (ICLR 2020). The loss logged is still the mean over ranks.
+
+    A checkpoint therefore holds every rank's replica and optimizer state and the number of
+    steps since the last average: resuming mid-period continues each replica where it was, so
+    the run is the one that never stopped, bit for bit.
     """
 
     def __init__(
@@ -73,3 +79,45 @@ class LocalSGDEngine(Engine):
             began = time.perf_counter()
             average_parameters(self.module, algorithm=self.algorithm)
             self.comm_seconds = time.perf_counter() - began
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's replica and optimizer state (collective), complete on rank 0.
+
+        `model` / `optimizer` are rank 0's (what a reader of one model wants); `replicas` holds
+        every rank's, in rank order; `steps_since_average` the position in the period.
+        """
+        mine = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        replicas: list[Any] = [mine]
+        if self.ctx.world_size > 1:
+            replicas = [None] * self.ctx.world_size if self.ctx.rank == 0 else []
+            dist.gather_object(mine, replicas if self.ctx.rank == 0 else None, dst=0)
+        if self.ctx.rank != 0:
+            return {}
+        return {
+            **replicas[0],
+            "replicas": replicas,
+            "steps_since_average": self._steps % self.period,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's own replica and optimizer state, and the averaging counter."""
+        replicas = state.get("replicas")
+        if replicas is None:
+            raise CheckpointError(
+                "this local-sgd checkpoint holds rank 0's replica only (saved by an older "
+                "tessera): it cannot resume every rank exactly"
+            )
+        if len(replicas) != self.ctx.world_size:
+            raise CheckpointError(
+                f"local-sgd checkpoint holds {len(replicas)} replicas, this run has "
+                f"{self.ctx.world_size} ranks: local SGD resumes on the same number of ranks"
+            )
+        since_average = state["steps_since_average"]
+        if since_average >= self.period:
+            raise CheckpointError(
+                f"the checkpoint is {since_average} steps past an average, more than this run's "
+                f"average_every {self.period}"
+            )
+        self.module.load_state_dict(replicas[self.ctx.rank]["model"])
+        self.optimizer.load_state_dict(replicas[self.ctx.rank]["optimizer"])
+        self._steps = since_average

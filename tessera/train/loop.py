@@ -80,6 +80,9 @@ def _save(engine: Engine, ctx: Context, path: Path, step: int, extra: dict[str, 
 
 def _restore(engine: Engine, ctx: Context, path: Path, tokenizer: CharTokenizer) -> int:
     state = load_checkpoint(path)
+    if ctx.is_main:  # temporary files of saves that were killed before their rename
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):
+            stale.unlink(missing_ok=True)
     if state.get("tokenizer") != tokenizer.to_dict():
         raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
     if engine.sharded_checkpoint:

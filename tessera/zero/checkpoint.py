@@ -6,8 +6,13 @@ A rank's shard is two files in the step's folder:
   fp32 master weights and of every element-wise optimizer state, one tensor per run, keyed
   `kind|parameter|first element` (rank 0 adds the buffers, `extra|key|0`); written atomically;
 * `rank-R-of-W.pt`: written last with `tessera.train.checkpoint.save_checkpoint` (atomic,
-  SHA-256 checked): the layout, optimizer hyper-parameters and scalar state, and the SHA-256 of
-  the tensor file, which every reader verifies before trusting a byte of it.
+  SHA-256 checked): the layout, optimizer hyper-parameters, each flat shard's scalar state
+  (Adam's `step`: every flat keeps its own tensor) and the SHA-256 of the tensor file, which
+  every reader verifies before trusting a byte of it.
+
+A save is atomic per checkpoint, not only per file: every rank writes into `.NAME.partial` and
+group rank 0 renames it to `NAME` once all shards are complete, so a folder never mixes the
+shards of two saves (or two world sizes).
 
 The files name parameters, not buckets or ranks, so:
 
@@ -20,13 +25,16 @@ The files name parameters, not buckets or ranks, so:
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from tessera._atomic import write_atomically
+from tessera._atomic import fsync_folder, pause_point, write_atomically
 from tessera.errors import CheckpointError
 from tessera.zero._safetensors import (
     TensorFile,
@@ -39,7 +47,10 @@ from tessera.zero.partition import shard_pieces
 
 __all__ = ["consolidate", "load_shard_files", "load_shards", "save_shard", "shard_file_name"]
 
-FORMAT = "tessera-zero-shard/2"
+FORMAT = "tessera-zero-shard/3"
+"""/3: optimizer scalars (Adam's `step`) and state kinds are saved per flat shard."""
+_FORMAT_2 = "tessera-zero-shard/2"
+"""Still read: its one set of scalars is given to every flat (each its own copy)."""
 _SHARD_FILE = re.compile(r"rank-(\d+)-of-(\d+)\.pt$")
 
 
@@ -69,18 +80,64 @@ def _parameter_keys(optimizer: Any) -> tuple[dict[str, str], dict[str, torch.Ten
 
 
 def save_shard(folder: str | Path, optimizer: Any, **extra: Any) -> Path:
-    """Write this rank's shard of a ZeRO optimizer (`ZeroStage1/2/3`) into `folder`."""
+    """Write every rank's shard of a ZeRO optimizer (`ZeroStage1/2/3`) into `folder`. Collective.
+
+    The ranks write into a sibling `.NAME.partial` folder, which group rank 0 renames to `folder`
+    once every shard is complete: a save that dies midway (an exception, `kill -9`) leaves only
+    the partial folder, which the next save into `folder` clears, never a stray shard inside
+    `folder` that would make it unloadable. An existing `folder` is replaced (moved aside just
+    before the rename, deleted after it). Returns this rank's metadata file.
+    """
     folder = Path(folder)
+    partial = folder.parent / f".{folder.name}.partial"
+    if optimizer.rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # what a save that died here left behind
+        partial.mkdir(parents=True)
+    _barrier(optimizer)  # nobody writes before the partial folder is fresh
+    name = _write_shard(partial, optimizer, extra)
+    _barrier(optimizer)  # every shard is complete
+    if optimizer.rank == 0:
+        pause_point(f"commit:{folder}")
+        _replace_folder(partial, folder)
+    _barrier(optimizer)  # no rank returns (and, say, loads) before the rename
+    return folder / name
+
+
+def _barrier(optimizer: Any) -> None:
+    """Wait for every rank of the optimizer's group, with the optimizer's timeout."""
+    if optimizer.world > 1:
+        optimizer._collective(dist.barrier, optimizer.group)
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Rename `new` to `target`, replacing a previous `target`; fsync the parent folder.
+
+    POSIX cannot rename a folder over a non-empty one, so the old one is first moved aside
+    (`.NAME.old`): a crash between the two renames leaves it there, not deleted.
+    """
+    old = target.parent / f".{target.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(new, target)
+    fsync_folder(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
+    """Write this rank's two files into `folder`; return the metadata file's name."""
     params, extras = _parameter_keys(optimizer)
     tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, Any] = {}
+    flat_state = []
     for flat in optimizer.flats:
         sources = {"param": flat.master.detach()}
+        scalars: dict[str, Any] = {}
         for kind, value in optimizer.optimizer.state.get(flat.master, {}).items():
             if isinstance(value, torch.Tensor) and value.shape == flat.master.shape:
                 sources[kind] = value
             else:
-                scalars[kind] = value  # e.g. Adam's step count: the same for every shard
+                scalars[kind] = value  # e.g. Adam's step count (one per flat, each its own)
+        flat_state.append({"kinds": [k for k in sources if k != "param"], "scalars": scalars})
         for piece in shard_pieces(flat.layout, optimizer.world, optimizer.rank):
             end = piece.shard_lo + piece.param_hi - piece.param_lo
             for kind, source in sources.items():
@@ -102,7 +159,7 @@ def save_shard(folder: str | Path, optimizer: Any, **extra: Any) -> Path:
         "shapes": {
             n: list(s) for f in optimizer.flats for n, s in zip(f.layout.names, f.layout.shapes)
         },
-        "scalars": scalars,
+        "flat_state": flat_state,
         "param_groups": [
             {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
         ],
@@ -112,7 +169,8 @@ def save_shard(folder: str | Path, optimizer: Any, **extra: Any) -> Path:
     }
     from tessera.train.checkpoint import save_checkpoint
 
-    return save_checkpoint(folder / name, meta)
+    save_checkpoint(folder / name, meta)
+    return name
 
 
 def load_shard_files(folder: str | Path) -> list[dict[str, Any]]:
@@ -132,7 +190,7 @@ def load_shard_files(folder: str | Path) -> list[dict[str, Any]]:
     if missing:
         raise CheckpointError(f"{folder}: shard files of ranks {missing} (of {world}) are missing")
     metas = [load_checkpoint(found[(r, world)]) for r in range(world)]
-    if any(meta.get("format") != FORMAT for meta in metas):
+    if any(meta.get("format") not in (FORMAT, _FORMAT_2) for meta in metas):
         raise CheckpointError(f"{folder}: not a tessera ZeRO shard checkpoint ({FORMAT})")
     return metas
 
@@ -215,10 +273,19 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
     _check_compatible(optimizer, metas[0])
     slices, extras = _read_my_runs(optimizer, folder, metas)
     inner_state: dict[int, dict[str, Any]] = {}
-    for index, (flat, kinds) in enumerate(zip(optimizer.flats, slices)):
-        flat.master.copy_(kinds.pop("param"))
-        if kinds:
-            inner_state[index] = {**kinds, **metas[0]["scalars"]}
+    for index, (flat, kinds, saved) in enumerate(
+        zip(optimizer.flats, slices, _flat_states(optimizer, metas[0]))
+    ):
+        # A shard made only of padding reads no run at all: padding is zero in the parameters
+        # and in every state (its gradient is always zero), so zeros are its exact values.
+        flat.master.copy_(kinds.pop("param", torch.zeros(flat.master.numel())))
+        for kind in saved["kinds"]:
+            kinds.setdefault(kind, torch.zeros(flat.master.numel()))
+        # Each flat gets its own scalar tensors: torch's load_state_dict keeps a `step` tensor
+        # as given, so one shared tensor would be advanced once per flat by every step.
+        scalars = {k: _own_copy(v) for k, v in saved["scalars"].items()}
+        if kinds or scalars:
+            inner_state[index] = {**scalars, **kinds}
     inner = optimizer.optimizer.state_dict()
     inner["state"] = inner_state
     for group, saved in zip(inner["param_groups"], metas[0]["param_groups"]):
@@ -228,6 +295,43 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
     plain = optimizer.module.state_dict(keep_vars=True)
     for key, value in extras.items():
         plain[key].data.copy_(value)
+
+
+def _own_copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _flat_states(optimizer: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per flat of `optimizer`: the element-wise state kinds and scalar state saved for it.
+
+    Flats are the same on every world size (they follow buckets, not ranks), so they match by
+    index. A run built with other buckets has other flats: every saved flat then holds the same
+    scalars (all step together), which each new flat takes.
+    """
+    if meta["format"] == _FORMAT_2:  # one scalar set for all flats, kinds not recorded
+        return [{"kinds": [], "scalars": meta["scalars"]} for _ in optimizer.flats]
+    saved = meta["flat_state"]
+    if len(saved) == len(optimizer.flats):
+        return saved
+    if all(_same_state(entry, saved[0]) for entry in saved):
+        return [saved[0] for _ in optimizer.flats]
+    raise CheckpointError(
+        f"the checkpoint has {len(saved)} flat shards with different optimizer state and this "
+        f"optimizer {len(optimizer.flats)}: build it with the bucket size it was saved with"
+    )
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["kinds"] != b["kinds"] or a["scalars"].keys() != b["scalars"].keys():
+        return False
+    for key, value in a["scalars"].items():
+        other = b["scalars"][key]
+        if isinstance(value, torch.Tensor):
+            if not (isinstance(other, torch.Tensor) and torch.equal(value, other)):
+                return False
+        elif value != other:
+            return False
+    return True
 
 
 def consolidate(run_dir: str | Path, out_path: str | Path) -> Path:

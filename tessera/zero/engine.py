@@ -98,13 +98,17 @@ class ZeroEngine(Engine):
 
 
 def _remove_stale_shards(run_dir: Path, checkpoint: Path, keep: str) -> None:
-    """Delete shard folders neither being written nor named by the committed checkpoint.pt."""
+    """Delete shard folders neither being written nor named by the committed checkpoint.pt.
+
+    Called before a save, so the folder checkpoint.pt names survives until a new checkpoint.pt
+    names another one. Also removes what killed saves left: `.step-*.partial` and `.step-*.old`.
+    """
     keep_names = {Path(keep).name}
     if checkpoint.is_file():
         keep_names.add(Path(load_checkpoint(checkpoint)["engine"].get("zero_shards", "")).name)
     root = run_dir / SHARD_ROOT
-    for folder in root.glob("step-*") if root.is_dir() else []:
-        if folder.name not in keep_names:
+    for folder in root.iterdir() if root.is_dir() else []:
+        if folder.is_dir() and folder.name not in keep_names:
             shutil.rmtree(folder, ignore_errors=True)
 
 
