@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import math
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -67,24 +66,7 @@ def _checkpoint(run_dir):
     return load_checkpoint(run_dir / "checkpoint.pt")["engine"]
 
 
-def _assert_equal_nested(a, b, where=""):
-    """torch.equal on every tensor of two nested dicts/lists (optimizer states)."""
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_equal_nested(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal_nested(x, y, f"{where}/{i}")
-    else:
-        assert a == b, where
-
-
-@pytest.mark.slow
-def test_pipeline_strategy_equals_a_plain_loop_and_resumes_exactly(tmp_path):
+def test_pipeline_strategy_equals_a_plain_loop(tmp_path):
     split = {"strategy": "pipeline", "nproc": 2}
     # SGD: attention key biases have a true gradient of zero, which Adam would amplify
     sgd = {**TINY, "optimizer": "sgd", "steps": STEPS}
@@ -102,15 +84,4 @@ def test_pipeline_strategy_equals_a_plain_loop_and_resumes_exactly(tmp_path):
         # a weight gradient's sum over 8 x 32 tokens, per step
         floor = STEPS * 8 * 32 * torch.finfo(torch.float32).eps * want64[name].abs().max().item()
         assert err <= 4 * oracle_err + floor, (name, err, oracle_err)
-
-    # AdamW: 2 steps + checkpoint + resume for 2 more == 4 steps straight, bit for bit
-    adamw = {**TINY, "optimizer": "adamw"}
-    straight = {**split, "out": str(tmp_path / "straight")}
-    resumed = {**split, "out": str(tmp_path / "resumed")}
-    run_training(build_config({**adamw, "steps": STEPS}, straight))
-    run_training(build_config({**adamw, "steps": STEPS // 2, "checkpoint_every": 2}, resumed))
-    run_training(build_config({**adamw, "steps": STEPS}, resumed), resume=True)
-    a, b = _checkpoint(tmp_path / "straight"), _checkpoint(tmp_path / "resumed")
-    assert len(b["optimizer"]) == 2  # each stage's optimizer state, by rank
-    _assert_equal_nested(a["model"], b["model"], "model")
-    _assert_equal_nested(a["optimizer"], b["optimizer"], "optimizer")
+    # Resume with AdamW, bit for bit: tests/test_resume.py (every strategy, pipeline included).
