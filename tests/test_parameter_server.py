@@ -9,10 +9,7 @@ worker killed, and a BSP failure naming the worker.
 from __future__ import annotations
 
 import math
-import os
-import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -21,7 +18,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import tessera
 from tessera.errors import ConfigError, RankFailedError
 from tessera.parameter_server import (
     ASP,
@@ -64,7 +60,7 @@ def _simulate(policy, speeds: list[int], ticks: int) -> list[tuple[int, int]]:
     busy_until = [None] * len(speeds)  # tick when the update in progress completes
     reads = []
     for tick in range(ticks):
-        for w, speed in enumerate(speeds):
+        for w in range(len(speeds)):
             if busy_until[w] == tick:
                 clocks[w] += 1
                 busy_until[w] = None
@@ -251,3 +247,91 @@ def test_merged_log_keeps_the_worst_case_over_servers():
     b = [{"worker": 0, "clock": 1, "min_clock": 0, "staleness": 2, "time": 1.0, "server": 1}]
     assert merge_logs([a, b]) == [
         {"worker": 0, "clock": 1, "min_clock": 0, "staleness": 2, "time": 2.0}]
+
+
+# --- real runs: S + W processes ------------------------------------------------------------------
+LR = 0.2
+STEPS = 3
+
+
+class _Net(nn.Module):
+    """Unlike tessera's models: ModuleDict blocks called one by one, one reused, a weight used
+    directly in forward, a one-element unit, and a no_grad forward inside the training forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleDict({"inp": nn.Linear(5, 7), "mid": nn.Linear(7, 7)})
+        self.weight = nn.Parameter(torch.randn(3, 7) * 0.5)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.blocks["inp"](x))
+        h = torch.tanh(self.blocks["mid"](h))
+        h = torch.tanh(self.blocks["mid"](h))  # called twice
+        with torch.no_grad():
+            self.blocks["inp"](x)  # an inference forward between this forward and its backward
+        return self.scale * F.linear(h, self.weight)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _net_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * worker + step)
+    return torch.randn(6, 5, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+def _net_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y)
+
+
+def _synchronous_data_parallel(num_workers: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The oracle: each step, the mean of the W workers' gradients, one SGD step (no momentum)."""
+    torch.set_num_threads(1)
+    model = _net().to(dtype)
+    for step in range(STEPS):
+        grads = []
+        for worker in range(num_workers):
+            x, y = _net_batch(worker, step)
+            model.zero_grad()
+            _net_loss(model(x.to(dtype)), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= LR * sum(g[i] for g in grads) / num_workers
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_bsp_equals_synchronous_data_parallelism():
+    result = run(_net, _net_loss, _net_batch, lr=LR, num_servers=2, num_workers=2,
+                 consistency="bsp", steps=STEPS, timeout_s=30)
+    oracle32 = _synchronous_data_parallel(2, torch.float32)
+    ref64 = _synchronous_data_parallel(2, torch.float64)
+    assert result.state_dict.keys() == oracle32.keys()
+    for name, ref in ref64.items():
+        got, oracle = result.state_dict[name].double(), oracle32[name].double()
+        # The servers run the oracle's float32 operations, possibly rounded in another order
+        # (other processes, the mean summed on a shard): allow 4x the oracle's own float32 error,
+        # plus a few float32 ulps of the parameter per step where the oracle happens to be exact.
+        eps = 4 * STEPS * torch.finfo(torch.float32).eps * ref.abs().max().item()
+        bound = 4 * (oracle - ref).abs() + eps
+        assert ((got - ref).abs() <= bound).all(), (name, (got - ref).abs().max(), bound.min())
+        assert not torch.equal(got.float(), _net().state_dict()[name])  # it did train
+    records = [(r["worker"], r["clock"], r["min_clock"], r["staleness"]) for r in result.log]
+    assert sorted(records) == [(w, c, c, 0) for w in range(2) for c in range(STEPS)]
+    assert len(result.updates_per_s) == 2 and all(u > 0 for u in result.updates_per_s)
+    assert all(w >= 0 for w in result.wait_s) and result.wall_s > 0 and not result.events
+
+
+def _bsp_failing_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if worker == 1 and step == 1:
+        raise RuntimeError("planted failure in worker 1's data")
+    return _net_batch(worker, step)
+
+
+def test_a_failure_under_bsp_stops_the_run_naming_the_worker():
+    with pytest.raises(RankFailedError, match="worker-1: RuntimeError: planted failure"):
+        run(_net, _net_loss, _bsp_failing_batch, num_servers=1, num_workers=2, steps=4,
+            timeout_s=30)
