@@ -14,18 +14,24 @@ against a stray or misconfigured process in the same rendezvous, not against a n
 
 Every wait is bounded: each call by `rpc_timeout_s`, and a timed-out or broken call raises
 `PSTimeout` naming the peer and the operation.
+
+Errors keep their type across the wire: RPC's futures turn any remote exception into a
+`RuntimeError`, so a tessera error raised by the served object travels back as a `_Failure` value
+and is raised again, as itself, on the caller.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from tessera.parameter_server.errors import PeerRefused, PSTimeout
+from tessera.errors import ConfigError, TesseraError
+from tessera.parameter_server.errors import GradientShapeError, PeerRefused, PSTimeout, WorkerLost
 
 __all__ = ["Transport", "peer_name", "serve"]
 
@@ -44,8 +50,29 @@ def serve(obj: Any) -> None:
     _SERVED = obj
 
 
+@dataclass(frozen=True)
+class _Failure:
+    """A tessera error raised by the served object, sent back as a value to keep its type."""
+
+    type_name: str
+    message: str
+
+
+_ERRORS_BY_NAME = {cls.__name__: cls for cls in (
+    ConfigError, GradientShapeError, PeerRefused, PSTimeout, WorkerLost)}
+
+
 def _dispatch(method: str, caller: str, token: str, args: tuple) -> Any:
     """Runs on the callee: check the token, then call `method` on the served object."""
+    try:
+        return _checked_call(method, caller, token, args)
+    except TesseraError as exc:
+        if type(exc).__name__ not in _ERRORS_BY_NAME:
+            raise
+        return _Failure(type(exc).__name__, str(exc))
+
+
+def _checked_call(method: str, caller: str, token: str, args: tuple) -> Any:
     served = _SERVED
     if served is None:
         raise RuntimeError(f"{caller} called {method} on a process that serves nothing")
@@ -103,9 +130,7 @@ class Transport:
         results = []
         for rank, method, future in calls:
             try:
-                results.append(future.wait())
-            except PeerRefused:
-                raise
+                value = future.wait()
             except Exception as exc:  # noqa: BLE001 - RPC re-raises remote errors as their type
                 text = str(exc)
                 if "timed out" in text.lower() or "timeout" in text.lower():
@@ -114,6 +139,9 @@ class Transport:
                         f"{self.rpc_timeout_s:g} s"
                     ) from exc
                 raise
+            if isinstance(value, _Failure):
+                raise _ERRORS_BY_NAME[value.type_name](value.message)
+            results.append(value)
         return results
 
     def shutdown(self) -> None:
