@@ -423,3 +423,40 @@ def test_asp_converges_on_a_convex_problem_after_a_worker_is_killed():
     initial = W_TRUE.norm() + B_TRUE
     assert error <= 1e-2 * initial, (error, result.state_dict)
     assert max(r["staleness"] for r in result.log) >= 1  # it did run asynchronously
+
+
+# Resume from the servers' checkpoints: k steps + restart + k steps == 2k steps straight.
+def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _assert_same(a: object, b: object, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_a_restarted_run_resumes_from_the_server_checkpoints(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    kwargs = dict(optimizer_fn=_adamw, num_servers=2, num_workers=1, consistency="bsp",
+                  steps=4, timeout_s=30)
+    full = run(_net, _net_loss, _net_batch, checkpoint_dir=straight, checkpoint_every=1, **kwargs)
+    for server in range(2):  # the restarted run finds only the checkpoint after 2 clocks
+        (resumed / f"server-{server}").mkdir(parents=True)
+        name = f"server-{server}/applied-{2:010d}.pt"
+        (resumed / name).write_bytes((straight / name).read_bytes())
+    again = run(_net, _net_loss, _net_batch, checkpoint_dir=resumed, **kwargs)
+    assert sorted(r["clock"] for r in again.log) == [2, 3]  # it did resume, not restart
+    _assert_same(again.state_dict, full.state_dict, "params")
+    for server in range(2):
+        name = f"server-{server}/applied-{4:010d}.pt"
+        _assert_same(torch.load(resumed / name), torch.load(straight / name), name)

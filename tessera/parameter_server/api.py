@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
+from tessera.parameter_server.checkpoint import latest_common_version, load_shard
 from tessera.parameter_server.coordinator import Coordinator, fetch_result
 from tessera.parameter_server.policy import ConsistencyPolicy, aggregates, resolve_policy
 from tessera.parameter_server.result import PSResult
@@ -60,6 +61,8 @@ class _RunConfig:
     slow_workers: dict[int, float] = field(default_factory=dict)
     token: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
 
 
 def run(
@@ -76,6 +79,8 @@ def run(
     slow_workers: dict[int, float] | None = None,
     token: str | None = None,
     timeout_s: float | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
 ) -> PSResult:
     """Train `model_fn()` for `steps` updates per worker; the final parameters and the log.
 
@@ -86,11 +91,19 @@ def run(
     ={worker: factor}` makes workers `factor` times slower. `token` (else $TESSERA_PS_TOKEN, else a
     fresh random one when spawning) must be presented by every peer. `timeout_s` (default 60):
     a worker silent this long is lost (error under BSP, dropped under ASP/SSP).
+    `checkpoint_dir`: servers save their shards there (under BSP every `checkpoint_every` clocks
+    if > 0, and in every mode at the end) and a run finding checkpoints there resumes from them:
+    each worker continues from its saved clock up to `steps`.
     """
     config = _validate(
         model_fn, loss_fn, data_fn, optimizer_fn, lr, num_servers, num_workers, consistency,
         steps, slow_workers, timeout_s,
     )
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 0:
+        raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
+    config = replace(config, checkpoint_every=checkpoint_every,
+                     checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world_size = int(os.environ["WORLD_SIZE"])
@@ -158,7 +171,13 @@ def _rank_main(config: _RunConfig, rank: int, world_size: int, init_method: str)
         server = ShardServer(
             server=rank, pieces=plan.gather(rank, params), optimizer_fn=config.optimizer_fn,
             policy=config.policy, num_workers=config.num_workers, timeout_s=config.timeout_s,
+            layout=[(p.name, p.start, p.stop) for p in plan.shards[rank]],
+            checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
         )
+        if config.checkpoint_dir is not None:
+            version = latest_common_version(config.checkpoint_dir, config.num_servers)
+            if version is not None:
+                server.restore(load_shard(config.checkpoint_dir, rank, version, server.layout))
         coordinator = Coordinator(server, plan, config.num_servers) if rank == 0 else None
         serve(coordinator or server)  # before joining: peers may call as soon as all joined
     transport = Transport(

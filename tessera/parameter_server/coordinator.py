@@ -3,8 +3,10 @@
 Server 0 doubles as coordinator. Once every worker has finished or been dropped, it fetches the
 other servers' snapshots (parameters, logs, events), assembles one `PSResult` and serves it to every
 other process, which polls `fetch_result` (each poll bounded, so a dead coordinator surfaces as an
-error, and a long training is not mistaken for one). Only when every expected peer has its copy
-(or the timeout passed) does server 0 leave the RPC world: leaving earlier would cut them off.
+error, and a long training is not mistaken for one), then acknowledges it. Only when every expected
+peer acknowledged (or the timeout passed) does server 0 leave the RPC world: leaving earlier could
+cut a peer off before the result reached it. The acknowledgement's own reply may be cut off that
+way; the peer ignores that, it has the result already.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class Coordinator:
         """See `ShardServer.finish`."""
         return self.server.finish(*args)
 
+    def start_clock(self, *args: Any) -> Any:
+        """See `ShardServer.start_clock`."""
+        return self.server.start_clock(*args)
+
     def on_refused(self, peer: str, method: str) -> None:
         """See `ShardServer.on_refused`."""
         self.server.on_refused(peer, method)
@@ -59,14 +65,20 @@ class Coordinator:
         """The run's result once assembled; None if not ready within `wait_s` (poll again)."""
         with self._cond:
             self._cond.wait_for(lambda: self._result is not None, timeout=wait_s)
-            if self._result is not None:
-                self._fetched.add(peer)
-                self._cond.notify_all()
             return self._result
+
+    def acknowledge(self, peer: str) -> None:
+        """`peer` has the result; server 0 may leave once all have."""
+        with self._cond:
+            self._fetched.add(peer)
+            self._cond.notify_all()
 
     def conclude(self, transport: Transport, timeout_s: float) -> PSResult:
         """Wait for the workers, assemble the result, and keep serving it until all have it."""
         self.server.wait_finished()
+        transport.wait([(s, "save_checkpoint", transport.call_async(s, "save_checkpoint"))
+                        for s in range(1, self.num_servers)])
+        self.server.save_checkpoint()
         snapshots = [self.server.snapshot()] + transport.wait([
             (s, "snapshot", transport.call_async(s, "snapshot")) for s in range(1, self.num_servers)
         ])
@@ -96,4 +108,8 @@ def fetch_result(transport: Transport, timeout_s: float) -> PSResult:
     while True:
         result = transport.call(0, "fetch_result", transport.name, timeout_s / 2)
         if result is not None:
+            try:
+                transport.call(0, "acknowledge", transport.name)
+            except Exception:  # noqa: BLE001 - server 0 may leave before this reply is sent
+                pass
             return result

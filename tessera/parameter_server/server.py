@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tessera.parameter_server.checkpoint import save_shard
 from tessera.parameter_server.errors import GradientShapeError, PeerRefused, PSTimeout, WorkerLost
 from tessera.parameter_server.policy import ConsistencyPolicy, aggregates
 
@@ -52,6 +53,9 @@ class ShardServer:
         policy: ConsistencyPolicy,
         num_workers: int,
         timeout_s: float,
+        layout: list | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.server = server
         self.pieces = [p.detach().clone().requires_grad_(True) for p in pieces]
@@ -72,6 +76,10 @@ class ShardServer:
         self._reads: dict[int, _Read] = {}
         self._pending: dict[int, dict[int, tuple[list[torch.Tensor], _Read, float]]] = {}
         self._cond = threading.Condition()
+        self.layout = layout or []
+        """`(name, start, stop)` of each piece: what a checkpoint must match."""
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
 
     # --- called by workers (through the transport) -------------------------------------------
     def pull(self, worker: int, clock: int) -> list[torch.Tensor]:
@@ -127,6 +135,18 @@ class ShardServer:
             self.worker_stats[worker] = stats
             self._cond.notify_all()
 
+    def start_clock(self, worker: int) -> int:
+        """The clock worker `worker` resumes from (0 unless restored from a checkpoint)."""
+        with self._cond:
+            self._admit(worker, "start_clock")
+            return self.clocks[worker]
+
+    def save_checkpoint(self) -> None:
+        """Write this shard's state now (the coordinator calls it when training ended)."""
+        with self._cond:
+            if self.checkpoint_dir is not None:
+                save_shard(self.checkpoint_dir, self.server, self.state())
+
     def on_refused(self, peer: str, method: str) -> None:
         """The transport refused `peer` (wrong token): log it, serve nothing."""
         with self._cond:
@@ -149,6 +169,23 @@ class ShardServer:
                 "log": [dict(r) for r in self.log],
                 "events": [dict(e) for e in self.events],
             }
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds: pieces, optimizer state, clocks, version and layout."""
+        return {
+            "server": self.server, "version": self.version, "clocks": list(self.clocks),
+            "pieces": [p.detach().clone() for p in self.pieces], "layout": self.layout,
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state` (see `checkpoint.load_shard`)."""
+        with self._cond, torch.no_grad():
+            for piece, saved in zip(self.pieces, state["pieces"], strict=True):
+                piece.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.clocks = list(state["clocks"])
+            self.version = state["version"]
 
     # --- internals -----------------------------------------------------------------------------
     def _admit(self, worker: int, method: str) -> None:
@@ -211,6 +248,9 @@ class ShardServer:
             self._record(worker, bucket[worker][1], bucket[worker][2])
             self.clocks[worker] = clock + 1
         self.version += len(workers)
+        if self.checkpoint_dir is not None and self.checkpoint_every > 0 \
+                and (clock + 1) % self.checkpoint_every == 0:
+            save_shard(self.checkpoint_dir, self.server, self.state())
 
     def _record(self, worker: int, read: _Read, loss: float) -> None:
         self.log.append({

@@ -72,14 +72,15 @@ def run_worker(
     slow_factor: float,
     heartbeat_s: float,
 ) -> WorkerStats:
-    """Perform `steps` updates (pull, compute, push) as worker `worker`."""
+    """Perform updates (pull, compute, push) as worker `worker` until its clock reaches `steps`."""
     servers = range(plan.num_servers)
     params = list(model.parameters())
     wait_s = compute_s = 0.0
+    first_step = transport.call(0, "start_clock", worker)  # > 0 when resuming from a checkpoint
     heartbeat = _Heartbeat(transport, worker, plan.num_servers, heartbeat_s)
     started = time.perf_counter()
     try:
-        for step in range(steps):
+        for step in range(first_step, steps):
             t0 = time.perf_counter()
             calls = [(s, "pull", transport.call_async(s, "pull", worker, step)) for s in servers]
             for server, pieces in zip(servers, transport.wait(calls), strict=True):
@@ -103,7 +104,8 @@ def run_worker(
             wait_s += (t1 - t0) + (time.perf_counter() - t3)
             compute_s += t2 - t1
         elapsed = time.perf_counter() - started
-        stats = WorkerStats(worker, steps, steps / elapsed if elapsed > 0 else 0.0, wait_s,
+        updates = max(0, steps - first_step)
+        stats = WorkerStats(worker, updates, updates / elapsed if elapsed > 0 else 0.0, wait_s,
                             compute_s)
         calls = [(s, "finish", transport.call_async(s, "finish", worker, stats)) for s in servers]
         transport.wait(calls)
