@@ -365,7 +365,7 @@ def _ssp_rank() -> object:
 
 def test_ssp_bound_holds_with_a_straggler_and_a_peer_without_the_token(run_ranks):
     server, fast, slow, rogue = run_ranks(_ssp_rank, 4)
-    assert rogue.startswith("refused: ") and "worker-2 refused for pull" in rogue
+    assert rogue.startswith("refused: ") and "worker-2 refused for start_clock" in rogue
     result = server
     assert fast.log == result.log and slow.log == result.log  # every rank has the result
     refused = [e for e in result.events if e["event"] == "refused"]
