@@ -460,3 +460,27 @@ def test_a_restarted_run_resumes_from_the_server_checkpoints(tmp_path):
     for server in range(2):
         name = f"server-{server}/applied-{4:010d}.pt"
         _assert_same(torch.load(resumed / name), torch.load(straight / name), name)
+
+
+def test_bad_input_is_refused_before_any_process_starts(monkeypatch):
+    args = (_linear, F.mse_loss, _regression_batch)
+    with pytest.raises(ConfigError, match="num_servers must be a positive integer, got 0"):
+        run(*args, num_servers=0)
+    with pytest.raises(ConfigError, match="num_workers must be a positive integer, got 0"):
+        run(*args, num_workers=0)
+    with pytest.raises(ConfigError, match="unknown consistency 'sync'"):
+        run(*args, consistency="sync")
+    with pytest.raises(ConfigError, match="staleness must be >= 0"):
+        run(*args, consistency=SSP(staleness=-2))
+    with pytest.raises(ConfigError, match="slow_workers names worker 5"):
+        run(*args, slow_workers={5: 2.0})
+    with pytest.raises(ConfigError, match=r"slow_workers\[0\] must be a factor >= 1"):
+        run(*args, slow_workers={0: 0.5})
+    with pytest.raises(ConfigError, match="checkpoint_every must be an integer >= 0"):
+        run(*args, checkpoint_every=-1)
+    with pytest.raises(ConfigError, match="num_servers=6 exceeds the model's 5 parameter"):
+        run(*args, num_servers=6)  # checked on the caller, before spawning
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"1 \+ 3 = 4 must equal the world size 3"):
+        run(*args, num_servers=1, num_workers=3)
