@@ -8,6 +8,7 @@ worker killed, and a BSP failure naming the worker.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -28,11 +29,13 @@ from tessera.parameter_server import (
     SSP,
     GradientShapeError,
     PeerRefused,
+    PSResult,
     ShardServer,
     WorkerLost,
     plan_shards,
     resolve_policy,
     run,
+    write_metrics,
 )
 from tessera.parameter_server import transport as ps_transport
 from tessera.parameter_server.result import merge_logs
@@ -484,3 +487,17 @@ def test_bad_input_is_refused_before_any_process_starts(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"1 \+ 3 = 4 must equal the world size 3"):
         run(*args, num_servers=1, num_workers=3)
+
+
+def test_metrics_file_has_every_gradient_each_worker_and_the_histogram(tmp_path):
+    log = [{"worker": w, "clock": 0, "min_clock": 0, "staleness": s, "time": 1.0, "loss": 0.5}
+           for w, s in ((0, 0), (1, 1), (0, 1))]
+    result = PSResult(state_dict={}, log=log, events=[], updates_per_s=[2.0, math.nan],
+                      wait_s=[0.1, math.nan], wall_s=1.0, dropped_workers=[1])
+    path = write_metrics(result, tmp_path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [x["kind"] for x in lines] == ["gradient"] * 3 + ["worker"] * 2 + ["staleness_histogram"]
+    assert lines[4] == {"kind": "worker", "worker": 1, "dropped": True, "updates_per_s": None,
+                        "wait_s": None}
+    assert lines[-1]["counts"] == {"0": 1, "1": 2}  # JSON keys are strings
+    assert (tmp_path / "metrics.png").stat().st_size > 0

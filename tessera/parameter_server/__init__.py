@@ -8,6 +8,7 @@ updates/s and wait time). Consistency policies are pure clock rules: `BSP()`, `A
 
 from tessera.parameter_server.api import DEFAULT_TIMEOUT_S, TOKEN_ENV, run
 from tessera.parameter_server.errors import GradientShapeError, PeerRefused, PSTimeout, WorkerLost
+from tessera.parameter_server.metrics import staleness_histogram, write_metrics
 from tessera.parameter_server.policy import ASP, BSP, SSP, ConsistencyPolicy, resolve_policy
 from tessera.parameter_server.result import PSResult
 from tessera.parameter_server.server import ShardServer
@@ -31,4 +32,6 @@ __all__ = [
     "plan_shards",
     "resolve_policy",
     "run",
+    "staleness_histogram",
+    "write_metrics",
 ]
