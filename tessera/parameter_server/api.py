@@ -90,7 +90,8 @@ def run(
     is "bsp", "asp", "ssp" (= `SSP(2)`) or `BSP()`, `ASP()`, `SSP(staleness=K)`. `slow_workers
     ={worker: factor}` makes workers `factor` times slower. `token` (else $TESSERA_PS_TOKEN, else a
     fresh random one when spawning) must be presented by every peer. `timeout_s` (default 60):
-    a worker silent this long is lost (error under BSP, dropped under ASP/SSP).
+    a worker silent this long is lost (error under BSP, dropped under ASP/SSP); a read held back
+    by the policy fails after 2x it, so one step of the slowest worker must take less.
     `checkpoint_dir`: servers save their shards there (under BSP every `checkpoint_every` clocks
     if > 0, and in every mode at the end) and a run finding checkpoints there resumes from them:
     each worker continues from its saved clock up to `steps`.
