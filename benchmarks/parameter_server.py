@@ -64,12 +64,21 @@ def mlp() -> nn.Module:
                          nn.Linear(256, CLASSES))
 
 
+def wide_mlp() -> nn.Module:
+    """Compute-bound (~1.1M parameters): a step's compute outweighs its push and pull, as on real
+    models, so the straggler's extra time shows in BSP; the digits-sized models above are bound
+    by RPC latency on one machine."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, CLASSES))
+
+
 def big_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 3200), nn.Linear(3200, 3200), nn.Linear(3200, 10))
 
 
-MODELS = {"logreg": logistic_regression, "mlp": mlp}
+MODELS = {"logreg": logistic_regression, "mlp": mlp, "mlp_wide": wide_mlp}
 
 
 def _time_to_target(times: list[float], losses: list[float], window: int = 3) -> float | None:
