@@ -1,0 +1,241 @@
+"""Parameter server: BSP, SSP (K = 1, 2, 4) and ASP with a 3x straggler, and all-reduce DDP.
+
+Task: a synthetic digits-sized classification (1797 samples, 64 features, 10 Gaussian classes;
+synthetic so that the benchmark needs no scikit-learn), trained by logistic regression and a small
+MLP with plain SGD. 1 server and 3 workers, worker 2 three times slower (`slow_workers={2: 3}`).
+tessera DataParallel (all-reduce, no server) runs the same task on 3 ranks with the same
+straggler. Reported: total updates/s (gradients applied per second, all workers), time to a target
+loss (the mini-batch loss averaged over the last 3 gradients, from the run's log), wait per worker;
+plus push/pull time per update for a 10M-parameter model with 1 and 2 servers.
+
+    python benchmarks/parameter_server.py [--quick]
+
+Writes benchmarks/results/parameter_server.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tessera
+from tessera.data_parallel import DataParallel
+from tessera.parameter_server import SSP, run
+
+RESULTS = Path(__file__).parent / "results"
+SAMPLES, FEATURES, CLASSES, BATCH = 1797, 64, 10, 256
+LR = 0.5
+SLOW = {2: 3.0}
+TARGET_FRACTION = 0.05  # target loss: 5% of the initial loss (ln 10 = 2.30), about 0.115
+MODES = {"bsp": "bsp", "ssp1": SSP(1), "ssp2": SSP(2), "ssp4": SSP(4), "asp": "asp"}
+
+
+def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(CLASSES, FEATURES, generator=g) * 0.6
+    labels = torch.randint(0, CLASSES, (SAMPLES,), generator=g)
+    return centers[labels] + torch.randn(SAMPLES, FEATURES, generator=g), labels
+
+
+def batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _dataset()
+    g = torch.Generator().manual_seed(10_000 * worker + step)
+    index = torch.randint(0, SAMPLES, (BATCH,), generator=g)
+    return x[index], y[index]
+
+
+def logistic_regression() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(FEATURES, CLASSES)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, CLASSES))
+
+
+def wide_mlp() -> nn.Module:
+    """Compute-bound (~1.1M parameters): a step's compute outweighs its push and pull, as on real
+    models, so the straggler's extra time shows in BSP; the digits-sized models above are bound
+    by RPC latency on one machine."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, CLASSES))
+
+
+def big_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 3200), nn.Linear(3200, 3200), nn.Linear(3200, 10))
+
+
+MODELS = {"logreg": logistic_regression, "mlp": mlp, "mlp_wide": wide_mlp}
+
+
+def _time_to_target(times: list[float], losses: list[float], window: int = 3) -> float | None:
+    target = TARGET_FRACTION * float(torch.log(torch.tensor(float(CLASSES))))
+    for i in range(window - 1, len(losses)):
+        if sum(losses[i - window + 1 : i + 1]) / window <= target:
+            return times[i] - times[0]
+    return None
+
+
+def _ps_row(model: str, mode: str, steps: int) -> dict:
+    result = run(MODELS[model], F.cross_entropy, batch, lr=LR, num_servers=1, num_workers=3,
+                 consistency=MODES[mode], steps=steps, slow_workers=SLOW, timeout_s=60)
+    times, losses = [r["time"] for r in result.log], [r["loss"] for r in result.log]
+    span = times[-1] - times[0]
+    return {
+        "model": model, "mode": mode, "updates": len(result.log),
+        "updates_per_s": (len(result.log) - 1) / span,
+        "time_to_target_s": _time_to_target(times, losses),
+        "wait_s": result.wait_s, "max_staleness": max(r["staleness"] for r in result.log),
+        "curve": [(t - times[0], loss) for t, loss in zip(times, losses)],
+    }
+
+
+def _ddp_rank(model: str, steps: int) -> dict:
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    net = MODELS[model]()
+    ddp = DataParallel(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    times, losses = [], []
+    for step in range(steps):
+        began = time.perf_counter()
+        x, y = batch(ctx.rank, step)
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        if ctx.rank in SLOW:  # the same straggler: sleeps (factor - 1) x its compute
+            time.sleep((SLOW[ctx.rank] - 1) * (time.perf_counter() - began))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.time())
+        losses.append(float(loss.detach()))
+    ddp.reducer.remove_hooks()
+    return {"times": times, "losses": losses}
+
+
+def _ddp_row(model: str, steps: int) -> dict:
+    ranks = tessera.launch(_ddp_rank, 3, model, steps)
+    times, losses = ranks[0]["times"], ranks[0]["losses"]
+    span = times[-1] - times[0]
+    return {
+        "model": model, "mode": "ddp", "updates": 3 * steps,
+        "updates_per_s": 3 * (steps - 1) / span, "time_to_target_s": _time_to_target(times, losses),
+        "wait_s": None, "max_staleness": 0,
+        "curve": [(t - times[0], loss) for t, loss in zip(times, losses)],
+    }
+
+
+def _push_pull_row(num_servers: int, steps: int) -> dict:
+    result = run(big_model, F.cross_entropy, batch, lr=0.01, num_servers=num_servers,
+                 num_workers=1, consistency="asp", steps=steps, timeout_s=120)
+    params = sum(p.numel() for p in big_model().parameters())
+    return {"servers": num_servers, "params": params,
+            "push_pull_ms_per_update": 1e3 * result.wait_s[0] / steps}
+
+
+def _median_row(rows: list[dict]) -> dict:
+    """The first repeat's curve, with the medians of the repeats' figures."""
+    reached = [r["time_to_target_s"] for r in rows if r["time_to_target_s"] is not None]
+    return {
+        **rows[0],
+        "repeats": len(rows),
+        "updates_per_s": statistics.median(r["updates_per_s"] for r in rows),
+        "updates_per_s_all": [r["updates_per_s"] for r in rows],
+        "time_to_target_s": statistics.median(reached) if len(reached) == len(rows) else None,
+        "max_staleness": max(r["max_staleness"] for r in rows),
+    }
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4))
+    for ax, model in zip(axes, models):
+        for row in (r for r in rows if r["model"] == model):
+            ts, ls = zip(*row["curve"])
+            ax.plot(ts, ls, label=row["mode"], linewidth=1)
+        ax.set(title=f"{model}: 1 server, 3 workers, worker 2 3x slower",
+               xlabel="wall time (s)", ylabel="mini-batch loss", yscale="log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps, logreg only")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all modes (medians)")
+    args = parser.parse_args(argv)
+    steps = 20 if args.quick else 60
+    runs = [(model, mode) for model in (["logreg"] if args.quick else list(MODELS))
+            for mode in [*MODES, "ddp"]]
+    repeats: dict[tuple[str, str], list[dict]] = {run_: [] for run_ in runs}
+    for _ in range(args.repeats):  # A B C ... A B C ...: every mode sees the same machine load
+        for model, mode in runs:
+            row = _ddp_row(model, steps) if mode == "ddp" else _ps_row(model, mode, steps)
+            repeats[(model, mode)].append(row)
+            print(f"{model:7} {mode:5} {row['updates_per_s']:7.1f} updates/s  "
+                  f"target in {row['time_to_target_s']}", flush=True)
+    rows = [_median_row(repeats[run_]) for run_ in runs]
+    push_pull = [_push_pull_row(s, 4 if args.quick else 8) for s in (1, 2)]
+    result = {
+        "benchmark": "parameter_server",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+                   f"load average {os.getloadavg()[0]:.1f}",
+        "steps_per_worker": steps, "repeats": args.repeats, "batch": BATCH, "lr": LR,
+        "slow_workers": SLOW,
+        "rows": rows, "push_pull": push_pull,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "parameter_server.json").write_text(json.dumps(result, indent=1) + "\n")
+    _plot(rows, RESULTS / "parameter_server.png")
+    (RESULTS / "parameter_server.md").write_text(_table(result))
+    print(_table(result))
+    return result
+
+
+def _table(result: dict) -> str:
+    lines = [
+        "## parameter_server: BSP / SSP / ASP with a straggler, and all-reduce DDP",
+        "",
+        f"{result['machine']}; 1 server + 3 workers (ASP/SSP/BSP) or 3 ranks (DDP), worker 2 "
+        f"3x slower; {result['steps_per_worker']} steps per worker, batch {result['batch']}, SGD "
+        f"lr {result['lr']}. Target loss: {TARGET_FRACTION} x ln 10. Medians of "
+        f"{result['repeats']} rounds over all modes (A B C ... A B C ...); time to target from "
+        "the first gradient's apply; 'not reached' if any round missed it.",
+        "",
+        "| model | mode | total updates/s (each round) | vs BSP | time to target s "
+        "| max staleness |",
+        "|---|---|---|---|---|---|",
+    ]
+    bsp = {r["model"]: r["updates_per_s"] for r in result["rows"] if r["mode"] == "bsp"}
+    for r in result["rows"]:
+        target = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}"
+        each = ", ".join(f"{u:.0f}" for u in r.get("updates_per_s_all", []))
+        lines.append(f"| {r['model']} | {r['mode']} | {r['updates_per_s']:.1f} ({each}) "
+                     f"| {r['updates_per_s'] / bsp[r['model']]:.2f} | {target} "
+                     f"| {r['max_staleness']} |")
+    lines += ["", "| servers | params | push+pull ms per update |", "|---|---|---|"]
+    lines += [f"| {p['servers']} | {p['params'] / 1e6:.1f}M | {p['push_pull_ms_per_update']:.1f} |"
+              for p in result["push_pull"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""One parameter server: owns a shard of the parameters and its optimizer state, serves reads
+under a consistency policy and applies pushed gradients.
+
+Update rule (so the modes are comparable): a policy with bound 0 (BSP) applies the mean of the W
+workers' gradients once per clock, exactly synchronous data parallelism; any other policy (ASP,
+SSP) applies each gradient on arrival scaled by 1/W, so one clock of all W workers moves the model
+as far as one BSP step.
+
+State is guarded by one condition variable: a pull the policy holds back waits on it (woken by
+every applied gradient), bounded by the timeout. While it waits the server checks liveness: a
+worker silent (no call, no heartbeat) for `timeout_s` is lost: under BSP that is an error naming
+it (the others would wait forever); under ASP and SSP it is dropped, logged as an event, and the
+bound then counts live workers only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessera.parameter_server.checkpoint import save_shard
+from tessera.parameter_server.errors import GradientShapeError, PeerRefused, PSTimeout, WorkerLost
+from tessera.parameter_server.policy import ConsistencyPolicy, aggregates
+
+__all__ = ["ShardServer"]
+
+_log = logging.getLogger(__name__)
+_POLL_S = 0.1  # how often a held-back pull re-checks liveness while it waits
+
+
+@dataclass(frozen=True)
+class _Read:
+    clock: int
+    min_clock: int
+    version: int  # gradients applied on this server when the worker read
+
+
+class ShardServer:
+    """Server `server` of the run: a list of 1-D parameter pieces and their optimizer."""
+
+    def __init__(
+        self,
+        *,
+        server: int,
+        pieces: list[torch.Tensor],
+        optimizer_fn: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+        policy: ConsistencyPolicy,
+        num_workers: int,
+        timeout_s: float,
+        layout: list | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int = 0,
+    ) -> None:
+        self.server = server
+        self.pieces = [p.detach().clone().requires_grad_(True) for p in pieces]
+        self.optimizer = optimizer_fn(self.pieces)
+        self.policy = policy
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.version = 0
+        """Gradients applied so far (a BSP mean of W gradients counts W)."""
+        self.clocks = [0] * num_workers
+        """`clocks[w]`: worker w's updates applied here."""
+        self.done: set[int] = set()
+        self.dropped: set[int] = set()
+        self.log: list[dict[str, Any]] = []
+        self.worker_stats: dict[int, Any] = {}
+        self.events: list[dict[str, Any]] = []
+        self._last_seen = [time.monotonic()] * num_workers
+        self._reads: dict[int, _Read] = {}
+        self._pending: dict[int, dict[int, tuple[list[torch.Tensor], _Read, float]]] = {}
+        self._cond = threading.Condition()
+        self.layout = layout or []
+        """`(name, start, stop)` of each piece: what a checkpoint must match."""
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+
+    # --- called by workers (through the transport) -------------------------------------------
+    def pull(self, worker: int, clock: int) -> list[torch.Tensor]:
+        """This shard's parameters for worker `worker` at `clock`, once the policy allows."""
+        with self._cond:
+            self._admit(worker, "pull")
+            started = time.monotonic()
+            while not self.policy.may_read(clock, self._min_live_clock()):
+                self._drop_silent(f"pull of clock {clock} by worker {worker}")
+                if time.monotonic() - started > 2 * self.timeout_s:
+                    slowest = self._slowest_live()
+                    raise PSTimeout(
+                        f"server {self.server}: pull of clock {clock} by worker {worker} waited "
+                        f"{2 * self.timeout_s:g} s for worker {slowest} (at clock "
+                        f"{self.clocks[slowest]}) to progress"
+                    )
+                self._last_seen[worker] = time.monotonic()  # waiting here is a sign of life
+                self._cond.wait(timeout=_POLL_S)
+            self._reads[worker] = _Read(clock, self._min_live_clock(), self.version)
+            return [p.detach().clone() for p in self.pieces]
+
+    def push(self, worker: int, clock: int, grads: list[torch.Tensor], loss: float) -> None:
+        """Apply (or, under BSP, buffer) worker `worker`'s gradient for its update `clock`."""
+        with self._cond:
+            self._admit(worker, "push")
+            self._check_shapes(worker, grads)
+            read = self._reads.pop(worker, None)
+            if read is None or read.clock != clock:
+                raise RuntimeError(f"server {self.server}: worker {worker} pushed clock {clock} "
+                                   f"without reading it first (read: {read})")
+            if aggregates(self.policy):
+                bucket = self._pending.setdefault(clock, {})
+                bucket[worker] = (grads, read, loss)
+                if len(bucket) == self.num_workers - len(self.dropped):
+                    self._apply_mean(clock, self._pending.pop(clock))
+            else:
+                self._apply([g / self.num_workers for g in grads])
+                self._record(worker, read, loss)
+                self.clocks[worker] = clock + 1
+                self.version += 1
+            self._cond.notify_all()
+
+    def heartbeat(self, worker: int) -> None:
+        """A sign of life from a worker busy computing."""
+        with self._cond:
+            self._admit(worker, "heartbeat")
+
+    def finish(self, worker: int, stats: Any = None) -> None:
+        """Worker `worker` completed all its updates; `stats` are its measurements."""
+        with self._cond:
+            self._admit(worker, "finish")
+            self.done.add(worker)
+            self.worker_stats[worker] = stats
+            self._cond.notify_all()
+
+    def start_clock(self, worker: int) -> int:
+        """The clock worker `worker` resumes from (0 unless restored from a checkpoint)."""
+        with self._cond:
+            self._admit(worker, "start_clock")
+            return self.clocks[worker]
+
+    def save_checkpoint(self) -> None:
+        """Write this shard's state now (the coordinator calls it when training ended)."""
+        with self._cond:
+            if self.checkpoint_dir is not None:
+                save_shard(self.checkpoint_dir, self.server, self.state())
+
+    def on_refused(self, peer: str, method: str) -> None:
+        """The transport refused `peer` (wrong token): log it, serve nothing."""
+        with self._cond:
+            self._event("refused", peer=peer, method=method, reason="wrong or missing token")
+
+    # --- called locally ------------------------------------------------------------------------
+    def wait_finished(self) -> None:
+        """Block until every worker finished or was dropped (lost workers are detected here)."""
+        with self._cond:
+            while len(self.done | self.dropped) < self.num_workers:
+                self._drop_silent("waiting for the workers to finish")
+                self._cond.wait(timeout=_POLL_S)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The shard's parameters, log and events (a copy)."""
+        with self._cond:
+            return {
+                "server": self.server,
+                "pieces": [p.detach().clone() for p in self.pieces],
+                "log": [dict(r) for r in self.log],
+                "events": [dict(e) for e in self.events],
+            }
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint holds: pieces, optimizer state, clocks, version and layout."""
+        return {
+            "server": self.server, "version": self.version, "clocks": list(self.clocks),
+            "pieces": [p.detach().clone() for p in self.pieces], "layout": self.layout,
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `state` (see `checkpoint.load_shard`)."""
+        with self._cond, torch.no_grad():
+            for piece, saved in zip(self.pieces, state["pieces"], strict=True):
+                piece.copy_(saved)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.clocks = list(state["clocks"])
+            self.version = state["version"]
+
+    # --- internals -----------------------------------------------------------------------------
+    def _admit(self, worker: int, method: str) -> None:
+        if not 0 <= worker < self.num_workers:
+            raise ValueError(f"server {self.server}: {method} from unknown worker {worker}")
+        if worker in self.dropped:
+            raise PeerRefused(f"server {self.server}: worker {worker} was dropped after "
+                              f"{self.timeout_s:g} s of silence; its {method} is refused")
+        self._last_seen[worker] = time.monotonic()
+
+    def _check_shapes(self, worker: int, grads: list[torch.Tensor]) -> None:
+        expected = [tuple(p.shape) for p in self.pieces]
+        got = [tuple(g.shape) for g in grads]
+        if got != expected:
+            self._event("refused_gradient", worker=worker, expected=expected, got=got)
+            raise GradientShapeError(
+                f"server {self.server}: gradient from worker {worker} refused: piece shapes {got} "
+                f"do not match this shard's {expected}"
+            )
+
+    def _live(self) -> list[int]:
+        return [w for w in range(self.num_workers) if w not in self.dropped]
+
+    def _min_live_clock(self) -> int:
+        live = self._live()
+        return min(self.clocks[w] for w in live) if live else max(self.clocks)
+
+    def _slowest_live(self) -> int:
+        return min(self._live(), key=lambda w: self.clocks[w])
+
+    def _drop_silent(self, operation: str) -> None:
+        now = time.monotonic()
+        for worker in self._live():
+            silent_s = now - self._last_seen[worker]
+            if worker in self.done or silent_s <= self.timeout_s:
+                continue
+            text = (f"server {self.server}: worker {worker} silent for {silent_s:.1f} s "
+                    f"(timeout {self.timeout_s:g} s) during {operation}")
+            if aggregates(self.policy):
+                raise WorkerLost(text + "; BSP cannot go on without it", worker)
+            self.dropped.add(worker)
+            self._event("dropped", worker=worker, reason=text)
+            self._cond.notify_all()
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        for piece, grad in zip(self.pieces, grads, strict=True):
+            piece.grad = grad.to(piece.dtype)
+        self.optimizer.step()
+        for piece in self.pieces:
+            piece.grad = None
+
+    def _apply_mean(self, clock: int, bucket: dict) -> None:
+        workers = sorted(bucket)
+        total = [g.clone() for g in bucket[workers[0]][0]]
+        for worker in workers[1:]:  # summed in worker order: the same order on every run
+            for acc, grad in zip(total, bucket[worker][0], strict=True):
+                acc.add_(grad)
+        self._apply([t / self.num_workers for t in total])
+        for worker in workers:
+            self._record(worker, bucket[worker][1], bucket[worker][2])
+            self.clocks[worker] = clock + 1
+        self.version += len(workers)
+        if self.checkpoint_dir is not None and self.checkpoint_every > 0 \
+                and (clock + 1) % self.checkpoint_every == 0:
+            save_shard(self.checkpoint_dir, self.server, self.state())
+
+    def _record(self, worker: int, read: _Read, loss: float) -> None:
+        self.log.append({
+            "worker": worker, "clock": read.clock, "min_clock": read.min_clock,
+            "staleness": self.version - read.version, "time": time.time(), "loss": loss,
+            "server": self.server,
+        })
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        record = {"event": kind, "server": self.server, "time": time.time(), **fields}
+        self.events.append(record)
+        _log.warning("parameter server %d: %s %s", self.server, kind, fields)
