@@ -13,7 +13,6 @@ environment (RANK, WORLD_SIZE, a FileStore rendezvous file, so no TCP port to pi
 
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -24,10 +23,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from tessera.errors import RankFailedError
 from tessera.parameter_server.transport import peer_name
+from tessera.runtime.launch import decode_result, encode_result, stop_processes
 
 __all__ = ["spawn_local"]
 
@@ -43,30 +41,9 @@ def _child(entry: Callable[..., Any], config: Any, rank: int, world_size: int, i
     try:
         value = entry(config, rank, world_size, f"file://{init_file}")
         # Bytes, not tensors: a queued tensor is a shared-memory handle that dies with this process.
-        results.put(("ok", rank, _encode(value) if rank == 0 else None, ""))
+        results.put(("ok", rank, encode_result(value) if rank == 0 else None, ""))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, f"{name}: {type(exc).__name__}: {exc}", traceback.format_exc()))
-
-
-def _encode(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _decode(payload: bytes) -> Any:
-    return torch.load(io.BytesIO(payload), weights_only=False)
-
-
-def _stop(processes: list[mp.Process]) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-            process.join()
 
 
 def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss: bool) -> Any:
@@ -90,7 +67,7 @@ def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss:
             process.start()
         return _collect(processes, results, config.num_servers, tolerate_worker_loss)
     finally:
-        _stop(processes)
+        stop_processes(processes)
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
@@ -115,7 +92,7 @@ def _collect(processes: list[mp.Process], results: mp.Queue, num_servers: int,
         reported.add(rank)
         if kind == "ok":
             if rank == 0:
-                return _decode(payload), worker_failures
+                return decode_result(payload), worker_failures
             continue
         if rank >= num_servers and tolerate_worker_loss:
             worker_failures.append((rank - num_servers, payload))

@@ -34,14 +34,16 @@ __all__ = ["launch"]
 _GRACE_S = 1.0  # after a failure, how long other ranks may still report before they are stopped
 
 
-def _encode(value: Any) -> bytes:
+def encode_result(value: Any) -> bytes:
+    """A rank's return value as bytes for the parent."""
     # torch.save pickles tensors by value: no shared-memory handles that die with the child.
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
 
 
-def _decode(payload: bytes) -> Any:
+def decode_result(payload: bytes) -> Any:
+    """The value `encode_result` packed."""
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
@@ -65,7 +67,7 @@ def _rank_main(
     )
     try:
         value = fn(*args)
-        results.put(("ok", rank, _encode(value)))
+        results.put(("ok", rank, encode_result(value)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
     finally:
@@ -77,7 +79,8 @@ def _rank_main(
             pass
 
 
-def _stop(processes: list[mp.Process]) -> None:
+def stop_processes(processes: list[mp.Process]) -> None:
+    """Terminate the processes still alive, then kill those that ignore it for 5 s."""
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -130,7 +133,7 @@ def launch(
             process.start()
         return _collect(processes, results, timeout_s)
     finally:
-        _stop(processes)
+        stop_processes(processes)
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
@@ -159,7 +162,7 @@ def _collect(processes: list[mp.Process], results: mp.Queue, timeout_s: float | 
                     break
             continue
         if message[0] == "ok":
-            values[message[1]] = _decode(message[2])
+            values[message[1]] = decode_result(message[2])
         else:
             failures.append(message[1:])
             deadline = min(deadline, time.monotonic() + _GRACE_S)
