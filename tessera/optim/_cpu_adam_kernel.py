@@ -25,6 +25,7 @@ import ctypes
 import functools
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -198,15 +199,17 @@ def load_kernel() -> AdamKernel | Exception:
             with tempfile.NamedTemporaryFile("w", dir=build_dir, delete=False, suffix=".tmp") as f:
                 f.write(KERNEL_SOURCE)
             os.replace(f.name, source)
-        library_path = cpp_extension.load(
-            name=f"tessera_cpu_adam_{isa.lower()}",
-            sources=[str(source)],
-            extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with warnings.catch_warnings():  # its compiler-ABI notes: CPUAdam warns once itself
+            warnings.simplefilter("ignore")
+            library_path = cpp_extension.load(
+                name=f"tessera_cpu_adam_{isa.lower()}",
+                sources=[str(source)],
+                extra_cflags=_BASE_FLAGS + _ISA_FLAGS.get(isa, []),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         return AdamKernel(str(library_path), isa)
     except Exception as error:  # noqa: BLE001 - any build/load failure means "use the fallback"
         return error

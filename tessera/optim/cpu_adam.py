@@ -50,9 +50,12 @@ def _kernel_or_warn() -> AdamKernel | None:
         return kernel
     if not _warned_fallback:
         _warned_fallback = True
+        reason = " ".join(str(kernel).split())  # a build log: its head and tail say the most
+        if len(reason) > 600:
+            reason = f"{reason[:200]} ... {reason[-400:]}"
         warnings.warn(
             "tessera.optim.CPUAdam: the native CPU Adam kernel could not be built or loaded "
-            f"({type(kernel).__name__}: {str(kernel).strip()[:300]}); using torch's fused "
+            f"({type(kernel).__name__}: {reason}); using torch's fused "
             "AdamW/Adam kernel instead (same results, slower).",
             RuntimeWarning,
             stacklevel=3,

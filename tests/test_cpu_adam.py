@@ -1,0 +1,228 @@
+"""tessera.optim.CPUAdam against torch.optim.AdamW / Adam, with a float64 reference.
+
+The kernel is built once per machine into the per-user cache (about 5 s the first time, a load
+afterwards); the fallback test builds into a temporary cache with a compiler that fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import shutil
+import stat
+import warnings
+
+import pytest
+import torch
+from _tolerance import check_close
+
+from tessera.optim import CPUAdam, _cpu_adam_kernel, cpu_adam, native_kernel_available
+
+# Sizes: a scalar, odd lengths that leave a vector tail, and one spanning several 16384-element
+# chunks so two OpenMP threads split it (chunk boundaries are where an off-by-one would hide).
+SHAPES = [(), (7,), (33, 5), (3 * 16384 + 11,)]
+HYPER = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+STEPS = 6
+
+
+def _params(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _grads(seed: int, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * seed + step)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _train(optimizer_factory, initial, seed, steps, dtype=torch.float32):
+    params = [p.clone().to(dtype).requires_grad_() for p in initial]
+    optimizer = optimizer_factory(params)
+    for step in range(steps):
+        for param, grad in zip(params, _grads(seed, step)):
+            param.grad = grad.to(dtype)
+        optimizer.step()
+    return params, optimizer
+
+
+def _moments(optimizer, params):
+    return {
+        f"{name}{i}": optimizer.state[p][name]
+        for i, p in enumerate(params)
+        for name in ("exp_avg", "exp_avg_sq")
+    }
+
+
+@pytest.fixture(scope="module")
+def native():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: only the fallback can run")
+    assert native_kernel_available(), _cpu_adam_kernel.load_kernel()
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_matches_torch_adam_within_its_own_rounding(native, adamw):
+    """CPUAdam == AdamW (adamw=True) / Adam with L2 decay (adamw=False), 6 steps, 4 tensors.
+
+    Tolerance: against a float64 run of torch's own single-tensor Adam(W), CPUAdam may err by at
+    most 4x what torch's fused fp32 kernel errs (the suite's FACTOR: the same formula, other
+    association of the same fp32 operations) + 16 ulps of the tensor's norm.
+    """
+    torch_class = torch.optim.AdamW if adamw else torch.optim.Adam
+    initial = _params(seed=1)
+    ours, ours_opt = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 1, STEPS)
+    assert ours_opt.uses_native_kernel
+    oracle, oracle_opt = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, 1, STEPS)
+    exact, exact_opt = _train(
+        lambda ps: torch_class(ps, foreach=False, **HYPER), initial, 1, STEPS, torch.float64
+    )
+    check_close(ours, oracle, exact, what=f"params adamw={adamw}")
+    check_close(
+        _moments(ours_opt, ours),
+        _moments(oracle_opt, oracle),
+        _moments(exact_opt, exact),
+        what=f"moments adamw={adamw}",
+    )
+    # The issue's acceptance figure (1e-6 relative to torch), in the norm per tensor: the max over
+    # elements is a tail statistic of two roundings (see tests/_tolerance.py), the norm is stable.
+    for mine, theirs in zip(ours, oracle):
+        relative = ((mine - theirs).double().norm() / theirs.double().norm()).item()
+        assert relative <= 1e-6, relative
+    # A wrong decay mode is far outside the budget: the other torch class must NOT match.
+    other = torch.optim.Adam if adamw else torch.optim.AdamW
+    wrong, _ = _train(lambda ps: other(ps, fused=True, **HYPER), initial, 1, STEPS)
+    with pytest.raises(AssertionError):
+        check_close(wrong, oracle, exact)
+
+
+def test_thread_count_does_not_change_results(native):
+    """Every element is updated independently: 1 and 2 threads give bit-identical results."""
+    initial = _params(seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 2, 3)
+        torch.set_num_threads(2)
+        two, _ = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 2, 3)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_resume_is_exact(native):
+    """k steps + save + load into a fresh optimizer + k steps == 2k steps straight (torch.equal)."""
+    initial, k = _params(seed=3), 3
+    straight, straight_opt = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 3, 2 * k)
+
+    first, first_opt = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 3, k)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "optim": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = [p.clone().requires_grad_() for p in saved["params"]]
+    resumed_opt = CPUAdam(resumed, lr=1.0, betas=(0.0, 0.0), weight_decay=0.0)  # overwritten
+    resumed_opt.load_state_dict(saved["optim"])
+    for step in range(k, 2 * k):
+        for param, grad in zip(resumed, _grads(3, step)):
+            param.grad = grad
+        resumed_opt.step()
+    for a, b in zip(resumed, straight):
+        assert torch.equal(a, b)
+    mine, theirs = resumed_opt.state_dict(), straight_opt.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for index, state in theirs["state"].items():
+        for name, value in state.items():
+            assert torch.equal(mine["state"][index][name], value), (index, name)
+
+
+def test_bf16_copy_out_rounds_to_nearest_even(native):
+    """With lr=0 the parameter is unchanged, so bf16_out must equal torch's own conversion,
+    on ties (both directions), values that round up into the next binade, subnormals, inf, NaN."""
+    values = torch.tensor(
+        [1.0, 1.00390625, 1.01171875, 1.0 + 2**-8 + 2**-20, -3.9999, 65504.0, 3.0e38,
+         1e-40, -0.0, float("inf"), float("-inf")] + torch.randn(40_000).tolist()
+    )
+    param = values.clone().requires_grad_()
+    param.grad = torch.randn_like(values)
+    out = torch.empty(values.numel(), dtype=torch.bfloat16)
+    CPUAdam([param], lr=0.0, weight_decay=0.0).step(bf16_out=[out])
+    assert torch.equal(param.detach(), values)
+    assert torch.equal(out.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+
+    nan_param = torch.tensor([float("nan"), 1.0], requires_grad=True)
+    nan_param.grad = torch.ones(2)
+    nan_out = torch.zeros(2, dtype=torch.bfloat16)
+    CPUAdam([nan_param], lr=0.0, weight_decay=0.0).step(bf16_out=[nan_out])
+    assert torch.isnan(nan_out[0]) and nan_out[1].item() == 1.0
+
+
+def test_bf16_copy_out_after_a_real_step(native):
+    params = [p.requires_grad_() for p in _params(seed=4)]
+    for param, grad in zip(params, _grads(4, 0)):
+        param.grad = grad
+    outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
+    outs[1] = None  # skipped: its parameter is still updated
+    before = params[1].detach().clone()
+    CPUAdam(params, **HYPER).step(bf16_out=outs)
+    assert not torch.equal(params[1].detach(), before)
+    for param, out in zip(params, outs):
+        if out is not None:
+            assert torch.equal(out, param.detach().reshape(-1).to(torch.bfloat16))
+
+
+def test_bad_input_is_a_clear_error(native):
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        with pytest.raises(TypeError, match=rf"float32 parameters only.*{dtype}"):
+            CPUAdam([torch.zeros(3, dtype=dtype, requires_grad=True)])
+    with pytest.raises(ValueError, match="contiguous"):
+        CPUAdam([torch.zeros(4, 3).t().requires_grad_()])
+    param = torch.zeros(5, requires_grad=True)
+    param.grad = torch.ones(5)
+    optimizer = CPUAdam([param])
+    with pytest.raises(ValueError, match=r"bf16_out\[0\] must be .*bfloat16"):
+        optimizer.step(bf16_out=[torch.empty(5)])
+    with pytest.raises(ValueError, match="1 entries for 1|2 entries for 1"):
+        optimizer.step(bf16_out=[None, None])
+    with pytest.raises(ValueError, match="betas"):
+        CPUAdam([param], betas=(1.0, 0.9))
+
+
+@pytest.fixture
+def failing_compiler(tmp_path, monkeypatch):
+    """A compiler that answers --version but refuses to compile, and an empty build cache."""
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in *.cpp) echo "broken: refusing $a" >&2; exit 1;; '
+        "esac; done\n"
+        f'exec {shutil.which("g++") or shutil.which("c++") or "false"} "$@"\n'
+    )
+    compiler.chmod(compiler.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_adam, "_warned_fallback", False)
+    _cpu_adam_kernel.load_kernel.cache_clear()
+    yield
+    _cpu_adam_kernel.load_kernel.cache_clear()  # the next test loads the real kernel again
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_failed_build_falls_back_with_one_warning(failing_compiler, adamw):
+    torch_class = torch.optim.AdamW if adamw else torch.optim.Adam
+    initial = _params(seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, ours_opt = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 5, 3)
+        again, _ = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 5, 3)
+    ours_warnings = [w for w in caught if "CPUAdam" in str(w.message)]
+    assert len(ours_warnings) == 1, [str(w.message) for w in caught]
+    assert "broken: refusing" in str(ours_warnings[0].message)
+    assert not ours_opt.uses_native_kernel
+    oracle, oracle_opt = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, 5, 3)
+    for a, b, c in zip(ours, again, oracle):  # the same torch kernel: bit-identical
+        assert torch.equal(a, c) and torch.equal(b, c)
+    for name, value in _moments(oracle_opt, oracle).items():
+        assert torch.equal(_moments(ours_opt, ours)[name], value), name
+    state = copy.deepcopy(ours_opt.state_dict())
+    assert state["state"][0]["step"].item() == 3.0
