@@ -140,8 +140,20 @@ def test_bf16_copy_out_rounds_to_nearest_even(native):
     """With lr=0 the parameter is unchanged, so bf16_out must equal torch's own conversion,
     on ties (both directions), values that round up into the next binade, subnormals, inf, NaN."""
     values = torch.tensor(
-        [1.0, 1.00390625, 1.01171875, 1.0 + 2**-8 + 2**-20, -3.9999, 65504.0, 3.0e38,
-         1e-40, -0.0, float("inf"), float("-inf")] + torch.randn(40_000).tolist()
+        [
+            1.0,
+            1.00390625,
+            1.01171875,
+            1.0 + 2**-8 + 2**-20,
+            -3.9999,
+            65504.0,
+            3.0e38,
+            1e-40,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+        ]
+        + torch.randn(40_000).tolist()
     )
     param = values.clone().requires_grad_()
     param.grad = torch.randn_like(values)

@@ -40,8 +40,9 @@ KERNEL_SOURCE = r"""
 // One Adam(W) step over n contiguous float32 elements, in one pass over memory.
 // step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t) and 1 - beta come from
 // the caller, computed in double and rounded once: 1.0f - float(0.999) would be 1.3e-5 off
-// 0.001 relative, a bias that compounds in the second moment. adamw != 0: decoupled decay p *= decay (decay = 1 - lr*wd,
-// Loshchilov & Hutter 2019); adamw == 0: L2 decay g += wd * p (Kingma & Ba's Adam + L2).
+// 0.001 relative, a bias that compounds in the second moment. adamw != 0: decoupled decay
+// p *= decay (decay = 1 - lr*wd, Loshchilov & Hutter 2019); adamw == 0: L2 decay g += wd * p
+// (Kingma & Ba's Adam + L2).
 // bf16_out, when not null, receives the updated parameter rounded to nearest-even bfloat16.
 template <bool kAdamW, bool kCopyOut>
 static void adam_range(float* __restrict__ param, const float* __restrict__ grad,
@@ -106,8 +107,15 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, float* exp_avg
 # compiler reassociate and use approximate reciprocals, changing results beyond fp32 rounding.
 _BASE_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
-               "-mprefer-vector-width=512"],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx2",
+        "-mfma",
+        "-mprefer-vector-width=512",
+    ],
     "AVX2": ["-mavx2", "-mfma"],
 }
 
@@ -134,10 +142,15 @@ class AdamKernel:
         self.library_path = library_path
         function = ctypes.CDLL(library_path).tessera_cpu_adam
         function.restype = None
-        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
+        function.argtypes = (
+            [ctypes.c_void_p] * 5
+            + [ctypes.c_int64]
+            + [ctypes.c_float] * 9
+            + [
+                ctypes.c_int,
+                ctypes.c_int,
+            ]
+        )
         self._function = function
 
     def __call__(

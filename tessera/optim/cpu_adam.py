@@ -154,9 +154,7 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     @staticmethod
-    def _check_step_inputs(
-        param: torch.Tensor, target: torch.Tensor | None, position: int
-    ) -> None:
+    def _check_step_inputs(param: torch.Tensor, target: torch.Tensor | None, position: int) -> None:
         grad = param.grad
         if grad.is_sparse:
             raise ValueError(f"CPUAdam: parameter {position} has a sparse gradient")
