@@ -9,8 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.memory import checkpoint_activations, checkpointed_blocks
+from tessera.memory import (
+    checkpoint_activations,
+    checkpointed_blocks,
+    report,
+    saved_activation_bytes,
+)
 from tessera.models import GPT, GPTConfig
+from tessera.optim import CPUAdam
 
 GPT_SHAPE = dict(vocab_size=40, block_size=16, n_layer=3, n_head=4, n_embd=32, dropout=0.1)
 BATCH, TOKENS = 3, 16
@@ -161,3 +167,49 @@ def test_checkpointing_bad_input():
     model = checkpoint_activations(DictBlocks())
     with pytest.raises(ValueError, match="already activation-checkpointed"):
         checkpoint_activations(model)
+
+
+def _small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, CPUAdam])
+def test_report_matches_hand_counted_bytes(tmp_path, optimizer_class):
+    model = _small_model()
+    optimizer = optimizer_class(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 10)
+    loss, activations = saved_activation_bytes(
+        lambda: model(x).square().sum(), exclude=model.parameters()
+    )
+    loss.backward()
+    optimizer.step()
+    (tmp_path / "states").mkdir()
+    (tmp_path / "states" / "shard0.bin").write_bytes(b"\0" * 1000)
+    (tmp_path / "extra.bin").write_bytes(b"\0" * 24)
+    found = report(model, optimizer, activations=activations, disk_paths=[tmp_path])
+    numel = 10 * 5 + 5 + 5 * 3  # two weights and one bias
+    assert found.bytes["params"] == {"device": 0, "host": 4 * numel, "disk": 0}
+    assert found.bytes["grads"] == {"device": 0, "host": 4 * numel, "disk": 0}
+    # Adam: exp_avg and exp_avg_sq per parameter element, one float32 `step` per tensor (3).
+    assert found.bytes["optimizer state"] == {"device": 0, "host": 8 * numel + 3 * 4, "disk": 1024}
+    # Saved for backward: Linear 1's input x (4 x 10), ReLU's output (4 x 5, which Linear 2 also
+    # saves: one storage), square's input (4 x 3); the weights are parameters, not counted.
+    assert found.bytes["activations peak"] == {"device": 0, "host": 4 * (40 + 20 + 12), "disk": 0}
+    assert found.total() == 4 * numel * 2 + 8 * numel + 12 + 1024 + 4 * 72
+    assert "| optimizer state |" in found.table()
+
+
+def test_report_counts_shared_storage_once():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**GPT_SHAPE))  # lm_head.weight is wte.weight
+    found = report(gpt)
+    assert found.bytes["params"]["host"] == 4 * gpt.num_parameters()
+    assert found.bytes["grads"]["host"] == 0 and found.bytes["optimizer state"]["host"] == 0
+    flat = torch.zeros(12)
+    model = nn.Module()
+    model.a = nn.Parameter(flat[:4])
+    model.b = nn.Parameter(flat[4:])
+    assert report(model).bytes["params"]["host"] == 48  # two views of one 12-float buffer
+    with pytest.raises(ValueError, match="unknown places"):
+        report(model, activations={"gpu": 1})
