@@ -238,3 +238,95 @@ def test_failed_build_falls_back_with_one_warning(failing_compiler, adamw):
         assert torch.equal(_moments(ours_opt, ours)[name], value), name
     state = copy.deepcopy(ours_opt.state_dict())
     assert state["state"][0]["step"].item() == 3.0
+
+
+# --- ZeRO-Offload: tessera.zero.initialize(..., offload="cpu") -----------------------------------
+
+
+def _offload_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 17), torch.nn.Tanh(), torch.nn.Linear(17, 11), torch.nn.Linear(11, 3)
+    )
+
+
+def _offload_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(50 + step)
+    return torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+
+
+OFFLOAD_STEPS, OFFLOAD_HYPER = 3, dict(lr=1e-2, weight_decay=0.1)
+
+
+def _offload_ranks():
+    """Each stage with offload="cpu" (AdamW in, CPUAdam inside) and without (CPUAdam named)."""
+    import tessera
+    from tessera.zero import full_state_dict, initialize
+
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    out = {}
+    for stage in (1, 2, 3):
+        for mode, optimizer_class in (("cpu", torch.optim.AdamW), (None, CPUAdam)):
+            model, optimizer = initialize(
+                _offload_model(), optimizer_class, stage=stage, offload=mode, **OFFLOAD_HYPER
+            )
+            for step in range(OFFLOAD_STEPS):
+                x, y = _offload_batch(step)
+                rows = slice(4 * ctx.rank, 4 * ctx.rank + 4)  # this rank's half of the batch
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                optimizer.step()
+            inner = optimizer.optimizer  # the step each rank runs on its slice
+            out[(stage, mode)] = (full_state_dict(model), (type(inner), inner.uses_native_kernel))
+    return out
+
+
+def _offload_oracle(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Plain single-process AdamW on the whole batch (written here, not through tessera)."""
+    model = _offload_model().to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OFFLOAD_HYPER)
+    for step in range(OFFLOAD_STEPS):
+        x, y = _offload_batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_zero_offload_cpu_equals_no_offload_and_one_process(native, run_ranks):
+    results = run_ranks(_offload_ranks, 2)[0]
+    oracle, reference = _offload_oracle(torch.float32), _offload_oracle(torch.float64)
+    for stage in (1, 2, 3):
+        offloaded, inner = results[(stage, "cpu")]
+        plain, _ = results[(stage, None)]
+        assert inner == (CPUAdam, True), inner
+        for name, value in plain.items():  # the same CPUAdam on the same slices: bit-identical
+            assert torch.equal(offloaded[name], value), (stage, name)
+        # Against one process: two ranks average their half-batch gradients (another reduction
+        # order), hence the suite's derived tolerance (tests/_tolerance.py).
+        check_close(offloaded, oracle, reference, what=f"stage {stage} offload=cpu")
+
+
+def test_zero_offload_bad_input():
+    from tessera.optim.offload import host_optimizer
+
+    model = _offload_model()
+    with pytest.raises(NotImplementedError, match="nvme"):
+        host_optimizer("nvme", 2, model, torch.optim.AdamW, {})
+    with pytest.raises(ValueError, match="offload must be one of"):
+        host_optimizer("gpu", 2, model, torch.optim.AdamW, {})
+    with pytest.raises(ValueError, match="stage 1, 2 or 3"):
+        host_optimizer("cpu", 0, model, torch.optim.AdamW, {})
+    with pytest.raises(ValueError, match="not SGD"):
+        host_optimizer("cpu", 1, model, torch.optim.SGD, {"lr": 0.1})
+    with pytest.raises(ValueError, match="amsgrad"):
+        host_optimizer("cpu", 1, model, torch.optim.AdamW, {"amsgrad": True})
+    assert host_optimizer("cpu", 1, model, torch.optim.Adam, {"lr": 0.1, "fused": True}) == (
+        CPUAdam,
+        {"lr": 0.1, "weight_decay": 0.0, "adamw": False},
+    )
+    assert host_optimizer(None, 0, model, torch.optim.SGD, {"lr": 1}) == (
+        torch.optim.SGD,
+        {"lr": 1},
+    )
