@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.memory import (
+    MemoryReport,
     checkpoint_activations,
     checkpointed_blocks,
     report,
@@ -188,6 +189,7 @@ def test_report_matches_hand_counted_bytes(tmp_path, optimizer_class):
     (tmp_path / "states" / "shard0.bin").write_bytes(b"\0" * 1000)
     (tmp_path / "extra.bin").write_bytes(b"\0" * 24)
     found = report(model, optimizer, activations=activations, disk_paths=[tmp_path])
+    assert isinstance(found, MemoryReport)
     numel = 10 * 5 + 5 + 5 * 3  # two weights and one bias
     assert found.bytes["params"] == {"device": 0, "host": 4 * numel, "disk": 0}
     assert found.bytes["grads"] == {"device": 0, "host": 4 * numel, "disk": 0}
