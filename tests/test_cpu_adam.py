@@ -331,3 +331,73 @@ def test_zero_offload_bad_input():
         torch.optim.SGD,
         {"lr": 1},
     )
+
+
+# --- bf16 moments -----------------------------------------------------------------------------
+
+
+def test_bf16_moments_first_step_is_the_rounded_fp32_moment(native):
+    """From zero state, m = (1 - b1) g and v = (1 - b2) g^2 in fp32, then rounded to nearest-even
+    bf16: exactly torch's own `.to(torch.bfloat16)` of the same fp32 products."""
+    params = [p.requires_grad_() for p in _params(seed=8)]
+    grads = _grads(8, 0)
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    optimizer = CPUAdam(params, bf16_moments=True, **HYPER)
+    optimizer.step()
+    beta1, beta2 = HYPER["betas"]
+    for param, grad in zip(params, grads):
+        state = optimizer.state[param]
+        assert state["exp_avg"].dtype == torch.bfloat16 == state["exp_avg_sq"].dtype
+        expected_m = (grad * torch.tensor(1 - beta1, dtype=torch.float32)).to(torch.bfloat16)
+        expected_v = ((grad * grad) * torch.tensor(1 - beta2, dtype=torch.float32)).to(
+            torch.bfloat16
+        )
+        assert torch.equal(state["exp_avg"], expected_m)
+        assert torch.equal(state["exp_avg_sq"], expected_v)
+
+
+def test_bf16_moments_stay_within_their_rounding_of_fp32(native):
+    """6 steps with bf16 moments against fp32 CPUAdam, within a bound derived from bf16 rounding.
+
+    Each stored moment carries a relative rounding error <= 2^-9 (half a bf16 ulp); the running
+    averages weigh those errors by beta^k, so m is off by at most 2^-9 / (1 - beta1) = 5 * 2^-9
+    relative and v by 2^-9 / (1 - beta2) = 20 * 2^-9, sqrt(v) by half that: an update
+    m_hat / sqrt(v_hat) is off by at most 15 * 2^-9 of its size. Its size is at most `c` below
+    (Cauchy-Schwarz over the two averages' weights, with bias correction), times lr. Over STEPS
+    steps the error per element is <= STEPS * lr * c * 15 * 2^-9; in the norm, x sqrt(numel).
+    """
+    beta1, beta2 = HYPER["betas"]
+    c = max(
+        (1 - beta1)
+        / (1 - beta2) ** 0.5
+        / (1 - beta1**2 / beta2) ** 0.5
+        * (1 - beta2**t) ** 0.5
+        / (1 - beta1**t)
+        for t in range(1, STEPS + 1)
+    )
+    initial = _params(seed=9)
+    ours, _ = _train(lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER), initial, 9, STEPS)
+    full, _ = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 9, STEPS)
+    for mine, theirs in zip(ours, full):
+        bound = STEPS * HYPER["lr"] * c * 15 * 2**-9 * theirs.numel() ** 0.5
+        distance = (mine - theirs).double().norm().item()
+        assert distance <= bound, (distance, bound)
+        assert distance > 0 or theirs.numel() == 1  # the moments really are rounded
+
+
+def test_bf16_moments_resume_is_exact(native):
+    initial, k = _params(seed=10), 2
+    factory = lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER)  # noqa: E731
+    straight, _ = _train(factory, initial, 10, 2 * k)
+    first, first_opt = _train(factory, initial, 10, k)
+    resumed = [p.detach().clone().requires_grad_() for p in first]
+    resumed_opt = factory(resumed)
+    resumed_opt.load_state_dict(copy.deepcopy(first_opt.state_dict()))
+    for step in range(k, 2 * k):
+        for param, grad in zip(resumed, _grads(10, step)):
+            param.grad = grad
+        resumed_opt.step()
+    for a, b in zip(resumed, straight):
+        assert torch.equal(a, b)
+    assert resumed_opt.state[resumed[0]]["exp_avg"].dtype == torch.bfloat16

@@ -38,16 +38,39 @@ KERNEL_SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 
+// bfloat16 <-> float32 by bits: bf16 is the top half of an fp32; rounding to nearest-even.
+static inline float bf16_to_float(uint16_t value) {
+  const uint32_t bits = uint32_t(value) << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof(result));
+  return result;
+}
+static inline uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return (value != value) ? uint16_t(0x7FC0u) : uint16_t(rounded);  // keep NaN a NaN
+}
+static inline float load_moment(const float* moments, int64_t i) { return moments[i]; }
+static inline float load_moment(const uint16_t* moments, int64_t i) {
+  return bf16_to_float(moments[i]);
+}
+static inline void store_moment(float* moments, int64_t i, float value) { moments[i] = value; }
+static inline void store_moment(uint16_t* moments, int64_t i, float value) {
+  moments[i] = float_to_bf16(value);
+}
+
 // One Adam(W) step over n contiguous float32 elements, in one pass over memory.
 // step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t) and 1 - beta come from
 // the caller, computed in double and rounded once: 1.0f - float(0.999) would be 1.3e-5 off
 // 0.001 relative, a bias that compounds in the second moment. adamw != 0: decoupled decay
 // p *= decay (decay = 1 - lr*wd, Loshchilov & Hutter 2019); adamw == 0: L2 decay g += wd * p
-// (Kingma & Ba's Adam + L2).
+// (Kingma & Ba's Adam + L2). Moment is float, or uint16_t for moments stored as bfloat16
+// (arithmetic stays fp32; 20 instead of 28 bytes move per parameter).
 // bf16_out, when not null, receives the updated parameter rounded to nearest-even bfloat16.
-template <bool kAdamW, bool kCopyOut>
+template <bool kAdamW, bool kCopyOut, typename Moment>
 static void adam_range(float* __restrict__ param, const float* __restrict__ grad,
-                       float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                       Moment* __restrict__ exp_avg, Moment* __restrict__ exp_avg_sq,
                        uint16_t* __restrict__ bf16_out, int64_t begin, int64_t end,
                        float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,
                        float eps, float weight_decay, float decay, float step_size,
@@ -61,28 +84,23 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
     } else {
       g = g + weight_decay * p;
     }
-    const float m = beta1 * exp_avg[i] + one_minus_beta1 * g;
-    const float v = beta2 * exp_avg_sq[i] + one_minus_beta2 * (g * g);
+    const float m = beta1 * load_moment(exp_avg, i) + one_minus_beta1 * g;
+    const float v = beta2 * load_moment(exp_avg_sq, i) + one_minus_beta2 * (g * g);
     const float denom = std::sqrt(v) * inv_bias2_sqrt + eps;
     p = p - step_size * (m / denom);
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    store_moment(exp_avg, i, m);
+    store_moment(exp_avg_sq, i, v);
     param[i] = p;
-    if (kCopyOut) {
-      uint32_t bits;
-      std::memcpy(&bits, &p, sizeof(bits));
-      const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-      bf16_out[i] = (p != p) ? uint16_t(0x7FC0u) : uint16_t(rounded);  // keep NaN a NaN
-    }
+    if (kCopyOut) bf16_out[i] = float_to_bf16(p);
   }
 }
 
-extern "C" void tessera_cpu_adam(float* param, const float* grad, float* exp_avg,
-                                 float* exp_avg_sq, uint16_t* bf16_out, int64_t n,
+extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
+                                 void* exp_avg_sq, uint16_t* bf16_out, int64_t n,
                                  float beta1, float beta2, float one_minus_beta1,
                                  float one_minus_beta2, float eps, float weight_decay,
                                  float decay, float step_size, float inv_bias2_sqrt,
-                                 int adamw, int num_threads) {
+                                 int adamw, int bf16_moments, int num_threads) {
   // Chunks of 64 KiB of floats: large enough to stream, small enough to balance threads.
   const int64_t chunk = 16384;
   const int64_t num_chunks = (n + chunk - 1) / chunk;
@@ -91,14 +109,19 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, float* exp_avg
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t begin = c * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
-#define TESSERA_ADAM_RANGE(ADAMW, COPY_OUT)                                                \
-  adam_range<ADAMW, COPY_OUT>(param, grad, exp_avg, exp_avg_sq, bf16_out, begin, end, beta1,  \
-                              beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,     \
-                              decay, step_size, inv_bias2_sqrt)
-    if (adamw && bf16_out) TESSERA_ADAM_RANGE(true, true);
-    else if (adamw) TESSERA_ADAM_RANGE(true, false);
-    else if (bf16_out) TESSERA_ADAM_RANGE(false, true);
-    else TESSERA_ADAM_RANGE(false, false);
+#define TESSERA_ADAM_RANGE(ADAMW, COPY_OUT, MOMENT)                                        \
+  adam_range<ADAMW, COPY_OUT, MOMENT>(param, grad, static_cast<MOMENT*>(exp_avg),            \
+                                      static_cast<MOMENT*>(exp_avg_sq), bf16_out, begin, end, \
+                                      beta1, beta2, one_minus_beta1, one_minus_beta2, eps,    \
+                                      weight_decay, decay, step_size, inv_bias2_sqrt)
+#define TESSERA_ADAM_MOMENTS(ADAMW, COPY_OUT)                                                \
+  if (bf16_moments) TESSERA_ADAM_RANGE(ADAMW, COPY_OUT, uint16_t);                           \
+  else TESSERA_ADAM_RANGE(ADAMW, COPY_OUT, float)
+    if (adamw && bf16_out) { TESSERA_ADAM_MOMENTS(true, true); }
+    else if (adamw) { TESSERA_ADAM_MOMENTS(true, false); }
+    else if (bf16_out) { TESSERA_ADAM_MOMENTS(false, true); }
+    else { TESSERA_ADAM_MOMENTS(false, false); }
+#undef TESSERA_ADAM_MOMENTS
 #undef TESSERA_ADAM_RANGE
   }
 }
@@ -147,13 +170,7 @@ class AdamKernel:
         function = ctypes.CDLL(library_path).tessera_cpu_adam
         function.restype = None
         function.argtypes = (
-            [ctypes.c_void_p] * 5
-            + [ctypes.c_int64]
-            + [ctypes.c_float] * 9
-            + [
-                ctypes.c_int,
-                ctypes.c_int,
-            ]
+            [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int] * 3
         )
         self._function = function
 
@@ -176,7 +193,8 @@ class AdamKernel:
         inv_bias2_sqrt: float,
         adamw: bool,
     ) -> None:
-        """Update `param`, `exp_avg`, `exp_avg_sq` in place (all contiguous fp32, same numel)."""
+        """Update `param`, `exp_avg`, `exp_avg_sq` in place (contiguous, same numel; the moments
+        both float32 or both bfloat16)."""
         self._function(
             param.data_ptr(),
             grad.data_ptr(),
@@ -194,6 +212,7 @@ class AdamKernel:
             step_size,
             inv_bias2_sqrt,
             int(adamw),
+            int(exp_avg.dtype == torch.bfloat16),
             torch.get_num_threads(),
         )
 

@@ -69,6 +69,10 @@ class CPUAdam(torch.optim.Optimizer):
     `adamw=True` is `torch.optim.AdamW` (decoupled weight decay), `adamw=False` is
     `torch.optim.Adam` (L2 weight decay added to the gradient). amsgrad, maximize, capturable
     and complex parameters are not supported (a clear error says so).
+
+    `bf16_moments=True` stores `exp_avg` and `exp_avg_sq` in bfloat16 (rounded to nearest-even
+    after each fp32 update): 20 instead of 28 bytes move per parameter and step, and the state
+    halves, at the cost of an 8-bit mantissa in the moments.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class CPUAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         adamw: bool = True,
+        bf16_moments: bool = False,
     ) -> None:
         if not 0.0 <= lr:
             raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
@@ -88,7 +93,14 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam: betas must be in [0, 1), got {betas}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adamw=adamw)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw=adamw,
+            bf16_moments=bf16_moments,
+        )
         super().__init__(params, defaults)
         for index, group in enumerate(self.param_groups):
             for position, param in enumerate(group["params"]):
@@ -113,12 +125,18 @@ class CPUAdam(torch.optim.Optimizer):
         """True if steps run the compiled kernel, False if torch's fused fallback."""
         return self._kernel is not None
 
-    def _state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _state_of(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         state = self.state[param]
+        dtype = torch.bfloat16 if group["bf16_moments"] else torch.float32
         if not state:  # lazily, as torch does, so a loaded state dict is used as is
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+        for name in ("exp_avg", "exp_avg_sq"):
+            # load_state_dict casts moments to the parameter's dtype: bf16 values in fp32 go
+            # back losslessly; fp32 moments into a bf16_moments optimizer are rounded once.
+            if state[name].dtype != dtype:
+                state[name] = state[name].to(dtype).contiguous()
         return state
 
     @torch.no_grad()
@@ -178,7 +196,7 @@ class CPUAdam(torch.optim.Optimizer):
     def _update(
         self, param: torch.Tensor, group: dict[str, Any], target: torch.Tensor | None
     ) -> None:
-        state = self._state_of(param)
+        state = self._state_of(param, group)
         beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         if self._kernel is None:
@@ -210,13 +228,15 @@ class CPUAdam(torch.optim.Optimizer):
     def _fallback_update(
         param: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]
     ) -> None:
-        """torch's fused Adam(W) CPU kernel on the same state (it increments `step` itself)."""
+        """torch's fused Adam(W) CPU kernel on the same state (it increments `step` itself);
+        bf16 moments are widened for it and rounded back."""
         beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
         torch_adam_functional(
             [param],
             [param.grad],
-            [state["exp_avg"]],
-            [state["exp_avg_sq"]],
+            [exp_avg],
+            [exp_avg_sq],
             [],
             [state["step"]],
             fused=True,
@@ -229,3 +249,6 @@ class CPUAdam(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+        if exp_avg.data_ptr() != state["exp_avg"].data_ptr():  # bf16 moments: round back
+            state["exp_avg"].copy_(exp_avg)
+            state["exp_avg_sq"].copy_(exp_avg_sq)
