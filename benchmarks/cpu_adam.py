@@ -62,6 +62,7 @@ def optimizers() -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimiz
     """Name -> factory of every contender available here."""
     contenders = {
         "tessera CPUAdam": lambda ps: CPUAdam(ps, **HYPER),
+        "tessera CPUAdam bf16 moments": lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER),
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
         "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, foreach=True, **HYPER),
     }
