@@ -57,6 +57,10 @@ def _moments(optimizer, params):
 def native():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine: only the fallback can run")
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():  # torch.utils.cpp_extension builds with ninja
+        pytest.skip("no ninja on this machine (pip install ninja): only the fallback can run")
     assert native_kernel_available(), _cpu_adam_kernel.load_kernel()
 
 
