@@ -234,7 +234,10 @@ def test_failed_build_falls_back_with_one_warning(failing_compiler, adamw):
         again, _ = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 5, 3)
     ours_warnings = [w for w in caught if "CPUAdam" in str(w.message)]
     assert len(ours_warnings) == 1, [str(w.message) for w in caught]
-    assert "broken: refusing" in str(ours_warnings[0].message)
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if is_ninja_available():  # else the build stops earlier, for want of ninja
+        assert "broken: refusing" in str(ours_warnings[0].message)
     assert not ours_opt.uses_native_kernel
     oracle, oracle_opt = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, 5, 3)
     for a, b, c in zip(ours, again, oracle):  # the same torch kernel: bit-identical
