@@ -201,6 +201,10 @@ def test_bad_input_is_a_clear_error(native):
         optimizer.step(bf16_out=[torch.empty(5)])
     with pytest.raises(ValueError, match="1 entries for 1|2 entries for 1"):
         optimizer.step(bf16_out=[None, None])
+    param.data = param.data.to(torch.bfloat16)  # changed after construction
+    param.grad = torch.ones(5, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"parameter 0 has dtype torch.bfloat16"):
+        optimizer.step()
     with pytest.raises(ValueError, match="betas"):
         CPUAdam([param], betas=(1.0, 0.9))
 

@@ -167,6 +167,9 @@ class CPUAdam(torch.optim.Optimizer):
                 position += 1
                 if param.grad is None:
                     continue
+                # Again at every step: add_param_group or `param.data = ...` can change a
+                # parameter after construction, and the kernel would misread its memory.
+                self._check_param(param, f"parameter {position - 1}")
                 self._check_step_inputs(param, target, position - 1)
                 self._update(param, group, target)
         return loss
