@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
+from tessera.optim.offload import host_optimizer
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
@@ -53,6 +54,7 @@ def initialize(
     group: dist.ProcessGroup | None = None,
     mixed_precision: str | None = None,
     units: Sequence[UnitSpec] | UnitSpec | None = None,
+    offload: str | None = None,
     **optimizer_kwargs: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard `model`'s training state over `group` with ZeRO `stage` (0 = plain DDP).
@@ -65,10 +67,16 @@ def initialize(
     `units` (stage 3) chooses what is gathered as one, like wrapping modules with FSDP2's
     `fully_shard`: module classes and/or dotted name patterns (`"blocks.*"`); by default every
     child of an `nn.ModuleList`/`nn.Sequential` with parameters (`tessera.zero.units`).
+
+    `offload="cpu"` (ZeRO-Offload, stages 1-3) runs the step on the host with
+    `tessera.optim.CPUAdam` (`optimizer_class` AdamW, Adam or CPUAdam; `tessera.optim.offload`).
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_optimizer(optimizer_class, optimizer_kwargs)
+    optimizer_class, optimizer_kwargs = host_optimizer(
+        offload, stage, model, optimizer_class, optimizer_kwargs
+    )
     if mixed_precision not in (None, "bf16"):
         raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
     if units is not None and stage != 3:

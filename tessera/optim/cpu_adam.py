@@ -1,0 +1,257 @@
+"""`CPUAdam`: Adam / AdamW over fp32 host tensors in one fused, vectorised, multi-threaded pass.
+
+This is the optimizer step of ZeRO-Offload (Ren et al., USENIX ATC 2021): with the master weights
+and both moments in host memory, the step is a stream over 28 bytes per parameter (read p, g, m, v;
+write p, m, v) and its speed is the host's memory bandwidth. `torch.optim.AdamW(foreach=True)`
+makes about ten passes over that memory; the kernel of `tessera.optim._cpu_adam_kernel` makes one.
+
+Semantics are torch's, so `CPUAdam` is a drop-in for `torch.optim.AdamW` (`adamw=True`, decoupled
+weight decay, Loshchilov & Hutter 2019) or `torch.optim.Adam` with L2 decay (`adamw=False`): the
+same hyper-parameters, bias correction and state (`step`, `exp_avg`, `exp_avg_sq` per parameter,
+`step` a float32 scalar tensor), so a state dict moves between them either way. The results
+differ from torch's fused kernel by fp32 rounding only (other association of the same formula).
+
+Where the kernel cannot be built (no compiler, no ninja, ...), every step runs torch's own fused
+AdamW/Adam CPU kernel on the same state instead, with one warning per process: training goes on,
+slower, never stops on a build problem.
+
+`step(bf16_out=[...])` also writes each updated parameter, rounded to bfloat16, into a given
+tensor in the same pass (the copy a mixed-precision model computes with), saving a second pass.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch.optim.adam import adam as torch_adam_functional
+
+from tessera.optim._cpu_adam_kernel import AdamKernel, load_kernel
+
+__all__ = ["CPUAdam", "native_kernel_available"]
+
+
+def native_kernel_available() -> bool:
+    """True when the compiled kernel loads here (building it on first call)."""
+    return isinstance(load_kernel(), AdamKernel)
+
+
+_warned_fallback = False
+
+
+def _kernel_or_warn() -> AdamKernel | None:
+    """The native kernel, or None after warning once per process why it is not used."""
+    global _warned_fallback
+    kernel = load_kernel()
+    if isinstance(kernel, AdamKernel):
+        return kernel
+    if not _warned_fallback:
+        _warned_fallback = True
+        reason = " ".join(str(kernel).split())  # a build log: its head and tail say the most
+        if len(reason) > 600:
+            reason = f"{reason[:200]} ... {reason[-400:]}"
+        warnings.warn(
+            "tessera.optim.CPUAdam: the native CPU Adam kernel could not be built or loaded "
+            f"({type(kernel).__name__}: {reason}); using torch's fused "
+            "AdamW/Adam kernel instead (same results, slower).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return None
+
+
+class CPUAdam(torch.optim.Optimizer):
+    """Adam(W) on fp32 CPU parameters with a fused native step; see the module docstring.
+
+    `adamw=True` is `torch.optim.AdamW` (decoupled weight decay), `adamw=False` is
+    `torch.optim.Adam` (L2 weight decay added to the gradient). amsgrad, maximize, capturable
+    and complex parameters are not supported (a clear error says so).
+
+    `bf16_moments=True` stores `exp_avg` and `exp_avg_sq` in bfloat16 (rounded to nearest-even
+    after each fp32 update): 20 instead of 28 bytes move per parameter and step, and the state
+    halves, at the cost of an 8-bit mantissa in the moments.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        adamw: bool = True,
+        bf16_moments: bool = False,
+    ) -> None:
+        if not 0.0 <= lr:
+            raise ValueError(f"CPUAdam: lr must be >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"CPUAdam: eps must be >= 0, got {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"CPUAdam: betas must be in [0, 1), got {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"CPUAdam: weight_decay must be >= 0, got {weight_decay}")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw=adamw,
+            bf16_moments=bf16_moments,
+        )
+        super().__init__(params, defaults)
+        for index, group in enumerate(self.param_groups):
+            for position, param in enumerate(group["params"]):
+                self._check_param(param, f"param_groups[{index}]['params'][{position}]")
+        self._kernel = _kernel_or_warn()
+
+    @staticmethod
+    def _check_param(param: torch.Tensor, where: str) -> None:
+        if param.dtype != torch.float32:
+            raise TypeError(
+                f"CPUAdam updates float32 parameters only; {where} has dtype {param.dtype} "
+                f"and shape {tuple(param.shape)}. Keep an fp32 master copy (e.g. "
+                "tessera.zero.initialize(..., mixed_precision='bf16')) and pass that."
+            )
+        if param.device.type != "cpu":
+            raise ValueError(f"CPUAdam runs on host memory; {where} is on {param.device}")
+        if not param.is_contiguous():
+            raise ValueError(f"CPUAdam needs contiguous parameters; {where} is not")
+
+    @property
+    def uses_native_kernel(self) -> bool:
+        """True if steps run the compiled kernel, False if torch's fused fallback."""
+        return self._kernel is not None
+
+    def _state_of(self, param: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
+        state = self.state[param]
+        dtype = torch.bfloat16 if group["bf16_moments"] else torch.float32
+        if not state:  # lazily, as torch does, so a loaded state dict is used as is
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+        for name in ("exp_avg", "exp_avg_sq"):
+            # load_state_dict casts moments to the parameter's dtype: bf16 values in fp32 go
+            # back losslessly; fp32 moments into a bf16_moments optimizer are rounded once.
+            if state[name].dtype != dtype:
+                state[name] = state[name].to(dtype).contiguous()
+        return state
+
+    @torch.no_grad()
+    def step(
+        self,
+        closure: Callable[[], float] | None = None,
+        *,
+        bf16_out: Sequence[torch.Tensor | None] | None = None,
+    ) -> float | None:
+        """One Adam(W) step for every parameter that has a gradient.
+
+        `bf16_out`, if given, has one entry per parameter in param-group order (None to skip
+        one): a bfloat16 tensor of the parameter's numel that receives the updated value.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        if bf16_out is not None and len(bf16_out) != len(params):
+            raise ValueError(
+                f"CPUAdam.step: bf16_out has {len(bf16_out)} entries for {len(params)} parameters"
+            )
+        position = 0
+        for group in self.param_groups:
+            for param in group["params"]:
+                target = bf16_out[position] if bf16_out is not None else None
+                position += 1
+                if param.grad is None:
+                    continue
+                # Again at every step: add_param_group or `param.data = ...` can change a
+                # parameter after construction, and the kernel would misread its memory.
+                self._check_param(param, f"parameter {position - 1}")
+                self._check_step_inputs(param, target, position - 1)
+                self._update(param, group, target)
+        return loss
+
+    @staticmethod
+    def _check_step_inputs(param: torch.Tensor, target: torch.Tensor | None, position: int) -> None:
+        grad = param.grad
+        if grad.is_sparse:
+            raise ValueError(f"CPUAdam: parameter {position} has a sparse gradient")
+        if grad.dtype != torch.float32 or grad.shape != param.shape:
+            raise TypeError(
+                f"CPUAdam: parameter {position} ({tuple(param.shape)}, float32) has a gradient "
+                f"of dtype {grad.dtype} and shape {tuple(grad.shape)}"
+            )
+        if target is not None and (
+            target.dtype != torch.bfloat16
+            or target.numel() != param.numel()
+            or not target.is_contiguous()
+            or target.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"CPUAdam.step: bf16_out[{position}] must be a contiguous CPU bfloat16 tensor of "
+                f"{param.numel()} elements, got {target.dtype} {tuple(target.shape)} on "
+                f"{target.device}"
+            )
+
+    def _update(
+        self, param: torch.Tensor, group: dict[str, Any], target: torch.Tensor | None
+    ) -> None:
+        state = self._state_of(param, group)
+        beta1, beta2 = group["betas"]
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        if self._kernel is None:
+            self._fallback_update(param, state, group)
+            if target is not None:
+                target.view(-1).copy_(param.view(-1))
+            return
+        state["step"] += 1
+        step = state["step"].item()
+        self._kernel(
+            param,
+            param.grad.contiguous(),
+            state["exp_avg"],
+            state["exp_avg_sq"],
+            target,
+            beta1=beta1,
+            beta2=beta2,
+            one_minus_beta1=1.0 - beta1,
+            one_minus_beta2=1.0 - beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decay=1.0 - lr * weight_decay,
+            step_size=lr / (1.0 - beta1**step),
+            inv_bias2_sqrt=1.0 / math.sqrt(1.0 - beta2**step),
+            adamw=group["adamw"],
+        )
+
+    @staticmethod
+    def _fallback_update(
+        param: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]
+    ) -> None:
+        """torch's fused Adam(W) CPU kernel on the same state (it increments `step` itself);
+        bf16 moments are widened for it and rounded back."""
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
+        torch_adam_functional(
+            [param],
+            [param.grad],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [state["step"]],
+            fused=True,
+            decoupled_weight_decay=group["adamw"],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        if exp_avg.data_ptr() != state["exp_avg"].data_ptr():  # bf16 moments: round back
+            state["exp_avg"].copy_(exp_avg)
+            state["exp_avg_sq"].copy_(exp_avg_sq)

@@ -1,0 +1,414 @@
+"""tessera.optim.CPUAdam against torch.optim.AdamW / Adam, with a float64 reference.
+
+The kernel is built once per machine into the per-user cache (about 5 s the first time, a load
+afterwards); the fallback test builds into a temporary cache with a compiler that fails.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import shutil
+import stat
+import warnings
+
+import pytest
+import torch
+from _tolerance import check_close
+
+from tessera.optim import CPUAdam, _cpu_adam_kernel, cpu_adam, native_kernel_available
+
+# Sizes: a scalar, odd lengths that leave a vector tail, and one spanning several 16384-element
+# chunks so two OpenMP threads split it (chunk boundaries are where an off-by-one would hide).
+SHAPES = [(), (7,), (33, 5), (3 * 16384 + 11,)]
+HYPER = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+STEPS = 6
+
+
+def _params(seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _grads(seed: int, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * seed + step)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _train(optimizer_factory, initial, seed, steps, dtype=torch.float32):
+    params = [p.clone().to(dtype).requires_grad_() for p in initial]
+    optimizer = optimizer_factory(params)
+    for step in range(steps):
+        for param, grad in zip(params, _grads(seed, step)):
+            param.grad = grad.to(dtype)
+        optimizer.step()
+    return params, optimizer
+
+
+def _moments(optimizer, params):
+    return {
+        f"{name}{i}": optimizer.state[p][name]
+        for i, p in enumerate(params)
+        for name in ("exp_avg", "exp_avg_sq")
+    }
+
+
+@pytest.fixture(scope="module")
+def native():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine: only the fallback can run")
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():  # torch.utils.cpp_extension builds with ninja
+        pytest.skip("no ninja on this machine (pip install ninja): only the fallback can run")
+    assert native_kernel_available(), _cpu_adam_kernel.load_kernel()
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_matches_torch_adam_within_its_own_rounding(native, adamw):
+    """CPUAdam == AdamW (adamw=True) / Adam with L2 decay (adamw=False), 6 steps, 4 tensors.
+
+    Tolerance: against a float64 run of torch's own single-tensor Adam(W), CPUAdam may err by at
+    most 4x what torch's fused fp32 kernel errs (the suite's FACTOR: the same formula, other
+    association of the same fp32 operations) + 16 ulps of the tensor's norm.
+    """
+    torch_class = torch.optim.AdamW if adamw else torch.optim.Adam
+    initial = _params(seed=1)
+    ours, ours_opt = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 1, STEPS)
+    assert ours_opt.uses_native_kernel
+    oracle, oracle_opt = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, 1, STEPS)
+    exact, exact_opt = _train(
+        lambda ps: torch_class(ps, foreach=False, **HYPER), initial, 1, STEPS, torch.float64
+    )
+    check_close(ours, oracle, exact, what=f"params adamw={adamw}")
+    check_close(
+        _moments(ours_opt, ours),
+        _moments(oracle_opt, oracle),
+        _moments(exact_opt, exact),
+        what=f"moments adamw={adamw}",
+    )
+    # The issue's acceptance figure (1e-6 relative to torch), in the norm per tensor: the max over
+    # elements is a tail statistic of two roundings (see tests/_tolerance.py), the norm is stable.
+    for mine, theirs in zip(ours, oracle):
+        relative = ((mine - theirs).double().norm() / theirs.double().norm()).item()
+        assert relative <= 1e-6, relative
+    # A wrong decay mode is far outside the budget: the other torch class must NOT match.
+    other = torch.optim.Adam if adamw else torch.optim.AdamW
+    wrong, _ = _train(lambda ps: other(ps, fused=True, **HYPER), initial, 1, STEPS)
+    with pytest.raises(AssertionError):
+        check_close(wrong, oracle, exact)
+
+
+def test_thread_count_does_not_change_results(native):
+    """Every element is updated independently: 1 and 2 threads give bit-identical results."""
+    initial = _params(seed=2)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 2, 3)
+        torch.set_num_threads(2)
+        two, _ = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 2, 3)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_resume_is_exact(native):
+    """k steps + save + load into a fresh optimizer + k steps == 2k steps straight (torch.equal)."""
+    initial, k = _params(seed=3), 3
+    straight, straight_opt = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 3, 2 * k)
+
+    first, first_opt = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 3, k)
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in first], "optim": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = [p.clone().requires_grad_() for p in saved["params"]]
+    resumed_opt = CPUAdam(resumed, lr=1.0, betas=(0.0, 0.0), weight_decay=0.0)  # overwritten
+    resumed_opt.load_state_dict(saved["optim"])
+    for step in range(k, 2 * k):
+        for param, grad in zip(resumed, _grads(3, step)):
+            param.grad = grad
+        resumed_opt.step()
+    for a, b in zip(resumed, straight):
+        assert torch.equal(a, b)
+    mine, theirs = resumed_opt.state_dict(), straight_opt.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for index, state in theirs["state"].items():
+        for name, value in state.items():
+            assert torch.equal(mine["state"][index][name], value), (index, name)
+
+
+def test_bf16_copy_out_rounds_to_nearest_even(native):
+    """With lr=0 the parameter is unchanged, so bf16_out must equal torch's own conversion,
+    on ties (both directions), values that round up into the next binade, subnormals, inf, NaN."""
+    values = torch.tensor(
+        [
+            1.0,
+            1.00390625,
+            1.01171875,
+            1.0 + 2**-8 + 2**-20,
+            -3.9999,
+            65504.0,
+            3.0e38,
+            1e-40,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+        ]
+        + torch.randn(40_000, generator=torch.Generator().manual_seed(6)).tolist()
+    )
+    param = values.clone().requires_grad_()
+    param.grad = torch.randn(values.shape, generator=torch.Generator().manual_seed(7))
+    out = torch.empty(values.numel(), dtype=torch.bfloat16)
+    CPUAdam([param], lr=0.0, weight_decay=0.0).step(bf16_out=[out])
+    assert torch.equal(param.detach(), values)  # (-0.0 - 0 * x may turn into +0.0: equal)
+    expected = param.detach().to(torch.bfloat16)  # torch's conversion of the updated value
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+
+    nan_param = torch.tensor([float("nan"), 1.0], requires_grad=True)
+    nan_param.grad = torch.ones(2)
+    nan_out = torch.zeros(2, dtype=torch.bfloat16)
+    CPUAdam([nan_param], lr=0.0, weight_decay=0.0).step(bf16_out=[nan_out])
+    assert torch.isnan(nan_out[0]) and nan_out[1].item() == 1.0
+
+
+def test_bf16_copy_out_after_a_real_step(native):
+    params = [p.requires_grad_() for p in _params(seed=4)]
+    for param, grad in zip(params, _grads(4, 0)):
+        param.grad = grad
+    outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
+    outs[1] = None  # skipped: its parameter is still updated
+    before = params[1].detach().clone()
+    CPUAdam(params, **HYPER).step(bf16_out=outs)
+    assert not torch.equal(params[1].detach(), before)
+    for param, out in zip(params, outs):
+        if out is not None:
+            assert torch.equal(out, param.detach().reshape(-1).to(torch.bfloat16))
+
+
+def test_bad_input_is_a_clear_error(native):
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        with pytest.raises(TypeError, match=rf"float32 parameters only.*{dtype}"):
+            CPUAdam([torch.zeros(3, dtype=dtype, requires_grad=True)])
+    with pytest.raises(ValueError, match="contiguous"):
+        CPUAdam([torch.zeros(4, 3).t().requires_grad_()])
+    param = torch.zeros(5, requires_grad=True)
+    param.grad = torch.ones(5)
+    optimizer = CPUAdam([param])
+    with pytest.raises(ValueError, match=r"bf16_out\[0\] must be .*bfloat16"):
+        optimizer.step(bf16_out=[torch.empty(5)])
+    with pytest.raises(ValueError, match="1 entries for 1|2 entries for 1"):
+        optimizer.step(bf16_out=[None, None])
+    param.data = param.data.to(torch.bfloat16)  # changed after construction
+    param.grad = torch.ones(5, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"parameter 0 has dtype torch.bfloat16"):
+        optimizer.step()
+    with pytest.raises(ValueError, match="betas"):
+        CPUAdam([param], betas=(1.0, 0.9))
+
+
+@pytest.fixture
+def failing_compiler(tmp_path, monkeypatch):
+    """A compiler that answers --version but refuses to compile, and an empty build cache."""
+    compiler = tmp_path / "broken-c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in *.cpp) echo "broken: refusing $a" >&2; exit 1;; '
+        "esac; done\n"
+        f'exec {shutil.which("g++") or shutil.which("c++") or "false"} "$@"\n'
+    )
+    compiler.chmod(compiler.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(compiler))
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_adam, "_warned_fallback", False)
+    _cpu_adam_kernel.load_kernel.cache_clear()
+    yield
+    _cpu_adam_kernel.load_kernel.cache_clear()  # the next test loads the real kernel again
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_failed_build_falls_back_with_one_warning(failing_compiler, adamw):
+    torch_class = torch.optim.AdamW if adamw else torch.optim.Adam
+    initial = _params(seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours, ours_opt = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 5, 3)
+        again, _ = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, 5, 3)
+    ours_warnings = [w for w in caught if "CPUAdam" in str(w.message)]
+    assert len(ours_warnings) == 1, [str(w.message) for w in caught]
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if is_ninja_available():  # else the build stops earlier, for want of ninja
+        assert "broken: refusing" in str(ours_warnings[0].message)
+    assert not ours_opt.uses_native_kernel
+    oracle, oracle_opt = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, 5, 3)
+    for a, b, c in zip(ours, again, oracle):  # the same torch kernel: bit-identical
+        assert torch.equal(a, c) and torch.equal(b, c)
+    for name, value in _moments(oracle_opt, oracle).items():
+        assert torch.equal(_moments(ours_opt, ours)[name], value), name
+    state = copy.deepcopy(ours_opt.state_dict())
+    assert state["state"][0]["step"].item() == 3.0
+
+
+# --- ZeRO-Offload: tessera.zero.initialize(..., offload="cpu") -----------------------------------
+
+
+def _offload_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 17), torch.nn.Tanh(), torch.nn.Linear(17, 11), torch.nn.Linear(11, 3)
+    )
+
+
+def _offload_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(50 + step)
+    return torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+
+
+OFFLOAD_STEPS, OFFLOAD_HYPER = 3, dict(lr=1e-2, weight_decay=0.1)
+
+
+def _offload_ranks():
+    """Each stage with offload="cpu" (AdamW in, CPUAdam inside) and without (CPUAdam named)."""
+    import tessera
+    from tessera.zero import full_state_dict, initialize
+
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    out = {}
+    for stage in (1, 2, 3):
+        for mode, optimizer_class in (("cpu", torch.optim.AdamW), (None, CPUAdam)):
+            model, optimizer = initialize(
+                _offload_model(), optimizer_class, stage=stage, offload=mode, **OFFLOAD_HYPER
+            )
+            for step in range(OFFLOAD_STEPS):
+                x, y = _offload_batch(step)
+                rows = slice(4 * ctx.rank, 4 * ctx.rank + 4)  # this rank's half of the batch
+                optimizer.zero_grad()
+                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                optimizer.step()
+            inner = optimizer.optimizer  # the step each rank runs on its slice
+            out[(stage, mode)] = (full_state_dict(model), (type(inner), inner.uses_native_kernel))
+    return out
+
+
+def _offload_oracle(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Plain single-process AdamW on the whole batch (written here, not through tessera)."""
+    model = _offload_model().to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OFFLOAD_HYPER)
+    for step in range(OFFLOAD_STEPS):
+        x, y = _offload_batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype)).backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_zero_offload_cpu_equals_no_offload_and_one_process(native, run_ranks):
+    results = run_ranks(_offload_ranks, 2)[0]
+    oracle, reference = _offload_oracle(torch.float32), _offload_oracle(torch.float64)
+    for stage in (1, 2, 3):
+        offloaded, inner = results[(stage, "cpu")]
+        plain, _ = results[(stage, None)]
+        assert inner == (CPUAdam, True), inner
+        for name, value in plain.items():  # the same CPUAdam on the same slices: bit-identical
+            assert torch.equal(offloaded[name], value), (stage, name)
+        # Against one process: two ranks average their half-batch gradients (another reduction
+        # order), hence the suite's derived tolerance (tests/_tolerance.py).
+        check_close(offloaded, oracle, reference, what=f"stage {stage} offload=cpu")
+
+
+def test_zero_offload_bad_input():
+    from tessera.optim.offload import host_optimizer
+
+    model = _offload_model()
+    with pytest.raises(NotImplementedError, match="nvme"):
+        host_optimizer("nvme", 2, model, torch.optim.AdamW, {})
+    with pytest.raises(ValueError, match="offload must be one of"):
+        host_optimizer("gpu", 2, model, torch.optim.AdamW, {})
+    with pytest.raises(ValueError, match="stage 1, 2 or 3"):
+        host_optimizer("cpu", 0, model, torch.optim.AdamW, {})
+    with pytest.raises(ValueError, match="not SGD"):
+        host_optimizer("cpu", 1, model, torch.optim.SGD, {"lr": 0.1})
+    with pytest.raises(ValueError, match="amsgrad"):
+        host_optimizer("cpu", 1, model, torch.optim.AdamW, {"amsgrad": True})
+    assert host_optimizer("cpu", 1, model, torch.optim.Adam, {"lr": 0.1, "fused": True}) == (
+        CPUAdam,
+        {"lr": 0.1, "weight_decay": 0.0, "adamw": False},
+    )
+    assert host_optimizer(None, 0, model, torch.optim.SGD, {"lr": 1}) == (
+        torch.optim.SGD,
+        {"lr": 1},
+    )
+
+
+# --- bf16 moments -----------------------------------------------------------------------------
+
+
+def test_bf16_moments_first_step_is_the_rounded_fp32_moment(native):
+    """From zero state, m = (1 - b1) g and v = (1 - b2) g^2 in fp32, then rounded to nearest-even
+    bf16: exactly torch's own `.to(torch.bfloat16)` of the same fp32 products."""
+    params = [p.requires_grad_() for p in _params(seed=8)]
+    grads = _grads(8, 0)
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    optimizer = CPUAdam(params, bf16_moments=True, **HYPER)
+    optimizer.step()
+    beta1, beta2 = HYPER["betas"]
+    for param, grad in zip(params, grads):
+        state = optimizer.state[param]
+        assert state["exp_avg"].dtype == torch.bfloat16 == state["exp_avg_sq"].dtype
+        expected_m = (grad * torch.tensor(1 - beta1, dtype=torch.float32)).to(torch.bfloat16)
+        expected_v = ((grad * grad) * torch.tensor(1 - beta2, dtype=torch.float32)).to(
+            torch.bfloat16
+        )
+        assert torch.equal(state["exp_avg"], expected_m)
+        assert torch.equal(state["exp_avg_sq"], expected_v)
+
+
+def test_bf16_moments_stay_within_their_rounding_of_fp32(native):
+    """6 steps with bf16 moments against fp32 CPUAdam, within a bound derived from bf16 rounding.
+
+    Each stored moment carries a relative rounding error <= 2^-9 (half a bf16 ulp); the running
+    averages weigh those errors by beta^k, so m is off by at most 2^-9 / (1 - beta1) = 5 * 2^-9
+    relative and v by 2^-9 / (1 - beta2) = 20 * 2^-9, sqrt(v) by half that: an update
+    m_hat / sqrt(v_hat) is off by at most 15 * 2^-9 of its size. Its size is at most `c` below
+    (Cauchy-Schwarz over the two averages' weights, with bias correction), times lr. Over STEPS
+    steps the error per element is <= STEPS * lr * c * 15 * 2^-9; in the norm, x sqrt(numel).
+    """
+    beta1, beta2 = HYPER["betas"]
+    c = max(
+        (1 - beta1)
+        / (1 - beta2) ** 0.5
+        / (1 - beta1**2 / beta2) ** 0.5
+        * (1 - beta2**t) ** 0.5
+        / (1 - beta1**t)
+        for t in range(1, STEPS + 1)
+    )
+    initial = _params(seed=9)
+    ours, _ = _train(lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER), initial, 9, STEPS)
+    full, _ = _train(lambda ps: CPUAdam(ps, **HYPER), initial, 9, STEPS)
+    for mine, theirs in zip(ours, full):
+        bound = STEPS * HYPER["lr"] * c * 15 * 2**-9 * theirs.numel() ** 0.5
+        distance = (mine - theirs).double().norm().item()
+        assert distance <= bound, (distance, bound)
+        assert distance > 0 or theirs.numel() == 1  # the moments really are rounded
+
+
+def test_bf16_moments_resume_is_exact(native):
+    initial, k = _params(seed=10), 2
+    factory = lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER)  # noqa: E731
+    straight, _ = _train(factory, initial, 10, 2 * k)
+    first, first_opt = _train(factory, initial, 10, k)
+    resumed = [p.detach().clone().requires_grad_() for p in first]
+    resumed_opt = factory(resumed)
+    resumed_opt.load_state_dict(copy.deepcopy(first_opt.state_dict()))
+    for step in range(k, 2 * k):
+        for param, grad in zip(resumed, _grads(10, step)):
+            param.grad = grad
+        resumed_opt.step()
+    for a, b in zip(resumed, straight):
+        assert torch.equal(a, b)
+    assert resumed_opt.state[resumed[0]]["exp_avg"].dtype == torch.bfloat16
