@@ -27,9 +27,14 @@ from tessera.parameter_server import (
     ASP,
     BSP,
     SSP,
+    TOKEN_ENV,
+    ConsistencyPolicy,
     GradientShapeError,
     PeerRefused,
+    Piece,
     PSResult,
+    PSTimeout,
+    ShardPlan,
     ShardServer,
     WorkerLost,
     plan_shards,
@@ -501,3 +506,35 @@ def test_metrics_file_has_every_gradient_each_worker_and_the_histogram(tmp_path)
                         "wait_s": None}
     assert lines[-1]["counts"] == {"0": 1, "1": 2}  # JSON keys are strings
     assert (tmp_path / "metrics.png").stat().st_size > 0
+
+
+def test_policies_share_one_protocol_and_plans_are_made_of_pieces():
+    policies: list[ConsistencyPolicy] = [BSP(), SSP(staleness=3), ASP()]
+    assert [p.staleness_bound for p in policies] == [0, 3, math.inf]
+    plan = plan_shards(nn.Linear(4, 3), 2)  # 12 + 3 elements over 2 servers
+    assert isinstance(plan, ShardPlan)
+    pieces = [piece for shard in plan.shards for piece in shard]
+    assert all(isinstance(piece, Piece) for piece in pieces)
+    assert sum(piece.stop - piece.start for piece in pieces) == 15
+    assert TOKEN_ENV == "TESSERA_PS_TOKEN"  # the name the README and `run`'s docstring give
+
+
+def test_a_read_held_back_too_long_raises_pstimeout_naming_the_slowest_worker():
+    server = _server(SSP(0), timeout_s=0.2)
+    server.pull(0, 0)
+    server.push(0, 0, [torch.zeros(3)], 0.0)
+    stop = threading.Event()
+
+    def alive_but_stuck() -> None:  # worker 1 answers heartbeats but never pushes
+        while not stop.is_set():
+            server.heartbeat(1)
+            time.sleep(0.02)
+
+    beating = threading.Thread(target=alive_but_stuck)
+    beating.start()
+    try:
+        with pytest.raises(PSTimeout, match="for worker 1 \\(at clock 0\\)"):
+            server.pull(0, 1)
+    finally:
+        stop.set()
+        beating.join()

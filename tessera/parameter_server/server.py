@@ -214,7 +214,14 @@ class ShardServer:
         return min(self.clocks[w] for w in live) if live else max(self.clocks)
 
     def _slowest_live(self) -> int:
-        return min(self._live(), key=lambda w: self.clocks[w])
+        """The live worker holding others back: lowest clock, and among those (BSP keeps pushed
+        gradients pending until the clock is complete) one that has not pushed for it yet."""
+
+        def behind(worker: int) -> tuple[int, bool]:
+            pushed = worker in self._pending.get(self.clocks[worker], {})
+            return self.clocks[worker], pushed
+
+        return min(self._live(), key=behind)
 
     def _drop_silent(self, operation: str) -> None:
         now = time.monotonic()
