@@ -24,9 +24,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
-__all__ = ["client_generator", "local_update"]
+__all__ = ["client_generator", "load_vector", "local_update"]
+
+
+def load_vector(params: list[torch.Tensor], vector: torch.Tensor) -> None:
+    """Copy a flat vector into `params` (in place; unlike `vector_to_parameters`, which makes
+    the parameters views of the vector, so that training would overwrite the global weights)."""
+    offset = 0
+    with torch.no_grad():
+        for param in params:
+            param.copy_(vector[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
 
 
 def client_generator(seed: int, round_index: int, client: int) -> torch.Generator:
@@ -54,8 +64,7 @@ def local_update(
     `labels` are the client's samples only.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    with torch.no_grad():
-        vector_to_parameters(global_vector, params)
+    load_vector(params, global_vector)
     model.train()
     if algorithm == "fedsgd":
         loss = F.cross_entropy(model(inputs), labels)

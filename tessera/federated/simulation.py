@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from tessera.federated.aggregate import (
     ALGORITHMS,
@@ -36,7 +36,7 @@ from tessera.federated.aggregate import (
     sum_to_mean,
     update_problem,
 )
-from tessera.federated.client import client_generator, local_update
+from tessera.federated.client import client_generator, load_vector, local_update
 from tessera.federated.partitioning import SCHEMES
 from tessera.federated.partitioning import partition as make_partition
 from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
@@ -155,8 +155,7 @@ def simulate(
         history.bytes_down.append(int(down))
         history.selected.append(selected)
         history.dropped.append(dropped)
-        with torch.no_grad():
-            vector_to_parameters(global_vector, params)
+        load_vector(params, global_vector)
         _evaluate(global_model, test_x, test_y, history)
     history.state_dict = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
     return history
