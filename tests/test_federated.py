@@ -506,3 +506,79 @@ def test_simulate_with_dp_clips_noises_and_counts_epsilon():
         DPConfig(clip=1.0, noise_multiplier=0.0)
     with pytest.raises(ValueError, match="clip"):
         DPConfig(clip=-1.0, noise_multiplier=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# deployed mode over gRPC on loopback
+
+
+def _odd_model() -> nn.Module:
+    torch.manual_seed(11)
+    return OddNet()
+
+
+def _client_process(address: str, client: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    torch.set_num_threads(1)
+    from tessera.federated.deployed import connect
+
+    connect(address, _odd_model, (x, y), client=client, token="s3cret")
+
+
+class _Context:
+    """Stands in for grpc.ServicerContext: abort raises, like gRPC's."""
+
+    def abort(self, code, details):
+        raise PermissionError(f"{code}: {details}")
+
+
+def test_deployed_round_equals_simulated_round():
+    import multiprocessing
+
+    from tessera.federated import wire
+    from tessera.federated.deployed import ServerConfig, connect, serve
+
+    x, y = _data(45, seed=8)
+    parts = [np.arange(0, 10), np.arange(10, 25), np.arange(25, 45)]
+    settings = dict(local_epochs=2, batch_size=4, lr=0.3, seed=5)
+    config = ServerConfig(token="s3cret", rounds=2, clients_per_round=3, quorum=3,
+                          round_timeout_s=120, join_timeout_s=120, **settings)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    address = f"127.0.0.1:{port}"
+    spawn = multiprocessing.get_context("spawn")
+    processes = [
+        spawn.Process(target=_client_process, args=(address, k, x[p], y[p]))
+        for k, p in enumerate(parts)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        # meanwhile: a wrong token and messages that could carry data are refused
+        with pytest.raises(PermissionError, match="wrong token"):
+            connect(address, _odd_model, (x, y), client=9, token="guess", connect_timeout_s=30)
+        numel = server.vector.numel()
+        for header, payload in [
+            ({"kind": "join", "token": "s3cret", "client": 9, "inputs": [1.0]}, None),
+            ({"kind": "task", "token": "s3cret", "client": 9}, np.zeros(3)),
+            ({"kind": "report", "token": "s3cret", "client": 9, "round": 1}, np.zeros(numel)),
+        ]:
+            with pytest.raises(PermissionError, match="refused"):
+                server.handle(wire.encode(header, payload), _Context())
+        history = server.run()
+        for process in processes:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        grpc_server.stop(0)
+    assert history.reported == [[0, 1, 2], [0, 1, 2]]
+    assert len(server.refused) == 4  # the token and the three messages above
+    simulated = simulate(
+        _odd_model, (x, y), (x, y), partition=parts, num_clients=3, clients_per_round=3,
+        rounds=2, **settings,
+    )  # fmt: skip
+    for name, value in simulated.state_dict.items():  # same code, same order: bit for bit
+        assert torch.equal(history.state_dict[name], value), name
+    with pytest.raises(ConnectionError, match="no server"):
+        connect(address, _odd_model, (x, y), client=0, token="s3cret", connect_timeout_s=0.5)
