@@ -517,13 +517,6 @@ def _odd_model() -> nn.Module:
     return OddNet()
 
 
-def _client_process(address: str, client: int, x: torch.Tensor, y: torch.Tensor) -> None:
-    torch.set_num_threads(1)
-    from tessera.federated.deployed import connect
-
-    connect(address, _odd_model, (x, y), client=client, token="s3cret")
-
-
 class _Context:
     """Stands in for grpc.ServicerContext: abort raises, like gRPC's."""
 
@@ -531,8 +524,12 @@ class _Context:
         raise PermissionError(f"{code}: {details}")
 
 
-def test_deployed_round_equals_simulated_round():
-    import multiprocessing
+def test_deployed_round_equals_simulated_round(tmp_path):
+    """3 client processes started with `python -m tessera.federated client` on loopback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     from tessera.federated import wire
     from tessera.federated.deployed import ServerConfig, connect, serve
@@ -544,14 +541,18 @@ def test_deployed_round_equals_simulated_round():
                           round_timeout_s=120, join_timeout_s=120, **settings)  # fmt: skip
     server, grpc_server, port = serve(_odd_model, config)
     address = f"127.0.0.1:{port}"
-    spawn = multiprocessing.get_context("spawn")
-    processes = [
-        spawn.Process(target=_client_process, args=(address, k, x[p], y[p]))
-        for k, p in enumerate(parts)
-    ]
+    tests, root = Path(__file__).parent, Path(__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tests}", "TESSERA_FL_TOKEN": "s3cret",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    processes = []
     try:
-        for process in processes:
-            process.start()
+        for k, p in enumerate(parts):
+            torch.save((x[p], y[p]), tmp_path / f"client{k}.pt")
+            command = [sys.executable, "-m", "tessera.federated", "client", "--server", address,
+                       "--data", str(tmp_path / f"client{k}.pt"), "--client", str(k),
+                       "--model", "test_federated:_odd_model"]  # fmt: skip
+            processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))  # fmt: skip
         # meanwhile: a wrong token and messages that could carry data are refused
         with pytest.raises(PermissionError, match="wrong token"):
             connect(address, _odd_model, (x, y), client=9, token="guess", connect_timeout_s=30)
@@ -565,11 +566,12 @@ def test_deployed_round_equals_simulated_round():
                 server.handle(wire.encode(header, payload), _Context())
         history = server.run()
         for process in processes:
-            process.join(timeout=60)
-            assert process.exitcode == 0
+            output, _ = process.communicate(timeout=60)
+            assert process.returncode == 0, output
+            assert "trained in 2 rounds" in output
     finally:
         for process in processes:
-            if process.is_alive():
+            if process.poll() is None:
                 process.kill()
         grpc_server.stop(0)
     assert history.reported == [[0, 1, 2], [0, 1, 2]]
@@ -582,3 +584,21 @@ def test_deployed_round_equals_simulated_round():
         assert torch.equal(history.state_dict[name], value), name
     with pytest.raises(ConnectionError, match="no server"):
         connect(address, _odd_model, (x, y), client=0, token="s3cret", connect_timeout_s=0.5)
+
+
+def test_fl_server_command_reads_its_config_and_times_out_cleanly(tmp_path):
+    from tessera.federated.cli import load_model_fn, main
+
+    config = tmp_path / "server.yaml"
+    config.write_text(
+        "model: test_federated:_odd_model\naddress: 127.0.0.1:0\ntoken: t\nrounds: 1\n"
+        "clients_per_round: 2\njoin_timeout_s: 0.3\n"
+    )
+    with pytest.raises(TimeoutError, match="only 0 clients joined in 0.3 s"):
+        main(["server", "--config", str(config)])
+    assert load_model_fn("test_federated:_odd_model") is _odd_model
+    with pytest.raises(ValueError, match="package.module:function"):
+        load_model_fn("no_colon")
+    config.write_text("model: test_federated:_odd_model\ntoken: t\nalgorithm: fedadam\n")
+    with pytest.raises(ValueError, match="unknown algorithm 'fedadam'"):
+        main(["server", "--config", str(config)])
