@@ -36,6 +36,17 @@ from tessera.federated.client import client_generator
 from tessera.federated.privacy import clip_update, rdp_sampled_gaussian
 from tessera.federated.secure_aggregation import SecAggClient, SecAggServer, quantize
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on a loaded 2-core machine: extra intra-op threads only spin (measured: one
+    thread runs these tests 30x faster)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------------
 # partitioners
 
