@@ -566,7 +566,7 @@ def test_deployed_round_equals_simulated_round(tmp_path):
                                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
         # meanwhile: a wrong token and messages that could carry data are refused
         with pytest.raises(PermissionError, match="wrong token"):
-            connect(address, _odd_model, (x, y), client=9, token="guess", connect_timeout_s=30)
+            connect(address, _odd_model, (x, y), client=9, token="guess", idle_timeout_s=3)
         numel = server.vector.numel()
         for header, payload in [
             ({"kind": "join", "token": "s3cret", "client": 9, "inputs": [1.0]}, None),

@@ -68,6 +68,7 @@ def _client(args: argparse.Namespace) -> int:
     rounds = connect(
         args.server, load_model_fn(args.model), (inputs, labels), client=args.client,
         token=token, root_certificate=root, connect_timeout_s=args.connect_timeout,
+        idle_timeout_s=args.idle_timeout,
     )  # fmt: skip
     print(f"tessera fl client {args.client}: trained in {rounds} rounds")
     return 0
@@ -86,6 +87,7 @@ def add_subcommands(commands) -> None:
     client.add_argument("--token", default=None, help="shared token (or TESSERA_FL_TOKEN)")
     client.add_argument("--root-certificate", default=None, help="PEM: use TLS")
     client.add_argument("--connect-timeout", type=float, default=30.0)
+    client.add_argument("--idle-timeout", type=float, default=900.0, help="give up after")
     client.set_defaults(handler=_client)
 
 

@@ -224,12 +224,14 @@ def connect(
     token: str,
     root_certificate: bytes | None = None,
     connect_timeout_s: float = 30.0,
+    idle_timeout_s: float = 900.0,
     poll_s: float = 0.02,
 ) -> int:
     """Take part in a deployed run as client `client` with `data`; returns the rounds trained.
 
-    Only reports leave the client. Raises `ConnectionError` if no server answers in time and
-    `PermissionError` if the server refuses the token.
+    Only reports leave the client. Raises `ConnectionError` if no server answers in time,
+    `PermissionError` if the server refuses the token, and `TimeoutError` if the server neither
+    selects this client nor finishes for `idle_timeout_s` (no wait is unbounded).
     """
     if root_certificate is not None:
         channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificate))
@@ -259,11 +261,16 @@ def connect(
 
     try:
         send({"kind": "join"})
+        idle_since = time.monotonic()
         while True:
             task, vector = send({"kind": "task"})
             if task["kind"] == "done":
                 return trained
             if task["kind"] != "train":
+                if time.monotonic() - idle_since > idle_timeout_s:
+                    raise TimeoutError(
+                        f"federated client {client}: no task from {address} in {idle_timeout_s} s"
+                    )
                 time.sleep(poll_s)
                 continue
             global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
@@ -275,5 +282,6 @@ def connect(
             report = make_report(update, float(len(labels))).numpy()
             send({"kind": "report", "round": task["round"]}, report)
             trained += 1
+            idle_since = time.monotonic()
     finally:
         channel.close()
