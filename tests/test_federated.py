@@ -613,3 +613,64 @@ def test_fl_server_command_reads_its_config_and_times_out_cleanly(tmp_path):
     config.write_text("model: test_federated:_odd_model\ntoken: t\nalgorithm: fedadam\n")
     with pytest.raises(ValueError, match="unknown algorithm 'fedadam'"):
         main(["server", "--config", str(config)])
+
+
+def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
+    """One client in a thread trains honestly, another sends a non-finite report: the server
+    logs and drops it, and the round counts with the quorum of one (no processes: quick)."""
+    import threading
+
+    import grpc
+
+    from tessera.federated import wire
+    from tessera.federated.deployed import METHOD, ServerConfig, connect, serve
+
+    x, y = _data(20, seed=9)
+    config = ServerConfig(token="t", rounds=1, clients_per_round=2, quorum=1, batch_size=None,
+                          round_timeout_s=60, join_timeout_s=60)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    address = f"127.0.0.1:{port}"
+    good = threading.Thread(
+        target=connect, args=(address, _odd_model, (x, y)),
+        kwargs=dict(client=0, token="t", idle_timeout_s=60), daemon=True,
+    )  # fmt: skip
+
+    def bad_client() -> None:
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(METHOD)
+
+            def send(header, payload=None):
+                return wire.decode(call(wire.encode({**header, "token": "t", "client": 1}, payload),
+                                        timeout=30))[0]  # fmt: skip
+
+            send({"kind": "join"})
+            while (task := send({"kind": "task"}))["kind"] != "train":
+                threading.Event().wait(0.02)
+            report = np.full(server.vector.numel() + 1, np.nan)
+            assert send({"kind": "report", "round": task["round"]}, report)["kind"] == "received"
+
+    bad = threading.Thread(target=bad_client, daemon=True)
+    try:
+        good.start()
+        bad.start()
+        with caplog.at_level(logging.WARNING):
+            history = server.run()
+        good.join(timeout=30)
+        bad.join(timeout=30)
+    finally:
+        grpc_server.stop(0)
+    assert history.reported == [[0, 1]]
+    assert "rejected the update of client 1" in caplog.text and "non-finite" in caplog.text
+    # The model moved by client 0's update alone: one full-batch SGD step on its data. The server
+    # adds the float32 difference w_local - w_global (one rounding, <= one spacing of the larger)
+    # to w_global in float64 and rounds to float32 (<= half a spacing): 2 spacings bound both.
+    model = _odd_model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    for name, value in model.state_dict().items():
+        larger = torch.maximum(value.abs(), start[name].abs())
+        spacing = torch.from_numpy(np.spacing(larger.numpy()))
+        assert ((history.state_dict[name] - value).abs() <= 2 * spacing).all(), name
+        assert not torch.equal(value, start[name])
