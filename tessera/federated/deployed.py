@@ -9,7 +9,11 @@ send a `report`; the server aggregates with the same `aggregate` code. A round s
 with fewer than `quorum` usable reports the round is skipped and the model kept. Clients may join
 between rounds and leave at any time. Every call carries the shared `token` (compared in constant
 time); TLS is used when a certificate and key are given. One generic unary gRPC method carries
-`wire` messages (no generated stubs). Not yet: secure aggregation and DP over the network.
+`wire` messages (no generated stubs). With `secure_aggregation`, a round runs Bonawitz et al.'s
+four phases (`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation; a
+client that stops after sharing its keys is a dropout whose masks the others' shares remove. A
+client whose own update is non-finite does not report (it drops out); the server cannot inspect
+masked reports. Not yet over the network: differential privacy.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from tessera.federated.aggregate import (
     update_problem,
 )
 from tessera.federated.client import client_generator, load_vector, local_update
+from tessera.federated.secure_aggregation import (
+    SecAggClient,
+    SecAggServer,
+    SecureAggregationError,
+    dequantize,
+    quantize,
+)
 
 __all__ = ["FederatedServer", "ServerConfig", "connect", "serve"]
 
@@ -66,6 +77,10 @@ class ServerConfig:
     """Deadline for the selected clients' reports."""
     join_timeout_s: float = 300.0
     """How long a round waits for enough clients to join before the run stops."""
+    secure_aggregation: bool = False
+    """Sum the reports with secure aggregation (the server sees masked vectors only)."""
+    threshold: int | None = None
+    """Secure aggregation's Shamir threshold (default: a majority of the selected clients)."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -81,14 +96,25 @@ class ServerHistory:
     """What a deployed run produced (the server has no test data: no accuracy)."""
 
     state_dict: dict = field(default_factory=dict)
+    """The final global model's state dict."""
     round_s: list[float] = field(default_factory=list)
+    """Wall time of each round, from the draw to the step."""
     reported: list[list[int]] = field(default_factory=list)
+    """Each round, the clients whose reports counted (usable, in time; survivors if secure)."""
     bytes_up: list[int] = field(default_factory=list)
+    """Bytes of client messages each round (polls included)."""
     bytes_down: list[int] = field(default_factory=list)
+    """Bytes of server replies each round."""
 
 
 class FederatedServer:
-    """The server's state and its one gRPC method; `run()` drives the rounds."""
+    """The server's state and its one gRPC method; `run()` drives the rounds.
+
+    A round is a sequence of phases; in each, the server tells the expected clients what to do
+    (`task`) and collects one submission of the phase's kind from each, until all arrived or the
+    deadline passed. Plain rounds have one phase (`train` -> `report`); secure rounds four
+    (`keys`, `shares`, `masked`, `unmask`: `_secure_round`).
+    """
 
     def __init__(self, model_fn: Callable[[], nn.Module], config: ServerConfig) -> None:
         self.config = config
@@ -98,15 +124,17 @@ class FederatedServer:
         self._lock = threading.Condition()
         self._joined: set[int] = set()
         self._round = 0
-        self._selected: set[int] = set()
-        self._reports: dict[int, torch.Tensor] = {}
+        self._phase: str | None = None  # the submission kind being collected
+        self._expected: set[int] = set()
+        self._task: Callable[[int], bytes] | None = None
+        self._collected: dict[int, tuple[dict, np.ndarray | None]] = {}
         self._done = False
         self._bytes = [0, 0]
         self.refused: list[str] = []  # why messages were refused (for logs and tests)
         self.history = ServerHistory()
 
     def handle(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        """Answer one client message (never raises into gRPC: bad messages are refused)."""
+        """Answer one client message (bad messages are refused with a gRPC error status)."""
         try:
             header, payload = wire.decode(request)
             kind = wire.check_client_message(header, payload, self.vector.numel() + 1)
@@ -130,17 +158,39 @@ class FederatedServer:
             return wire.encode({"kind": "joined"})
         if self._done:
             return wire.encode({"kind": "done"})
+        waiting = client not in self._expected or client in self._collected
         if kind == "task":
-            if client not in self._selected or client in self._reports:
-                return wire.encode({"kind": "wait"})
-            c = self.config
-            settings = dict(algorithm=c.algorithm, epochs=c.local_epochs, lr=c.lr, mu=c.mu,
-                            batch_size=c.batch_size, seed=c.seed)  # fmt: skip
-            return wire.encode({"kind": "train", "round": self._round, **settings}, self.vector)
-        if header["round"] != self._round or client not in self._selected:
+            return wire.encode({"kind": "wait"}) if waiting else self._task(client)
+        if waiting or kind != self._phase or header.get("round") != self._round:
             return wire.encode({"kind": "late"})
-        self._reports[client] = torch.from_numpy(payload.copy())
+        self._collected[client] = (header, None if payload is None else payload.copy())
         return wire.encode({"kind": "received"})
+
+    def _settings(self) -> dict:
+        c = self.config
+        return dict(round=self._round, algorithm=c.algorithm, epochs=c.local_epochs, lr=c.lr,
+                    mu=c.mu, batch_size=c.batch_size, seed=c.seed)  # fmt: skip
+
+    def _collect(self, phase: str, expected: set[int], task: Callable[[int], bytes]) -> dict:
+        """Ask `expected` clients for a `phase` submission; what arrived before the deadline."""
+        with self._lock:
+            self._phase, self._expected, self._task, self._collected = phase, expected, task, {}
+            self._lock.notify_all()
+            self._lock.wait_for(
+                lambda: set(self._collected) >= self._expected, timeout=self.config.round_timeout_s
+            )
+            collected, self._expected, self._phase = dict(self._collected), set(), None
+        return collected
+
+    def _plain_round(self, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
+        train = wire.encode({"kind": "train", **self._settings()}, self.vector)
+        reports = {
+            u: torch.from_numpy(payload)
+            for u, (_, payload) in self._collect("report", selected, lambda _: train).items()
+        }
+        numel = self.vector.numel()
+        usable = [u for u, r in reports.items() if update_problem(r, numel + 1) is None]
+        return sum_of_reports(sorted(reports.items()), numel), usable  # logs and skips bad ones
 
     def run(self) -> ServerHistory:
         """Run every round; returns the history (the final model in `state_dict`)."""
@@ -159,17 +209,16 @@ class FederatedServer:
                 start = time.perf_counter()
                 pool = sorted(self._joined)
                 chosen = rng.choice(len(pool), c.clients_per_round, replace=False)
-                self._round, self._reports, self._bytes = round_index, {}, [0, 0]
-                self._selected = {pool[i] for i in chosen}
-                self._lock.wait_for(
-                    lambda: set(self._reports) >= self._selected, timeout=c.round_timeout_s
-                )
-                reports = dict(self._reports)
-                self._selected = set()
-                bytes_up, bytes_down = self._bytes
-            numel = self.vector.numel()
-            total = sum_of_reports(sorted(reports.items()), numel)  # logs and skips bad ones
-            usable = [u for u, r in reports.items() if update_problem(r, numel + 1) is None]
+                self._round, self._bytes = round_index, [0, 0]
+            selected = {pool[i] for i in chosen}
+            try:
+                if c.secure_aggregation:
+                    total, usable = _secure_round(self, selected)
+                else:
+                    total, usable = self._plain_round(selected)
+            except SecureAggregationError as error:
+                log.warning("federated server: round %d abandoned: %s", round_index, error)
+                total, usable = None, []
             if len(usable) < c.quorum:
                 log.warning("federated server: round %d skipped, %d of quorum %d reports",
                             round_index, len(usable), c.quorum)  # fmt: skip
@@ -177,14 +226,59 @@ class FederatedServer:
                 mean = sum_to_mean(total)
                 self.vector = server_step(self.vector, mean, algorithm=c.algorithm, lr=c.lr)
             self.history.round_s.append(time.perf_counter() - start)
-            self.history.reported.append(sorted(reports))
-            self.history.bytes_up.append(bytes_up)
-            self.history.bytes_down.append(bytes_down)
+            self.history.reported.append(sorted(usable))
+            self.history.bytes_up.append(self._bytes[0])
+            self.history.bytes_down.append(self._bytes[1])
         with self._lock:
             self._done = True
         load_vector(self._params, self.vector)
         self.history.state_dict = {k: v.clone() for k, v in self.model.state_dict().items()}
         return self.history
+
+
+def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
+    """Bonawitz et al.'s four rounds over the network (see `secure_aggregation`)."""
+    secagg = SecAggServer(selected, server.config.threshold)
+    round_index = server._round
+
+    def ask(kind: str, **fields) -> Callable[[int], bytes]:
+        message = wire.encode({"kind": kind, "round": round_index, **fields})
+        return lambda _: message
+
+    keys = server._collect("keys", selected, ask("keys"))
+    roster = secagg.collect_keys(
+        {u: (bytes.fromhex(h["c"]), bytes.fromhex(h["s"])) for u, (h, _) in keys.items()}
+    )
+    shares_task = wire.encode(
+        {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
+         "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in roster.items()}},
+        server.vector,
+    )  # fmt: skip
+    shares = server._collect("shares", set(roster), lambda _: shares_task)
+    # Only clients whose shares went out can be unmasked later: they are the partners.
+    partners = sorted(shares)
+    secagg.roster = {u: roster[u] for u in partners}
+    secagg._require(len(partners), "sent their shares")
+    outboxes = {u: {int(v): bytes.fromhex(c) for v, c in h["outbox"].items()} for u, (h, _) in
+                shares.items()}  # fmt: skip
+    inboxes = secagg.route_shares({u: {v: c for v, c in box.items() if v in secagg.roster}
+                                   for u, box in outboxes.items()})  # fmt: skip
+
+    def masked_task(client: int) -> bytes:
+        inbox = {str(u): c.hex() for u, c in inboxes[client].items()}
+        return wire.encode({"kind": "masked", "round": round_index, "inbox": inbox,
+                            "partners": partners})  # fmt: skip
+
+    masked = server._collect("masked", set(partners), masked_task)
+    dropped, survivors = secagg.collect_masked({u: p for u, (_, p) in masked.items()})
+    unmask = server._collect("unmask", set(survivors), ask("unmask", dropped=dropped,
+                                                         survivors=survivors))  # fmt: skip
+    responses = {
+        u: {kind: {int(k): int(v) for k, v in h[kind].items()} for kind in ("s", "b")}
+        for u, (h, _) in unmask.items()
+    }
+    total = dequantize(secagg.finish(responses))
+    return total, survivors
 
 
 def serve(
@@ -259,6 +353,7 @@ def connect(
             raise ConnectionError(f"federated client {client}: {error.details()}") from None
         return wire.decode(reply)
 
+    secure: dict = {}  # this round's secure-aggregation state: the SecAggClient, the report
     try:
         send({"kind": "join"})
         idle_since = time.monotonic()
@@ -266,22 +361,47 @@ def connect(
             task, vector = send({"kind": "task"})
             if task["kind"] == "done":
                 return trained
-            if task["kind"] != "train":
+            if task["kind"] not in ("train", "keys", "shares", "masked", "unmask"):
                 if time.monotonic() - idle_since > idle_timeout_s:
                     raise TimeoutError(
                         f"federated client {client}: no task from {address} in {idle_timeout_s} s"
                     )
                 time.sleep(poll_s)
                 continue
-            global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
-            update = local_update(
-                model, global_vector, inputs, labels, algorithm=task["algorithm"],
-                epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
-                mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
-            )  # fmt: skip
-            report = make_report(update, float(len(labels))).numpy()
-            send({"kind": "report", "round": task["round"]}, report)
-            trained += 1
             idle_since = time.monotonic()
+            answer = {"kind": task["kind"], "round": task["round"]}
+            if task["kind"] in ("train", "shares"):
+                global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
+                update = local_update(
+                    model, global_vector, inputs, labels, algorithm=task["algorithm"],
+                    epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
+                    mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
+                )  # fmt: skip
+                report = make_report(update, float(len(labels)))
+                trained += 1
+            if task["kind"] == "train":
+                send({**answer, "kind": "report"}, report.numpy())
+            elif task["kind"] == "keys":
+                secure = {"client": SecAggClient(client)}
+                c_public, s_public = secure["client"].advertise_keys()
+                send({**answer, "c": c_public.hex(), "s": s_public.hex()})
+            elif task["kind"] == "shares":
+                roster = {int(u): (bytes.fromhex(c), bytes.fromhex(s))
+                          for u, (c, s) in task["roster"].items()}  # fmt: skip
+                try:
+                    secure["report"] = quantize(report)
+                except SecureAggregationError as error:  # non-finite: drop out of this round
+                    log.warning("federated client %s: not reporting: %s", client, error)
+                    continue
+                outbox = secure["client"].share_keys(roster, task["threshold"])
+                send({**answer, "outbox": {str(v): c.hex() for v, c in outbox.items()}})
+            elif task["kind"] == "masked":
+                inbox = {int(u): bytes.fromhex(c) for u, c in task["inbox"].items()}
+                masked = secure["client"].masked_input(secure["report"], inbox, task["partners"])
+                send(answer, masked)
+            else:
+                shares = secure["client"].unmask(task["dropped"], task["survivors"])
+                send({**answer, **{k: {str(u): str(v) for u, v in shares[k].items()}
+                                   for k in ("s", "b")}})  # fmt: skip
     finally:
         channel.close()

@@ -136,8 +136,17 @@ class SecAggClient:
             out[v] = nonce + AESGCM(key).encrypt(nonce, record, None)
         return out
 
-    def masked_input(self, report: np.ndarray, inbox: Mapping[int, bytes]) -> np.ndarray:
-        """Round 2: store the shares sent to this client, return y_u (see the module docstring)."""
+    def masked_input(
+        self,
+        report: np.ndarray,
+        inbox: Mapping[int, bytes],
+        partners: Collection[int] | None = None,
+    ) -> np.ndarray:
+        """Round 2: store the shares sent to this client, return y_u (see the module docstring).
+
+        `partners` are the clients that completed round 1 (default: the whole roster); pairwise
+        masks are only added with them, since only their shares can remove a mask later.
+        """
         for sender, ciphertext in inbox.items():
             key = _agree(self._c_key, self._roster[sender][0], b"tessera secagg shares")
             record = AESGCM(key).decrypt(ciphertext[:12], ciphertext[12:], None)
@@ -147,7 +156,7 @@ class SecAggClient:
             self._held[u] = (_shamir.share_from_bytes(s_share), _shamir.share_from_bytes(b_share))
         masked = report + _prg(self._seed, len(report))
         for v, (_, s_public) in self._roster.items():
-            if v == self.client_id:
+            if v == self.client_id or (partners is not None and v not in partners):
                 continue
             mask = _pairwise_mask(self._s_key, s_public, len(report))
             masked = masked + mask if self.client_id < v else masked - mask
