@@ -713,3 +713,69 @@ def test_deployed_secure_aggregation_equals_simulated_secure_aggregation():
     )  # fmt: skip
     for name, value in simulated.state_dict.items():
         assert torch.equal(history.state_dict[name], value), name
+
+
+def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys():
+    """Client 3 advertises keys and sends its encrypted shares, then vanishes: the survivors'
+    shares of its mask key remove its pairwise masks, and the result is the simulated round of
+    the three others, bit for bit."""
+    import threading
+
+    import grpc
+
+    from tessera.federated import wire
+    from tessera.federated.deployed import METHOD, ServerConfig, connect, serve
+
+    x, y = _data(30, seed=11)
+    parts = [np.arange(0, 6), np.arange(6, 16), np.arange(16, 30)]
+    settings = dict(local_epochs=1, batch_size=None, lr=0.3, seed=4)
+    config = ServerConfig(token="t", rounds=1, clients_per_round=4, quorum=3,
+                          secure_aggregation=True, round_timeout_s=4, join_timeout_s=60,
+                          **settings)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    address = f"127.0.0.1:{port}"
+
+    def dropper() -> None:
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(METHOD)
+
+            def send(header):
+                message = wire.encode({**header, "token": "t", "client": 3})
+                return wire.decode(call(message, timeout=30))[0]
+
+            send({"kind": "join"})
+            secagg = SecAggClient(3)
+            while (task := send({"kind": "task"}))["kind"] != "keys":
+                threading.Event().wait(0.02)
+            c_public, s_public = secagg.advertise_keys()
+            send({"kind": "keys", "round": 1, "c": c_public.hex(), "s": s_public.hex()})
+            while (task := send({"kind": "task"}))["kind"] != "shares":
+                threading.Event().wait(0.02)
+            roster = {int(u): (bytes.fromhex(c), bytes.fromhex(s))
+                      for u, (c, s) in task["roster"].items()}  # fmt: skip
+            outbox = secagg.share_keys(roster, task["threshold"])
+            send({"kind": "shares", "round": 1,
+                  "outbox": {str(v): c.hex() for v, c in outbox.items()}})  # fmt: skip
+
+    threads = [threading.Thread(target=dropper, daemon=True)] + [
+        threading.Thread(
+            target=connect, args=(address, _odd_model, (x[p], y[p])),
+            kwargs=dict(client=k, token="t", idle_timeout_s=60), daemon=True,
+        )
+        for k, p in enumerate(parts)
+    ]  # fmt: skip
+    try:
+        for thread in threads:
+            thread.start()
+        history = server.run()
+        for thread in threads:
+            thread.join(timeout=30)
+    finally:
+        grpc_server.stop(0)
+    assert history.reported == [[0, 1, 2]]
+    simulated = simulate(
+        _odd_model, (x, y), (x, y), partition=parts, num_clients=3, clients_per_round=3,
+        rounds=1, secure_aggregation=True, **settings,
+    )  # fmt: skip
+    for name, value in simulated.state_dict.items():
+        assert torch.equal(history.state_dict[name], value), name
