@@ -676,10 +676,11 @@ def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
         assert not torch.equal(value, start[name])
 
 
-def test_deployed_secure_aggregation_equals_simulated_secure_aggregation():
+@pytest.mark.parametrize("dp", [None, DPConfig(clip=0.1, noise_multiplier=0.8, delta=1e-3)])
+def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
     """Clients in threads (quick): the four secure-aggregation phases over gRPC give the same
-    quantised sum as simulation, so the same model bit for bit; the server holds only masked
-    reports (uint64 ring elements, not the float64 reports)."""
+    quantised sum as simulation, so the same model bit for bit; with DP too (clients clip, the
+    server noises the sum with the same seeded draws and counts the same epsilon)."""
     import threading
 
     from tessera.federated.deployed import ServerConfig, connect, serve
@@ -687,7 +688,7 @@ def test_deployed_secure_aggregation_equals_simulated_secure_aggregation():
     x, y = _data(40, seed=10)
     parts = [np.arange(0, 8), np.arange(8, 20), np.arange(20, 40)]
     settings = dict(local_epochs=1, batch_size=5, lr=0.3, seed=2)
-    config = ServerConfig(token="t", rounds=2, clients_per_round=3, quorum=2,
+    config = ServerConfig(token="t", rounds=2, clients_per_round=3, quorum=2, dp=dp,
                           secure_aggregation=True, round_timeout_s=60, join_timeout_s=60,
                           **settings)  # fmt: skip
     server, grpc_server, port = serve(_odd_model, config)
@@ -709,10 +710,11 @@ def test_deployed_secure_aggregation_equals_simulated_secure_aggregation():
     assert history.reported == [[0, 1, 2], [0, 1, 2]]
     simulated = simulate(
         _odd_model, (x, y), (x, y), partition=parts, num_clients=3, clients_per_round=3,
-        rounds=2, secure_aggregation=True, **settings,
+        rounds=2, secure_aggregation=True, dp=dp, **settings,
     )  # fmt: skip
     for name, value in simulated.state_dict.items():
         assert torch.equal(history.state_dict[name], value), name
+    assert history.epsilon == simulated.epsilon and len(history.epsilon) == (0 if dp is None else 2)
 
 
 def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys():

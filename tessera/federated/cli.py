@@ -39,6 +39,10 @@ def _server(args: argparse.Namespace) -> int:
     certificate, private_key = settings.pop("certificate", None), settings.pop("private_key", None)
     output = settings.pop("output", None)
     settings.setdefault("token", os.environ.get("TESSERA_FL_TOKEN", ""))
+    if settings.get("dp") is not None:  # a mapping of DPConfig fields
+        from tessera.federated.privacy import DPConfig
+
+        settings["dp"] = DPConfig(**settings["dp"])
     config = ServerConfig(**settings)
     server, grpc_server, port = serve(
         model_fn, config, address=address,

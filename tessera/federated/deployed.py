@@ -13,7 +13,8 @@ time); TLS is used when a certificate and key are given. One generic unary gRPC 
 four phases (`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation; a
 client that stops after sharing its keys is a dropout whose masks the others' shares remove. A
 client whose own update is non-finite does not report (it drops out); the server cannot inspect
-masked reports. Not yet over the network: differential privacy.
+masked reports. With `dp`, clients clip and the server adds the noise and keeps the accountant,
+as in `simulate` (same seeded draws: a run over clients 0..n-1 equals the simulated one).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tessera.federated.aggregate import (
     update_problem,
 )
 from tessera.federated.client import client_generator, load_vector, local_update
+from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
 from tessera.federated.secure_aggregation import (
     SecAggClient,
     SecAggServer,
@@ -81,12 +83,16 @@ class ServerConfig:
     """Sum the reports with secure aggregation (the server sees masked vectors only)."""
     threshold: int | None = None
     """Secure aggregation's Shamir threshold (default: a majority of the selected clients)."""
+    dp: DPConfig | None = None
+    """Client-level DP as in `simulate`: clients clip, the server noises the sum."""
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError("ServerConfig: a non-empty token is required")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"ServerConfig: unknown algorithm {self.algorithm!r}")
+        if self.dp is not None and not isinstance(self.dp, DPConfig):
+            raise TypeError(f"ServerConfig: dp must be a DPConfig, got {type(self.dp).__name__}")
         if not 1 <= self.quorum <= self.clients_per_round:
             raise ValueError(f"ServerConfig: quorum {self.quorum} not in 1..clients_per_round")
 
@@ -105,6 +111,8 @@ class ServerHistory:
     """Bytes of client messages each round (polls included)."""
     bytes_down: list[int] = field(default_factory=list)
     """Bytes of server replies each round."""
+    epsilon: list[float] = field(default_factory=list)
+    """With `dp`: privacy spent after each round (epsilon at the config's delta)."""
 
 
 class FederatedServer:
@@ -169,7 +177,8 @@ class FederatedServer:
     def _settings(self) -> dict:
         c = self.config
         return dict(round=self._round, algorithm=c.algorithm, epochs=c.local_epochs, lr=c.lr,
-                    mu=c.mu, batch_size=c.batch_size, seed=c.seed)  # fmt: skip
+                    mu=c.mu, batch_size=c.batch_size, seed=c.seed,
+                    clip=None if c.dp is None else c.dp.clip)  # fmt: skip
 
     def _collect(self, phase: str, expected: set[int], task: Callable[[int], bytes]) -> dict:
         """Ask `expected` clients for a `phase` submission; what arrived before the deadline."""
@@ -196,6 +205,7 @@ class FederatedServer:
         """Run every round; returns the history (the final model in `state_dict`)."""
         c = self.config
         rng = np.random.default_rng(c.seed)
+        accountant = RDPAccountant() if c.dp is not None else None
         for round_index in range(1, c.rounds + 1):
             with self._lock:
                 if not self._lock.wait_for(
@@ -211,6 +221,10 @@ class FederatedServer:
                 chosen = rng.choice(len(pool), c.clients_per_round, replace=False)
                 self._round, self._bytes = round_index, [0, 0]
             selected = {pool[i] for i in chosen}
+            # The draws of `simulate` (selection, dropouts: none here, noise seed), in its order,
+            # so that a deployed run over clients 0..n-1 is the simulated one.
+            rng.choice(sorted(selected), 0, replace=False)
+            noise_seed = int(rng.integers(2**63))
             try:
                 if c.secure_aggregation:
                     total, usable = _secure_round(self, selected)
@@ -223,6 +237,10 @@ class FederatedServer:
                 log.warning("federated server: round %d skipped, %d of quorum %d reports",
                             round_index, len(usable), c.quorum)  # fmt: skip
             else:
+                if c.dp is not None:
+                    total = add_noise(total, c.dp, torch.Generator().manual_seed(noise_seed))
+                    accountant.step(c.dp.noise_multiplier, c.clients_per_round / len(pool))
+                    self.history.epsilon.append(accountant.epsilon(c.dp.delta))
                 mean = sum_to_mean(total)
                 self.vector = server_step(self.vector, mean, algorithm=c.algorithm, lr=c.lr)
             self.history.round_s.append(time.perf_counter() - start)
@@ -377,7 +395,10 @@ def connect(
                     epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
                     mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
                 )  # fmt: skip
-                report = make_report(update, float(len(labels)))
+                weight = float(len(labels))
+                if task.get("clip") is not None:  # DP: bounded influence, equal weights
+                    update, weight = clip_update(update, task["clip"]), 1.0
+                report = make_report(update, weight)
                 trained += 1
             if task["kind"] == "train":
                 send({**answer, "kind": "report"}, report.numpy())
