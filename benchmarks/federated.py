@@ -8,6 +8,8 @@ split, 100 clients, 10 per round, an MLP 64-64-10, SGD lr 0.1, B = 10. Measured:
 - time per round: tessera's `simulate` against a plain one-process PyTorch FedAvg loop written
   here (load_state_dict, torch.optim.SGD, average the state dicts), and plain against secure
   aggregation (10% dropout), interleaved A B A B, medians;
+- deployed mode: `tessera fl` round time over loopback with 10 client processes, plain and
+  secure (this process serves);
 - accuracy after `--dp-rounds` rounds with DP at epsilon 1, 4, 8 (delta 1e-3 < 1/100 clients,
   noise multiplier found by bisection on the RDP accountant, clip 1.0), against no DP.
 
@@ -80,6 +82,69 @@ def _plain_loop_round_s(train, parts, rounds: int, seed: int = 0) -> list[float]
     return times
 
 
+def _deployed_round_ms(train, parts, rounds: int, secure: bool) -> float:
+    """Median round time of `tessera fl` over loopback: this process serves, 10 client
+    processes (`python -m tessera.federated client`) each hold one client's data."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from tessera.federated.deployed import ServerConfig, serve
+
+    config = ServerConfig(
+        token="bench",
+        rounds=rounds,
+        clients_per_round=10,
+        quorum=9,
+        secure_aggregation=secure,
+        round_timeout_s=60,
+        join_timeout_s=300,
+    )
+    server, grpc_server, port = serve(_model, config)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}",
+        "TESSERA_FL_TOKEN": "bench",
+        "OMP_NUM_THREADS": "1",
+    }
+    processes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for k in range(10):
+                path = Path(tmp) / f"client{k}.pt"
+                torch.save((train[0][parts[k]], train[1][parts[k]]), path)
+                processes.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "tessera.federated",
+                            "client",
+                            "--server",
+                            f"127.0.0.1:{port}",
+                            "--data",
+                            str(path),
+                            "--client",
+                            str(k),
+                            "--model",
+                            "federated:_model",
+                        ],
+                        env=env,
+                        stdout=subprocess.DEVNULL,
+                    )
+                )
+            history = server.run()
+        finally:
+            for process in processes:
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+            grpc_server.stop(0)
+    return 1000 * statistics.median(history.round_s[1:])
+
+
 def _noise_for_epsilon(epsilon: float, rounds: int, q: float, delta: float) -> float:
     low, high = 0.3, 50.0
     for _ in range(40):
@@ -96,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-rounds", type=int, default=300)
     parser.add_argument("--timing-rounds", type=int, default=15)
     parser.add_argument("--dp-rounds", type=int, default=100)
+    parser.add_argument("--deployed-rounds", type=int, default=20, help="0: skip")
+    parser.add_argument("--skip-convergence", action="store_true")
+    parser.add_argument("--skip-dp", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     train, test = _digits()
@@ -105,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = [("shards", a, e) for e in (1, 5) for a in ("fedsgd", "fedavg", "fedprox")]
     runs += [(f"dirichlet{alpha}", "fedavg", 1) for alpha in (0.1, 0.5)]
     convergence = []
-    for scheme, algorithm, epochs in runs:
+    for scheme, algorithm, epochs in [] if args.skip_convergence else runs:
         if algorithm == "fedsgd" and epochs > 1:
             continue  # FedSGD has no local epochs
         if scheme.startswith("dirichlet"):
@@ -147,7 +215,17 @@ def main(argv: list[str] | None = None) -> dict:
             _model, train, test, partition=shard_parts, rounds=n, dropout=0.1, **common
         ).round_s
     result["round_ms"] = {k: 1000 * statistics.median(v) for k, v in timing.items()}
+    if args.deployed_rounds:
+        for secure in (False, True):
+            name = f"deployed, 10 client processes{', secure' if secure else ''}"
+            result["round_ms"][name] = _deployed_round_ms(
+                train, shard_parts, args.deployed_rounds, secure
+            )
     print(result["round_ms"], flush=True)
+    if args.skip_dp:
+        result["dp"] = []
+        _write(result, args)
+        return result
 
     dp_rows = []
     for epsilon in (None, 8.0, 4.0, 1.0):
