@@ -542,9 +542,10 @@ def test_deployed_round_equals_simulated_round(tmp_path):
     import sys
     from pathlib import Path
 
+    import tessera.federated as fl
     from tessera.federated import wire
-    from tessera.federated.deployed import ServerConfig, connect, serve
 
+    ServerConfig, connect, serve = fl.ServerConfig, fl.connect, fl.serve  # the package's names
     x, y = _data(45, seed=8)
     parts = [np.arange(0, 10), np.arange(10, 25), np.arange(25, 45)]
     settings = dict(local_epochs=2, batch_size=4, lr=0.3, seed=5)
