@@ -782,3 +782,64 @@ def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys()
     )  # fmt: skip
     for name, value in simulated.state_dict.items():
         assert torch.equal(history.state_dict[name], value), name
+
+
+def _self_signed_certificate() -> tuple[bytes, bytes]:
+    """A throw-away certificate for 127.0.0.1 and its private key (PEM)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tessera-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return certificate.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_deployed_over_tls():
+    """With a certificate the server speaks TLS only: a client trusting it trains; a plaintext
+    client cannot connect."""
+    import threading
+
+    from tessera.federated.deployed import ServerConfig, connect, serve
+
+    certificate, key = _self_signed_certificate()
+    x, y = _data(12, seed=12)
+    config = ServerConfig(token="t", rounds=1, clients_per_round=1, batch_size=None,
+                          round_timeout_s=60, join_timeout_s=60)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config, certificate=certificate, private_key=key)
+    address = f"127.0.0.1:{port}"
+    trained = []
+    thread = threading.Thread(
+        target=lambda: trained.append(connect(address, _odd_model, (x, y), client=0, token="t",
+                                              root_certificate=certificate, idle_timeout_s=60)),
+        daemon=True,
+    )  # fmt: skip
+    try:
+        thread.start()
+        history = server.run()
+        thread.join(timeout=30)
+        with pytest.raises(ConnectionError, match="no server"):
+            connect(address, _odd_model, (x, y), client=1, token="t", connect_timeout_s=1)
+    finally:
+        grpc_server.stop(0)
+    assert trained == [1] and history.reported == [[0]]
