@@ -108,6 +108,9 @@ class SecAggClient:
         self._seed = os.urandom(32)  # b_u
         self._held: dict[int, tuple[int, int]] = {}  # sender -> (share of s_sk, share of b)
         self._roster: dict[int, tuple[bytes, bytes]] = {}
+        # KA(c_u, C_v) = KA(c_v, C_u): the key u encrypts its shares for v with is the key v
+        # encrypted its shares for u with, so u agrees it once per partner.
+        self._share_keys: dict[int, bytes] = {}
 
     def advertise_keys(self) -> tuple[bytes, bytes]:
         """Round 0: the public c-key and s-key."""
@@ -133,6 +136,7 @@ class SecAggClient:
                 continue
             nonce = os.urandom(12)
             key = _agree(self._c_key, c_public, b"tessera secagg shares")
+            self._share_keys[v] = key
             out[v] = nonce + AESGCM(key).encrypt(nonce, record, None)
         return out
 
@@ -148,7 +152,9 @@ class SecAggClient:
         masks are only added with them, since only their shares can remove a mask later.
         """
         for sender, ciphertext in inbox.items():
-            key = _agree(self._c_key, self._roster[sender][0], b"tessera secagg shares")
+            key = self._share_keys.get(sender) or _agree(
+                self._c_key, self._roster[sender][0], b"tessera secagg shares"
+            )
             record = AESGCM(key).decrypt(ciphertext[:12], ciphertext[12:], None)
             u, v, s_share, b_share = _SHARE_RECORD.unpack(record)
             if (u, v) != (sender, self.client_id):
