@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev]" -c constraints.txt
+	$(BIN)/pip install --quiet -e ".[dev,federated]" -c constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

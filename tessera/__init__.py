@@ -20,6 +20,7 @@ __all__ = [
     "comm",
     "data_parallel",
     "errors",
+    "federated",
     "init",
     "launch",
     "memory",
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "comm": ("tessera.comm", None),
     "data_parallel": ("tessera.data_parallel", None),
+    "federated": ("tessera.federated", None),
     "memory": ("tessera.memory", None),
     "optim": ("tessera.optim", None),
     "parameter_server": ("tessera.parameter_server", None),

@@ -258,6 +258,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its options")
     bench.set_defaults(handler=_bench)
 
+    commands.add_parser(  # parsed by tessera.federated.cli (see `main`): listed here for --help
+        "fl", help="federated learning: `tessera fl server --config FILE`, `tessera fl client ...`"
+    )
+
     checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
     actions = checkpoint.add_subparsers(dest="action", required=True)
     merge = actions.add_parser(
@@ -275,6 +279,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tessera` command."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["fl"]:  # its own parser, loaded only when asked for (torch, cryptography)
+        from tessera.federated.cli import main as federated_main
+
+        return federated_main(argv[1:])
     script_and_args: list[str] | None = None
     if argv[:1] == ["run"]:
         own, script_and_args = _split_at_script(argv[1:])

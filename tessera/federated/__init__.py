@@ -1,0 +1,47 @@
+"""Federated learning: clients train on data that never leaves them; the server sums updates.
+
+`simulate` runs FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020) or FedSGD over many
+clients in one process, with optional secure aggregation (Bonawitz et al. 2017) and client-level
+differential privacy (McMahan et al. 2018). `serve` / `connect` (and `tessera fl server|client`)
+run the same code deployed, over gRPC. Modules, one concept each: `partitioning` (who holds
+which samples), `client` (local training), `aggregate` (the server's weighted mean and step),
+`secure_aggregation`, `privacy`, `simulation`, `wire` (messages) and `deployed` (gRPC), `cli`.
+The deployed names load on first use, so simulation does not need grpcio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tessera.federated.aggregate import ALGORITHMS
+from tessera.federated.partitioning import SCHEMES, partition
+from tessera.federated.privacy import DPConfig, RDPAccountant
+from tessera.federated.secure_aggregation import SecureAggregationError, secure_sum
+from tessera.federated.simulation import History, simulate
+
+__all__ = [
+    "ALGORITHMS",
+    "DPConfig",
+    "History",
+    "RDPAccountant",
+    "SCHEMES",
+    "SecureAggregationError",
+    "ServerConfig",
+    "connect",
+    "partition",
+    "secure_sum",
+    "serve",
+    "simulate",
+]
+
+_DEPLOYED = ("ServerConfig", "connect", "serve")
+
+
+def __getattr__(name: str) -> Any:
+    """Load the gRPC deployment names on first access (PEP 562)."""
+    if name not in _DEPLOYED:
+        raise AttributeError(f"module 'tessera.federated' has no attribute {name!r}")
+    value = getattr(importlib.import_module("tessera.federated.deployed"), name)
+    globals()[name] = value
+    return value

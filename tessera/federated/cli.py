@@ -1,0 +1,103 @@
+"""`tessera fl server --config FILE` and `tessera fl client --server HOST:PORT --data FILE`.
+
+Run as `python -m tessera.federated server|client ...`; `add_subcommands` hangs the same two
+commands under another parser (`tessera fl ...`). The server's YAML config holds the fields of
+`deployed.ServerConfig` plus `model` ("package.module:function" returning a fresh model),
+`address` (default 127.0.0.1:8470), optional `certificate` / `private_key` (PEM paths: TLS) and
+`output` (where the final state dict is saved with `torch.save`). A client's `--data` is a file
+written by `torch.save((inputs, labels))`, read with `weights_only=True` (tensors only, no code).
+The token may come from the TESSERA_FL_TOKEN environment variable instead of the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from pathlib import Path
+
+__all__ = ["add_subcommands", "load_model_fn", "main"]
+
+
+def load_model_fn(spec: str):
+    """The callable named by "package.module:function" (it must return a fresh nn.Module)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"fl: model must be 'package.module:function', got {spec!r}")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _server(args: argparse.Namespace) -> int:
+    import torch
+    import yaml
+
+    from tessera.federated.deployed import ServerConfig, serve
+
+    settings = yaml.safe_load(Path(args.config).read_text()) or {}
+    model_fn = load_model_fn(settings.pop("model", ""))
+    address = settings.pop("address", "127.0.0.1:8470")
+    certificate, private_key = settings.pop("certificate", None), settings.pop("private_key", None)
+    output = settings.pop("output", None)
+    settings.setdefault("token", os.environ.get("TESSERA_FL_TOKEN", ""))
+    if settings.get("dp") is not None:  # a mapping of DPConfig fields
+        from tessera.federated.privacy import DPConfig
+
+        settings["dp"] = DPConfig(**settings["dp"])
+    config = ServerConfig(**settings)
+    server, grpc_server, port = serve(
+        model_fn, config, address=address,
+        certificate=Path(certificate).read_bytes() if certificate else None,
+        private_key=Path(private_key).read_bytes() if private_key else None,
+    )  # fmt: skip
+    print(f"tessera fl server: listening on port {port}, {config.rounds} rounds", flush=True)
+    try:
+        history = server.run()
+    finally:
+        grpc_server.stop(grace=2)
+    for index, (seconds, clients) in enumerate(zip(history.round_s, history.reported), 1):
+        print(f"round {index}: {len(clients)} reports, {seconds * 1000:.0f} ms")
+    if output:
+        torch.save(history.state_dict, output)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    import torch
+
+    from tessera.federated.deployed import connect
+
+    inputs, labels = torch.load(args.data, weights_only=True)
+    token = args.token or os.environ.get("TESSERA_FL_TOKEN", "")
+    root = Path(args.root_certificate).read_bytes() if args.root_certificate else None
+    rounds = connect(
+        args.server, load_model_fn(args.model), (inputs, labels), client=args.client,
+        token=token, root_certificate=root, connect_timeout_s=args.connect_timeout,
+        idle_timeout_s=args.idle_timeout,
+    )  # fmt: skip
+    print(f"tessera fl client {args.client}: trained in {rounds} rounds")
+    return 0
+
+
+def add_subcommands(commands) -> None:
+    """Register `server` and `client` on an argparse subparsers object."""
+    server = commands.add_parser("server", help="run a federated server (no data)")
+    server.add_argument("--config", required=True, help="YAML: ServerConfig fields + model")
+    server.set_defaults(handler=_server)
+    client = commands.add_parser("client", help="train on local data for a federated server")
+    client.add_argument("--server", required=True, help="HOST:PORT")
+    client.add_argument("--data", required=True, help="torch.save((inputs, labels)) file")
+    client.add_argument("--model", required=True, help="package.module:function")
+    client.add_argument("--client", type=int, required=True, help="this client's id")
+    client.add_argument("--token", default=None, help="shared token (or TESSERA_FL_TOKEN)")
+    client.add_argument("--root-certificate", default=None, help="PEM: use TLS")
+    client.add_argument("--connect-timeout", type=float, default=30.0)
+    client.add_argument("--idle-timeout", type=float, default=900.0, help="give up after")
+    client.set_defaults(handler=_client)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m tessera.federated`."""
+    parser = argparse.ArgumentParser(prog="tessera fl", description=__doc__.splitlines()[0])
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.handler(args)

@@ -1,0 +1,428 @@
+"""Deployed federated learning over gRPC: a server process and client processes (or machines).
+
+The server owns the global model and no data; clients own data and no one else's model updates.
+Clients pull: `join`, then poll `task` until they are selected for a round (they get the global
+weights and the training settings), train with the same `client.local_update` as simulation and
+send a `report`; the server aggregates with the same `aggregate` code. A round starts once
+`clients_per_round` clients have joined (waiting at most `join_timeout_s`), draws them with a
+`seed`-ed generator, and closes when all selected clients reported or `round_timeout_s` passed;
+with fewer than `quorum` usable reports the round is skipped and the model kept. Clients may join
+between rounds and leave at any time. Every call carries the shared `token` (compared in constant
+time); TLS is used when a certificate and key are given. One generic unary gRPC method carries
+`wire` messages (no generated stubs). With `secure_aggregation`, a round runs Bonawitz et al.'s
+four phases (`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation; a
+client that stops after sharing its keys is a dropout whose masks the others' shares remove. A
+client whose own update is non-finite does not report (it drops out); the server cannot inspect
+masked reports. With `dp`, clients clip and the server adds the noise and keeps the accountant,
+as in `simulate` (same seeded draws: a run over clients 0..n-1 equals the simulated one).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from tessera.federated import wire
+from tessera.federated.aggregate import (
+    ALGORITHMS,
+    make_report,
+    server_step,
+    sum_of_reports,
+    sum_to_mean,
+    update_problem,
+)
+from tessera.federated.client import client_generator, load_vector, local_update
+from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
+from tessera.federated.secure_aggregation import (
+    SecAggClient,
+    SecAggServer,
+    SecureAggregationError,
+    dequantize,
+    quantize,
+)
+
+__all__ = ["FederatedServer", "ServerConfig", "connect", "serve"]
+
+log = logging.getLogger(__name__)
+METHOD = "/tessera.federated.Federated/Call"
+
+
+@dataclass(kw_only=True, frozen=True)
+class ServerConfig:
+    """A deployed run: the FedAvg settings of `simulate` plus the network's."""
+
+    token: str
+    """Shared secret every client must present."""
+    rounds: int = 10
+    clients_per_round: int = 10
+    """Clients drawn each round; a round waits until that many have joined."""
+    quorum: int = 1
+    """Fewest usable reports that make a round count."""
+    local_epochs: int = 1
+    batch_size: int | None = 10
+    lr: float = 0.1
+    algorithm: str = "fedavg"
+    mu: float = 0.0
+    seed: int = 0
+    round_timeout_s: float = 60.0
+    """Deadline for the selected clients' reports."""
+    join_timeout_s: float = 300.0
+    """How long a round waits for enough clients to join before the run stops."""
+    secure_aggregation: bool = False
+    """Sum the reports with secure aggregation (the server sees masked vectors only)."""
+    threshold: int | None = None
+    """Secure aggregation's Shamir threshold (default: a majority of the selected clients)."""
+    dp: DPConfig | None = None
+    """Client-level DP as in `simulate`: clients clip, the server noises the sum."""
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("ServerConfig: a non-empty token is required")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"ServerConfig: unknown algorithm {self.algorithm!r}")
+        if self.dp is not None and not isinstance(self.dp, DPConfig):
+            raise TypeError(f"ServerConfig: dp must be a DPConfig, got {type(self.dp).__name__}")
+        if not 1 <= self.quorum <= self.clients_per_round:
+            raise ValueError(f"ServerConfig: quorum {self.quorum} not in 1..clients_per_round")
+
+
+@dataclass
+class ServerHistory:
+    """What a deployed run produced (the server has no test data: no accuracy)."""
+
+    state_dict: dict = field(default_factory=dict)
+    """The final global model's state dict."""
+    round_s: list[float] = field(default_factory=list)
+    """Wall time of each round, from the draw to the step."""
+    reported: list[list[int]] = field(default_factory=list)
+    """Each round, the clients whose reports counted (usable, in time; survivors if secure)."""
+    bytes_up: list[int] = field(default_factory=list)
+    """Bytes of client messages each round (polls included)."""
+    bytes_down: list[int] = field(default_factory=list)
+    """Bytes of server replies each round."""
+    epsilon: list[float] = field(default_factory=list)
+    """With `dp`: privacy spent after each round (epsilon at the config's delta)."""
+
+
+class FederatedServer:
+    """The server's state and its one gRPC method; `run()` drives the rounds.
+
+    A round is a sequence of phases; in each, the server tells the expected clients what to do
+    (`task`) and collects one submission of the phase's kind from each, until all arrived or the
+    deadline passed. Plain rounds have one phase (`train` -> `report`); secure rounds four
+    (`keys`, `shares`, `masked`, `unmask`: `_secure_round`).
+    """
+
+    def __init__(self, model_fn: Callable[[], nn.Module], config: ServerConfig) -> None:
+        self.config = config
+        self.model = model_fn()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self.vector = parameters_to_vector(self._params).detach().clone()
+        self._lock = threading.Condition()
+        self._joined: set[int] = set()
+        self._round = 0
+        self._phase: str | None = None  # the submission kind being collected
+        self._expected: set[int] = set()
+        self._task: Callable[[int], bytes] | None = None
+        self._collected: dict[int, tuple[dict, np.ndarray | None]] = {}
+        self._done = False
+        self._bytes = [0, 0]
+        self.refused: list[str] = []  # why messages were refused (for logs and tests)
+        self.history = ServerHistory()
+
+    def handle(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Answer one client message (bad messages are refused with a gRPC error status)."""
+        try:
+            header, payload = wire.decode(request)
+            kind = wire.check_client_message(header, payload, self.vector.numel() + 1)
+        except wire.WireError as error:
+            self.refused.append(str(error))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {error}")
+        if not hmac.compare_digest(str(header.get("token", "")), self.config.token):
+            self.refused.append("wrong token")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong token")
+        client = header["client"]
+        with self._lock:
+            self._bytes[0] += len(request)
+            reply = self._answer(kind, client, header, payload)
+            self._bytes[1] += len(reply)
+            self._lock.notify_all()
+        return reply
+
+    def _answer(self, kind, client, header, payload) -> bytes:
+        if kind == "join":
+            self._joined.add(client)
+            return wire.encode({"kind": "joined"})
+        if self._done:
+            return wire.encode({"kind": "done"})
+        waiting = client not in self._expected or client in self._collected
+        if kind == "task":
+            return wire.encode({"kind": "wait"}) if waiting else self._task(client)
+        if waiting or kind != self._phase or header.get("round") != self._round:
+            return wire.encode({"kind": "late"})
+        self._collected[client] = (header, None if payload is None else payload.copy())
+        return wire.encode({"kind": "received"})
+
+    def _settings(self) -> dict:
+        c = self.config
+        return dict(round=self._round, algorithm=c.algorithm, epochs=c.local_epochs, lr=c.lr,
+                    mu=c.mu, batch_size=c.batch_size, seed=c.seed,
+                    clip=None if c.dp is None else c.dp.clip)  # fmt: skip
+
+    def _collect(self, phase: str, expected: set[int], task: Callable[[int], bytes]) -> dict:
+        """Ask `expected` clients for a `phase` submission; what arrived before the deadline."""
+        with self._lock:
+            self._phase, self._expected, self._task, self._collected = phase, expected, task, {}
+            self._lock.notify_all()
+            self._lock.wait_for(
+                lambda: set(self._collected) >= self._expected, timeout=self.config.round_timeout_s
+            )
+            collected, self._expected, self._phase = dict(self._collected), set(), None
+        return collected
+
+    def _plain_round(self, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
+        train = wire.encode({"kind": "train", **self._settings()}, self.vector)
+        reports = {
+            u: torch.from_numpy(payload)
+            for u, (_, payload) in self._collect("report", selected, lambda _: train).items()
+        }
+        numel = self.vector.numel()
+        usable = [u for u, r in reports.items() if update_problem(r, numel + 1) is None]
+        return sum_of_reports(sorted(reports.items()), numel), usable  # logs and skips bad ones
+
+    def run(self) -> ServerHistory:
+        """Run every round; returns the history (the final model in `state_dict`)."""
+        c = self.config
+        rng = np.random.default_rng(c.seed)
+        accountant = RDPAccountant() if c.dp is not None else None
+        for round_index in range(1, c.rounds + 1):
+            with self._lock:
+                if not self._lock.wait_for(
+                    lambda: len(self._joined) >= c.clients_per_round, timeout=c.join_timeout_s
+                ):
+                    self._done = True
+                    raise TimeoutError(
+                        f"federated server: only {len(self._joined)} clients joined in "
+                        f"{c.join_timeout_s} s, round {round_index} needs {c.clients_per_round}"
+                    )
+                start = time.perf_counter()
+                pool = sorted(self._joined)
+                chosen = rng.choice(len(pool), c.clients_per_round, replace=False)
+                self._round, self._bytes = round_index, [0, 0]
+            selected = {pool[i] for i in chosen}
+            # The draws of `simulate` (selection, dropouts: none here, noise seed), in its order,
+            # so that a deployed run over clients 0..n-1 is the simulated one.
+            rng.choice(sorted(selected), 0, replace=False)
+            noise_seed = int(rng.integers(2**63))
+            try:
+                if c.secure_aggregation:
+                    total, usable = _secure_round(self, selected)
+                else:
+                    total, usable = self._plain_round(selected)
+            except SecureAggregationError as error:
+                log.warning("federated server: round %d abandoned: %s", round_index, error)
+                total, usable = None, []
+            if len(usable) < c.quorum:
+                log.warning("federated server: round %d skipped, %d of quorum %d reports",
+                            round_index, len(usable), c.quorum)  # fmt: skip
+            else:
+                if c.dp is not None:
+                    total = add_noise(total, c.dp, torch.Generator().manual_seed(noise_seed))
+                    accountant.step(c.dp.noise_multiplier, c.clients_per_round / len(pool))
+                    self.history.epsilon.append(accountant.epsilon(c.dp.delta))
+                mean = sum_to_mean(total)
+                self.vector = server_step(self.vector, mean, algorithm=c.algorithm, lr=c.lr)
+            self.history.round_s.append(time.perf_counter() - start)
+            self.history.reported.append(sorted(usable))
+            self.history.bytes_up.append(self._bytes[0])
+            self.history.bytes_down.append(self._bytes[1])
+        with self._lock:
+            self._done = True
+        load_vector(self._params, self.vector)
+        self.history.state_dict = {k: v.clone() for k, v in self.model.state_dict().items()}
+        return self.history
+
+
+def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
+    """Bonawitz et al.'s four rounds over the network (see `secure_aggregation`)."""
+    secagg = SecAggServer(selected, server.config.threshold)
+    round_index = server._round
+
+    def ask(kind: str, **fields) -> Callable[[int], bytes]:
+        message = wire.encode({"kind": kind, "round": round_index, **fields})
+        return lambda _: message
+
+    keys = server._collect("keys", selected, ask("keys"))
+    roster = secagg.collect_keys(
+        {u: (bytes.fromhex(h["c"]), bytes.fromhex(h["s"])) for u, (h, _) in keys.items()}
+    )
+    shares_task = wire.encode(
+        {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
+         "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in roster.items()}},
+        server.vector,
+    )  # fmt: skip
+    shares = server._collect("shares", set(roster), lambda _: shares_task)
+    # Only clients whose shares went out can be unmasked later: they are the partners.
+    partners = sorted(shares)
+    secagg.roster = {u: roster[u] for u in partners}
+    secagg._require(len(partners), "sent their shares")
+    outboxes = {u: {int(v): bytes.fromhex(c) for v, c in h["outbox"].items()} for u, (h, _) in
+                shares.items()}  # fmt: skip
+    inboxes = secagg.route_shares({u: {v: c for v, c in box.items() if v in secagg.roster}
+                                   for u, box in outboxes.items()})  # fmt: skip
+
+    def masked_task(client: int) -> bytes:
+        inbox = {str(u): c.hex() for u, c in inboxes[client].items()}
+        return wire.encode({"kind": "masked", "round": round_index, "inbox": inbox,
+                            "partners": partners})  # fmt: skip
+
+    masked = server._collect("masked", set(partners), masked_task)
+    dropped, survivors = secagg.collect_masked({u: p for u, (_, p) in masked.items()})
+    unmask = server._collect("unmask", set(survivors), ask("unmask", dropped=dropped,
+                                                         survivors=survivors))  # fmt: skip
+    responses = {
+        u: {kind: {int(k): int(v) for k, v in h[kind].items()} for kind in ("s", "b")}
+        for u, (h, _) in unmask.items()
+    }
+    total = dequantize(secagg.finish(responses))
+    return total, survivors
+
+
+def serve(
+    model_fn: Callable[[], nn.Module],
+    config: ServerConfig,
+    *,
+    address: str = "127.0.0.1:0",
+    certificate: bytes | None = None,
+    private_key: bytes | None = None,
+) -> tuple[FederatedServer, grpc.Server, int]:
+    """Start the gRPC server (TLS if `certificate` and `private_key`); returns it and its port.
+
+    Call `server.run()` to drive the rounds and `grpc_server.stop(grace)` afterwards.
+    """
+    server = FederatedServer(model_fn, config)
+    handler = grpc.method_handlers_generic_handler(
+        "tessera.federated.Federated", {"Call": grpc.unary_unary_rpc_method_handler(server.handle)}
+    )
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    grpc_server.add_generic_rpc_handlers((handler,))
+    if certificate is not None and private_key is not None:
+        port = grpc_server.add_secure_port(
+            address, grpc.ssl_server_credentials([(private_key, certificate)])
+        )
+    else:
+        port = grpc_server.add_insecure_port(address)
+    grpc_server.start()
+    return server, grpc_server, port
+
+
+def connect(
+    address: str,
+    model_fn: Callable[[], nn.Module],
+    data: tuple[torch.Tensor, torch.Tensor],
+    *,
+    client: int,
+    token: str,
+    root_certificate: bytes | None = None,
+    connect_timeout_s: float = 30.0,
+    idle_timeout_s: float = 900.0,
+    poll_s: float = 0.02,
+) -> int:
+    """Take part in a deployed run as client `client` with `data`; returns the rounds trained.
+
+    Only reports leave the client. Raises `ConnectionError` if no server answers in time,
+    `PermissionError` if the server refuses the token, and `TimeoutError` if the server neither
+    selects this client nor finishes for `idle_timeout_s` (no wait is unbounded).
+    """
+    if root_certificate is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificate))
+    else:
+        channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise ConnectionError(
+            f"federated client {client}: no server at {address} within {connect_timeout_s} s"
+        ) from None
+    call = channel.unary_unary(METHOD)
+    inputs, labels = data
+    model, trained = model_fn(), 0
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def send(header: dict, payload=None) -> dict:
+        try:
+            reply = call(wire.encode({**header, "token": token, "client": client}, payload),
+                         timeout=connect_timeout_s)  # fmt: skip
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise PermissionError(f"federated client {client}: {error.details()}") from None
+            raise ConnectionError(f"federated client {client}: {error.details()}") from None
+        return wire.decode(reply)
+
+    secure: dict = {}  # this round's secure-aggregation state: the SecAggClient, the report
+    try:
+        send({"kind": "join"})
+        idle_since = time.monotonic()
+        while True:
+            task, vector = send({"kind": "task"})
+            if task["kind"] == "done":
+                return trained
+            if task["kind"] not in ("train", "keys", "shares", "masked", "unmask"):
+                if time.monotonic() - idle_since > idle_timeout_s:
+                    raise TimeoutError(
+                        f"federated client {client}: no task from {address} in {idle_timeout_s} s"
+                    )
+                time.sleep(poll_s)
+                continue
+            idle_since = time.monotonic()
+            answer = {"kind": task["kind"], "round": task["round"]}
+            if task["kind"] in ("train", "shares"):
+                global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
+                update = local_update(
+                    model, global_vector, inputs, labels, algorithm=task["algorithm"],
+                    epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
+                    mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
+                )  # fmt: skip
+                weight = float(len(labels))
+                if task.get("clip") is not None:  # DP: bounded influence, equal weights
+                    update, weight = clip_update(update, task["clip"]), 1.0
+                report = make_report(update, weight)
+                trained += 1
+            if task["kind"] == "train":
+                send({**answer, "kind": "report"}, report.numpy())
+            elif task["kind"] == "keys":
+                secure = {"client": SecAggClient(client)}
+                c_public, s_public = secure["client"].advertise_keys()
+                send({**answer, "c": c_public.hex(), "s": s_public.hex()})
+            elif task["kind"] == "shares":
+                roster = {int(u): (bytes.fromhex(c), bytes.fromhex(s))
+                          for u, (c, s) in task["roster"].items()}  # fmt: skip
+                try:
+                    secure["report"] = quantize(report)
+                except SecureAggregationError as error:  # non-finite: drop out of this round
+                    log.warning("federated client %s: not reporting: %s", client, error)
+                    continue
+                outbox = secure["client"].share_keys(roster, task["threshold"])
+                send({**answer, "outbox": {str(v): c.hex() for v, c in outbox.items()}})
+            elif task["kind"] == "masked":
+                inbox = {int(u): bytes.fromhex(c) for u, c in task["inbox"].items()}
+                masked = secure["client"].masked_input(secure["report"], inbox, task["partners"])
+                send(answer, masked)
+            else:
+                shares = secure["client"].unmask(task["dropped"], task["survivors"])
+                send({**answer, **{k: {str(u): str(v) for u, v in shares[k].items()}
+                                   for k in ("s", "b")}})  # fmt: skip
+    finally:
+        channel.close()

@@ -1,0 +1,216 @@
+"""Simulate federated training: many clients in one process, one after another, same server code.
+
+One round (McMahan et al. 2017, Algorithm 1): draw `clients_per_round` distinct clients; each
+loads the global weights and runs `client.local_update` on its own samples; a `dropout` share of
+them never report; the others' reports are summed (in the clear, or through secure aggregation so
+that the server only sees masked vectors and their sum); with differential privacy the updates
+are clipped before and noised after summing; the server takes one step. Test loss and accuracy
+are measured after round 0 (the initial model) and after every round.
+
+Randomness: one `numpy.random.default_rng(seed)` draws, each round, the selected clients, then the
+dropped ones (whether or not secure aggregation is on, so the same clients drop either way), then
+the DP noise seed. Partitioning draws from its own generator with the same `seed`.
+
+Clients are trained in turn in one replica model: a client costs its few SGD steps, not a process,
+so hundreds of clients run on a laptop. Dropped clients skip training: they never report, and
+nothing they would compute reaches the server (their secure-aggregation masks are recovered).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from tessera.federated.aggregate import (
+    ALGORITHMS,
+    make_report,
+    server_step,
+    sum_of_reports,
+    sum_to_mean,
+    update_problem,
+)
+from tessera.federated.client import client_generator, load_vector, local_update
+from tessera.federated.partitioning import SCHEMES
+from tessera.federated.partitioning import partition as make_partition
+from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
+from tessera.federated.secure_aggregation import secure_sum
+
+__all__ = ["History", "simulate"]
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class History:
+    """What a federated run produced; lists of measurements have one entry per round."""
+
+    state_dict: dict[str, torch.Tensor]
+    """The final global model's state dict."""
+    accuracy: list[float] = field(default_factory=list)
+    """Test accuracy after round 0 (the initial model) and after every round: rounds + 1 values."""
+    loss: list[float] = field(default_factory=list)
+    """Test mean cross-entropy, like `accuracy`."""
+    round_s: list[float] = field(default_factory=list)
+    """Wall time of each round (training, aggregation and step; not the evaluation)."""
+    bytes_up: list[int] = field(default_factory=list)
+    """Bytes the clients sent the server each round (updates, or keys + shares + masked inputs)."""
+    bytes_down: list[int] = field(default_factory=list)
+    """Bytes the server sent the clients each round (global weights, secure-aggregation lists)."""
+    epsilon: list[float] = field(default_factory=list)
+    """With `dp`: the privacy spent so far after each round (epsilon at the config's delta)."""
+    selected: list[list[int]] = field(default_factory=list)
+    """Clients drawn each round."""
+    dropped: list[list[int]] = field(default_factory=list)
+    """Selected clients that never reported, each round."""
+
+
+def simulate(
+    model_fn: Callable[[], nn.Module],
+    train: Pair,
+    test: Pair,
+    *,
+    partition: str | Sequence[np.ndarray] = "shards",
+    num_clients: int = 100,
+    clients_per_round: int = 10,
+    local_epochs: int = 1,
+    batch_size: int | None = 10,
+    lr: float = 0.1,
+    rounds: int = 100,
+    algorithm: str = "fedavg",
+    mu: float = 0.0,
+    secure_aggregation: bool = False,
+    dp: DPConfig | None = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> History:
+    """Train `model_fn()`'s model federatedly on `train`, evaluating on `test`; see the module doc.
+
+    `partition` is a scheme of `partitioning.SCHEMES` (with default alpha / shards) or a list of
+    index arrays, one per client. `model_fn` must return a model of the same architecture each
+    call: the first is the global model, the second the replica clients train in.
+    """
+    train_x, train_y = _check_pair(train, "train")
+    test_x, test_y = _check_pair(test, "test")
+    _check_numbers(num_clients, clients_per_round, local_epochs, batch_size, lr, rounds, mu)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"simulate: dropout={dropout} must be in [0, 1)")
+    parts = _client_parts(partition, train_y, num_clients, seed)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"simulate: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    if dp is not None and not isinstance(dp, DPConfig):
+        raise TypeError(f"simulate: dp must be a DPConfig or None, got {type(dp).__name__}")
+
+    global_model, replica = model_fn(), model_fn()
+    params = [p for p in global_model.parameters() if p.requires_grad]
+    global_vector = parameters_to_vector(params).detach().clone()
+    numel = global_vector.numel()
+    rng = np.random.default_rng(seed)
+    accountant = RDPAccountant() if dp is not None else None
+    history = History(state_dict={})
+    _evaluate(global_model, test_x, test_y, history)
+    for round_index in range(1, rounds + 1):
+        start = time.perf_counter()
+        selected = sorted(int(c) for c in rng.choice(num_clients, clients_per_round, replace=False))
+        num_dropped = int(round(dropout * clients_per_round))
+        dropped = sorted(int(c) for c in rng.choice(selected, num_dropped, replace=False))
+        noise_seed = int(rng.integers(2**63))
+        reports: dict[int, torch.Tensor] = {}
+        for client in selected:
+            if client in dropped:
+                continue
+            indices = torch.as_tensor(parts[client])
+            update = local_update(
+                replica, global_vector, train_x[indices], train_y[indices],
+                algorithm=algorithm, epochs=local_epochs, batch_size=batch_size, lr=lr, mu=mu,
+                generator=client_generator(seed, round_index, client),
+            )  # fmt: skip
+            weight = float(len(indices))
+            if dp is not None:  # equal weights: a client's influence is bounded by the clip alone
+                update, weight = clip_update(update, dp.clip), 1.0
+            reports[client] = make_report(update, weight)
+        up = len(reports) * (numel * global_vector.element_size() + 8)
+        down = len(selected) * numel * global_vector.element_size()
+        if secure_aggregation:
+            # A client checks its own update: the server cannot look inside masked vectors.
+            usable = {c: r for c, r in reports.items() if update_problem(r, numel + 1) is None}
+            result = secure_sum(usable, participants=selected)
+            total, up, down = result.total, result.bytes_up, down + result.bytes_down
+        else:
+            total = sum_of_reports(reports.items(), numel)
+        if dp is not None:
+            total = add_noise(total, dp, torch.Generator().manual_seed(noise_seed))
+            accountant.step(dp.noise_multiplier, clients_per_round / num_clients)
+            history.epsilon.append(accountant.epsilon(dp.delta))
+        mean_update = sum_to_mean(total)
+        global_vector = server_step(global_vector, mean_update, algorithm=algorithm, lr=lr)
+        history.round_s.append(time.perf_counter() - start)
+        history.bytes_up.append(int(up))
+        history.bytes_down.append(int(down))
+        history.selected.append(selected)
+        history.dropped.append(dropped)
+        load_vector(params, global_vector)
+        _evaluate(global_model, test_x, test_y, history)
+    history.state_dict = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
+    return history
+
+
+def _evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, history: History):
+    """Append the test loss and accuracy of `model` (evaluation mode, in chunks)."""
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(labels), 4096):
+            logits = model(inputs[start : start + 4096])
+            target = labels[start : start + 4096]
+            loss_sum += float(F.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(dim=1) == target).sum())
+    history.loss.append(loss_sum / max(len(labels), 1))
+    history.accuracy.append(correct / max(len(labels), 1))
+
+
+def _check_pair(pair: Pair, name: str) -> Pair:
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(f"simulate: {name} must be an (inputs, labels) pair of tensors")
+    inputs, labels = (torch.as_tensor(t) for t in pair)
+    if len(inputs) != len(labels) or labels.ndim != 1:
+        raise ValueError(
+            f"simulate: {name} has {len(inputs)} inputs but labels of shape {tuple(labels.shape)}"
+        )
+    return inputs, labels.long()
+
+
+def _client_parts(partition, labels: torch.Tensor, num_clients: int, seed: int) -> list:
+    if isinstance(partition, str):
+        if partition not in SCHEMES:
+            raise ValueError(f"simulate: unknown partition {partition!r}; choose one of {SCHEMES}")
+        return make_partition(labels.numpy(), num_clients, scheme=partition, seed=seed)
+    parts = [np.asarray(p, dtype=np.int64) for p in partition]
+    if len(parts) != num_clients:
+        raise ValueError(f"simulate: partition has {len(parts)} clients, num_clients={num_clients}")
+    for client, part in enumerate(parts):
+        if part.size and (part.min() < 0 or part.max() >= len(labels)):
+            raise ValueError(f"simulate: client {client}'s indices leave 0..{len(labels) - 1}")
+    return parts
+
+
+def _check_numbers(num_clients, clients_per_round, local_epochs, batch_size, lr, rounds, mu):
+    if not 1 <= clients_per_round <= num_clients:
+        raise ValueError(
+            f"simulate: clients_per_round={clients_per_round} must be in 1..num_clients"
+            f"={num_clients}"
+        )
+    if local_epochs < 1 or rounds < 0:
+        raise ValueError(
+            f"simulate: need local_epochs >= 1 and rounds >= 0, got {local_epochs}, {rounds}"
+        )
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"simulate: batch_size must be >= 1 or None, got {batch_size}")
+    if not lr > 0 or not mu >= 0:
+        raise ValueError(f"simulate: lr={lr} must be > 0 and mu={mu} >= 0")
