@@ -292,7 +292,7 @@ def _draw_cases(world: int) -> list[tuple]:
         (2, None),
         (3, [0, 2]),
         (4, [2, 3]),
-        pytest.param(5, [1, 3, 4], marks=pytest.mark.slow),
+        pytest.param(5, None, marks=pytest.mark.slow),  # subgroups: worlds 3 and 4
     ],
 )
 def test_collectives_match_torch(world, subgroup):

@@ -117,8 +117,12 @@ def test_two_rank_run_then_resume_to_a_later_step(tmp_path):
     resumed = _run([*command, *TINY_MODEL, "--steps", "7"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert re.search(r"steps \(this run / total\)\s*│\s*3 / 7", resumed.stdout)
-    steps = [row["step"] for row in read_metrics(tmp_path / "runs/a/metrics.jsonl")]
-    assert steps == list(range(1, 8))
+    rows = read_metrics(tmp_path / "runs/a/metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 8))
+    assert set(rows[0]) >= {"step", "loss", "tokens_per_s", "compute_s", "comm_s", "peak_mem_mb"}
+    assert len(rows[0]["peak_mem_mb"]) == 2  # one per rank
+    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoint.pt", "sample.txt"):
+        assert (tmp_path / "runs/a" / name).stat().st_size > 0, name  # the README's run folder
 
 
 def test_flags_override_the_config_file(tmp_path):

@@ -67,9 +67,9 @@ def _rank_one_hangs() -> None:
 
 def test_launch_deadline_names_unfinished_ranks(run_ranks):
     with pytest.raises(LaunchTimeout) as info:
-        # The deadline must outlast starting both ranks (about 2 s each, over 10 s on a loaded
+        # The deadline must outlast starting both ranks (about 2 s each, up to 10 s on a loaded
         # 2-core machine), so that only the hanging rank is unfinished when it expires.
-        run_ranks(_rank_one_hangs, 2, timeout_s=20)
+        run_ranks(_rank_one_hangs, 2, timeout_s=12)
     assert info.value.unfinished_ranks == [1]
 
 

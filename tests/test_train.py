@@ -81,40 +81,8 @@ def test_data_parallel_strategies_equal_one_process_on_the_global_batch(tmp_path
     assert losses[-1] < losses[0]
 
 
-def test_resume_continues_exactly_where_the_run_stopped(tmp_path):
-    # Dropout on: the resumed run must also restore each rank's random state.
-    args = [
-        *TINY,
-        "--strategy",
-        "torch-ddp",
-        "--nproc",
-        "2",
-        "--dropout",
-        "0.1",
-        "--checkpoint-every",
-        "5",
-    ]
-    straight = _tessera("train", *args, "--steps", "20", "--out", "straight", cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr
-    assert "tokens/s" in straight.stdout and "sample:" in straight.stdout
-    first = _tessera("train", *args, "--steps", "10", "--out", "split", cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    rest = _tessera("train", "--resume", "split", "--steps", "20", cwd=tmp_path)
-    assert rest.returncode == 0, rest.stderr
-    assert "10 / 20" in rest.stdout  # ten steps in this run, of twenty
-
-    a, b = (
-        read_metrics(tmp_path / "straight/metrics.jsonl"),
-        read_metrics(tmp_path / "split/metrics.jsonl"),
-    )
-    assert [r["step"] for r in b] == list(range(1, 21))
-    assert [r["loss"] for r in b] == [r["loss"] for r in a]  # bit for bit
-    pa, pb = _params(tmp_path / "straight"), _params(tmp_path / "split")
-    assert all(torch.equal(pa[k], pb[k]) for k in pa)
-    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoint.pt", "sample.txt"):
-        assert (tmp_path / "split" / name).stat().st_size > 0, name
-    assert set(a[0]) >= {"step", "loss", "tokens_per_s", "compute_s", "comm_s", "peak_mem_mb"}
-    assert len(a[0]["peak_mem_mb"]) == 2
+# Resume, bit for bit with AdamW for every strategy: tests/test_resume.py; the README's resume
+# command and the run folder's files: tests/test_readme_commands.py.
 
 
 def test_corrupt_checkpoint_is_refused_on_resume(tmp_path):
