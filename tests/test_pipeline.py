@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from _tolerance import check_close
 from torch import nn
 
 import tessera
@@ -205,15 +206,18 @@ def test_measure_layer_times_runs_each_layer_on_the_previous_output():
 def test_one_stage_pipeline_is_gradient_accumulation_without_processes(defer):
     model = _mlp()
     reference = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()  # float64: the yardstick of both float32 results
     # a world of one: no messages
     pipe = Pipeline(model, num_microbatches=3, schedule="gpipe", defer_weight_grads=defer)
     x, y = torch.randn(7, 12), torch.randn(7, 3)
     loss = pipe.train_step(x, y, F.mse_loss)
     ref_loss = F.mse_loss(reference(x), y)
     ref_loss.backward()
-    assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)  # summed over 3 parts
+    exact_loss = F.mse_loss(exact(x.double()), y.double())
+    exact_loss.backward()
+    check_close([loss], [ref_loss.item()], [exact_loss.item()], what="one-stage loss")
+    grads = [[p.grad for p in m.parameters()] for m in (model, reference, exact)]
+    check_close(*grads, what="one-stage gradients, summed over 3 micro-batches")
     assert [e.kind for e in pipe.timeline] == ["F"] * 3 + ["B"] * 3 + ["W"] * defer
     if defer:  # the W pass computed every linear weight's gradient: B left them alone
         assert pipe.deferral.peak_bytes > 0 and not pipe.deferral.pending()
@@ -229,6 +233,7 @@ def test_deferred_weight_gradients_equal_autograd_for_shared_frozen_and_stale_ca
     frozen = nn.Linear(6, 4)
     frozen.bias.requires_grad_(False)
     reference = copy.deepcopy(nn.ModuleList([shared, frozen]))
+    exact = copy.deepcopy(reference).double()
     deferral = WeightGradDeferral(list(shared.parameters()) + list(frozen.parameters()))
     x = torch.randn(5, 3, 6)
     with deferral.capturing():  # a stale stash from a step that failed half-way
@@ -244,12 +249,14 @@ def test_deferred_weight_gradients_equal_autograd_for_shared_frozen_and_stale_ca
     deferral.weight_pass()
     ref_shared, ref_frozen = reference
     ref_frozen(torch.tanh(ref_shared(ref_shared(x)))).square().sum().backward()
-    for got, want in zip([shared, frozen], [ref_shared, ref_frozen]):
-        for p, q in zip(got.parameters(), want.parameters()):
+    exact_shared, exact_frozen = exact
+    exact_frozen(torch.tanh(exact_shared(exact_shared(x.double())))).square().sum().backward()
+    for got, want, best in zip([shared, frozen], [ref_shared, ref_frozen], exact):
+        for p, q, r in zip(got.parameters(), want.parameters(), best.parameters()):
             if q.grad is None:
                 assert p.grad is None
             else:
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+                check_close(p.grad, q.grad, r.grad, what="deferred weight gradient")
     assert frozen.bias.grad is None and not deferral.pending()
 
 
