@@ -424,6 +424,7 @@ def test_gradients_and_one_sgd_step_equal_the_whole_batch(run_ranks):
             assert "received no gradient in this backward: layers.2.bias, layers.2.weight" in (
                 message
             ), message
+            assert "requires_grad=False" in message, message  # ZeRO has no unused mode
         for case, value in found.items():
             if case[2] == "class":
                 assert value is True, case

@@ -217,10 +217,14 @@ class Reducer:
                 for name, ready in zip(bucket.names, bucket.ready)
                 if not ready
             ]
+            if self.engine.kind == "DataParallel":
+                advice = "pass find_unused_parameters=True"
+            else:  # ZeRO reduces every flat buffer whole: it has no unused-parameter mode
+                advice = "set requires_grad=False on them before wrapping the model"
             raise RuntimeError(
                 f"rank {self._rank}: parameters received no gradient in this backward: "
                 f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}. If the model "
-                "does not use them every step, pass find_unused_parameters=True."
+                f"does not use them every step, {advice}."
             )
         self.wait()
 
