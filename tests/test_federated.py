@@ -677,29 +677,22 @@ def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
         assert not torch.equal(value, start[name])
 
 
-@pytest.mark.parametrize("dp", [None, DPConfig(clip=0.1, noise_multiplier=0.8, delta=1e-3)])
-def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
-    """Clients in threads (quick): the four secure-aggregation phases over gRPC give the same
-    quantised sum as simulation, so the same model bit for bit; with DP too (clients clip, the
-    server noises the sum with the same seeded draws and counts the same epsilon)."""
+def _round_with_client_threads(server, grpc_server, address, x, y, parts, extra=()):
+    """Run the server's rounds with one `connect` client thread per part (plus `extra` threads);
+    stop the gRPC server whatever happens; return the server's history."""
     import threading
 
-    from tessera.federated.deployed import ServerConfig, connect, serve
+    from tessera.federated.deployed import connect
 
-    x, y = _data(40, seed=10)
-    parts = [np.arange(0, 8), np.arange(8, 20), np.arange(20, 40)]
-    settings = dict(local_epochs=1, batch_size=5, lr=0.3, seed=2)
-    config = ServerConfig(token="t", rounds=2, clients_per_round=3, quorum=2, dp=dp,
-                          secure_aggregation=True, round_timeout_s=60, join_timeout_s=60,
-                          **settings)  # fmt: skip
-    server, grpc_server, port = serve(_odd_model, config)
-    threads = [
+    threads = [*extra] + [
         threading.Thread(
-            target=connect, args=(f"127.0.0.1:{port}", _odd_model, (x[p], y[p])),
-            kwargs=dict(client=k, token="t", idle_timeout_s=60), daemon=True,
+            target=connect, args=(address, _odd_model, (x[p], y[p])),
+            kwargs=dict(client=k, token="t", idle_timeout_s=60),
         )
         for k, p in enumerate(parts)
     ]  # fmt: skip
+    for thread in threads:
+        thread.daemon = True
     try:
         for thread in threads:
             thread.start()
@@ -708,6 +701,25 @@ def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
             thread.join(timeout=30)
     finally:
         grpc_server.stop(0)
+    return history
+
+
+@pytest.mark.parametrize("dp", [None, DPConfig(clip=0.1, noise_multiplier=0.8, delta=1e-3)])
+def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
+    """Clients in threads (quick): the four secure-aggregation phases over gRPC give the same
+    quantised sum as simulation, so the same model bit for bit; with DP too (clients clip, the
+    server noises the sum with the same seeded draws and counts the same epsilon)."""
+
+    from tessera.federated.deployed import ServerConfig, serve
+
+    x, y = _data(40, seed=10)
+    parts = [np.arange(0, 8), np.arange(8, 20), np.arange(20, 40)]
+    settings = dict(local_epochs=1, batch_size=5, lr=0.3, seed=2)
+    config = ServerConfig(token="t", rounds=2, clients_per_round=3, quorum=2, dp=dp,
+                          secure_aggregation=True, round_timeout_s=60, join_timeout_s=60,
+                          **settings)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    history = _round_with_client_threads(server, grpc_server, f"127.0.0.1:{port}", x, y, parts)
     assert history.reported == [[0, 1, 2], [0, 1, 2]]
     simulated = simulate(
         _odd_model, (x, y), (x, y), partition=parts, num_clients=3, clients_per_round=3,
@@ -727,7 +739,7 @@ def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys()
     import grpc
 
     from tessera.federated import wire
-    from tessera.federated.deployed import METHOD, ServerConfig, connect, serve
+    from tessera.federated.deployed import METHOD, ServerConfig, serve
 
     x, y = _data(30, seed=11)
     parts = [np.arange(0, 6), np.arange(6, 16), np.arange(16, 30)]
@@ -760,21 +772,9 @@ def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys()
             send({"kind": "shares", "round": 1,
                   "outbox": {str(v): c.hex() for v, c in outbox.items()}})  # fmt: skip
 
-    threads = [threading.Thread(target=dropper, daemon=True)] + [
-        threading.Thread(
-            target=connect, args=(address, _odd_model, (x[p], y[p])),
-            kwargs=dict(client=k, token="t", idle_timeout_s=60), daemon=True,
-        )
-        for k, p in enumerate(parts)
-    ]  # fmt: skip
-    try:
-        for thread in threads:
-            thread.start()
-        history = server.run()
-        for thread in threads:
-            thread.join(timeout=30)
-    finally:
-        grpc_server.stop(0)
+    history = _round_with_client_threads(
+        server, grpc_server, address, x, y, parts, extra=[threading.Thread(target=dropper)]
+    )
     assert history.reported == [[0, 1, 2]]
     simulated = simulate(
         _odd_model, (x, y), (x, y), partition=parts, num_clients=3, clients_per_round=3,

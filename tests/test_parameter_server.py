@@ -516,7 +516,7 @@ def test_policies_share_one_protocol_and_plans_are_made_of_pieces():
     pieces = [piece for shard in plan.shards for piece in shard]
     assert all(isinstance(piece, Piece) for piece in pieces)
     assert sum(piece.stop - piece.start for piece in pieces) == 15
-    assert TOKEN_ENV == "TESSERA_PS_TOKEN"  # the name the README and `run`'s docstring give
+    assert TOKEN_ENV == "TESSERA_PS_TOKEN"  # the name `run`'s docstring gives users
 
 
 def test_a_read_held_back_too_long_raises_pstimeout_naming_the_slowest_worker():
