@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         help="train the character-level GPT (the main job)",
         description="Train a small GPT on Python's own source. Flags override --config, which "
         "overrides the defaults. Writes runs/<timestamp>/ (config.yaml, metrics.jsonl, "
-        "loss.png, checkpoint.pt, sample.txt).",
+        "loss.png, checkpoints/step-N/, sample.txt).",
     )
     train.add_argument("--config", metavar="FILE.yaml", help="YAML file of config values")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR up to --steps")

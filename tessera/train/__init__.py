@@ -20,6 +20,7 @@ __all__ = [
     "TrainConfig",
     "build_config",
     "load_checkpoint",
+    "latest_checkpoint",
     "load_yaml",
     "register_strategy",
     "run_training",
@@ -29,6 +30,7 @@ __all__ = [
 _LAZY = {
     "Engine": "tessera.train.strategy",
     "TorchDDPEngine": "tessera.train.strategy",
+    "latest_checkpoint": "tessera.train.checkpoint_series",
     "load_checkpoint": "tessera.train.checkpoint",
     "save_checkpoint": "tessera.train.checkpoint",
     "run_training": "tessera.train.run",

@@ -23,7 +23,11 @@ from tessera.train.registry import STRATEGIES
 __all__ = [
     "ModelSettings",
     "TrainConfig",
+    "RESUME_MAY_CHANGE",
+    "WORLD_SIZE_FREE_STRATEGIES",
     "build_config",
+    "check_resume_config",
+    "check_resume_world",
     "config_to_dict",
     "job_world_size",
     "load_yaml",
@@ -102,6 +106,9 @@ class TrainConfig:
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
     log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
     checkpoint_every: int = _option(50, "Checkpoint every this many steps (and at the end).")
+    keep_checkpoints: int = _option(
+        2, "Complete checkpoints kept; older ones are deleted once a newer one is complete."
+    )
     sample_tokens: int = _option(200, "Characters to generate at the end; 0 skips the sample.")
     timeout_s: float = _option(300.0, "Bound in seconds of every blocking wait between ranks.")
     out: str | None = _option(None, "Run folder (default runs/<timestamp>).")
@@ -126,6 +133,7 @@ class TrainConfig:
             "dp",
             "tp",
             "microbatches",
+            "keep_checkpoints",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -214,6 +222,77 @@ class TrainConfig:
                 f"microbatches ({self.microbatches}) must not exceed the batch each pipeline "
                 f"splits: batch_size {self.batch_size} / dp {dp} = {rows} sequences"
             )
+
+
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "steps",  # continue further (decay_steps, not steps, shapes the schedule)
+        "nproc",  # another world size: see WORLD_SIZE_FREE_STRATEGIES
+        "out",  # the same folder, spelled another way
+        "progress",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "sample_tokens",
+        "timeout_s",
+    }
+)
+"""Config keys a resumed run may set differently: none changes what a step computes."""
+
+WORLD_SIZE_FREE_STRATEGIES = frozenset({"single", "torch-ddp", "ddp", "zero1", "zero2", "zero3"})
+"""Strategies whose checkpoint loads on any world size: full replicas (DDP) or shards that are
+resharded on load (ZeRO). The global batch is kept: each rank takes batch_size / world rows."""
+
+_WORLD_SIZE_BOUND = {
+    "local-sgd": "it keeps one model replica per rank between averages",
+    "pipeline": "its optimizer state is split by pipeline stage",
+    "tensor": "its parameters and optimizer state are split by tensor-parallel rank",
+    "hybrid": "its parameters and optimizer state are split by stage and tensor-parallel rank",
+}
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resume_config(saved: dict[str, Any], config: TrainConfig, where: str) -> None:
+    """Refuse to resume a run saved with another config, naming every differing key.
+
+    `saved` is the config the run was saved with (config.yaml, or the checkpoint's copy);
+    keys in RESUME_MAY_CHANGE may differ, and keys a saved config lacks (it predates them) are
+    not compared.
+    """
+    old, new = _flatten(saved), _flatten(config_to_dict(config))
+    differing = [
+        f"{key} ({old[key]!r} -> {new[key]!r})"
+        for key in sorted(old.keys() & new.keys())
+        if key not in RESUME_MAY_CHANGE and old[key] != new[key]
+    ]
+    if differing:
+        raise ConfigError(
+            f"cannot resume {where}: it was saved with another config; differing keys: "
+            f"{', '.join(differing)}. Only {sorted(RESUME_MAY_CHANGE)} may change on resume: "
+            "start a new run (another --out) to change the others"
+        )
+
+
+def check_resume_world(strategy: str, saved_world: int, world: int) -> None:
+    """Refuse to resume a checkpoint of `saved_world` ranks on `world` ranks if the strategy
+    cannot (WORLD_SIZE_FREE_STRATEGIES can; the world-size checks of the config still apply)."""
+    if saved_world == world or strategy in WORLD_SIZE_FREE_STRATEGIES:
+        return
+    why = _WORLD_SIZE_BOUND.get(strategy, "it is not known to reshard its checkpoints")
+    raise ConfigError(
+        f"cannot resume a {strategy} checkpoint saved on {saved_world} ranks on {world} ranks: "
+        f"{why}; resume it on {saved_world} ranks (strategies that change world size on "
+        f"resume: {sorted(WORLD_SIZE_FREE_STRATEGIES)})"
+    )
 
 
 def torchrun_world() -> tuple[int, int] | None:

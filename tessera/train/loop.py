@@ -22,14 +22,13 @@ from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import CheckpointError
 from tessera.models import GPT, GPTConfig
 from tessera.runtime.context import Context, init
+from tessera.train import checkpoint_series as series
 from tessera.train.checkpoint import load_checkpoint, save_checkpoint
-from tessera.train.config import TrainConfig, config_to_dict
+from tessera.train.config import TrainConfig, check_resume_config, check_resume_world, config_to_dict
 from tessera.train.metrics import MetricsLog, gather_rank_metrics, peak_memory_mb, read_metrics
 from tessera.train.strategy import STRATEGIES, Engine
 
-__all__ = ["CHECKPOINT_NAME", "lr_at", "make_optimizer", "train_worker"]
-
-CHECKPOINT_NAME = "checkpoint.pt"
+__all__ = ["lr_at", "make_optimizer", "train_worker"]
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -65,33 +64,80 @@ def _gather_objects(value: Any, ctx: Context) -> list[Any]:
     return boxes
 
 
-def _save(engine: Engine, ctx: Context, path: Path, step: int, extra: dict[str, Any]) -> None:
-    """Collective: every rank contributes its RNG state; rank 0 writes the file atomically."""
+def _save(engine: Engine, ctx: Context, run_dir: Path, step: int, extra: dict[str, Any]) -> None:
+    """Collective: write checkpoints/step-N/ whole (see `checkpoint_series`), then prune.
+
+    Every rank writes its files into the partial folder, hashes a share of them, and rank 0
+    commits the manifest and renames the folder; only then are older checkpoints deleted.
+    """
+    partial = series.partial_folder(run_dir, step)
+    if ctx.is_main:
+        series.begin_save(run_dir, step)
+    _barrier(ctx)  # nobody writes before the partial folder is fresh
     if engine.sharded_checkpoint:  # each rank writes its own shard (ZeRO)
-        state = engine.save_shards(path, step)
+        state = engine.save_shards(partial / series.STATE_FILE, step)
     else:
         state = engine.state_dict()
     rng_states = _gather_objects(torch.get_rng_state(), ctx)
     if ctx.is_main:
-        save_checkpoint(path, {"step": step, "engine": state, "rng": rng_states, **extra})
+        save_checkpoint(
+            partial / series.STATE_FILE, {"step": step, "engine": state, "rng": rng_states, **extra}
+        )
+    _barrier(ctx)  # every file is written
+    shares = _gather_objects(series.hash_share(partial, ctx.rank, ctx.world_size), ctx)
+    if ctx.is_main:
+        files = {name: entry for share in shares for name, entry in share.items()}
+        strategy = extra["config"]["strategy"]
+        series.commit(partial, step, files, world_size=ctx.world_size, strategy=strategy)
+        series.prune(run_dir, extra["config"]["keep_checkpoints"])
+    _barrier(ctx)  # no rank goes on (and could fail) before the checkpoint is committed
+
+
+def _barrier(ctx: Context) -> None:
     if ctx.world_size > 1:
         dist.barrier()
 
 
-def _restore(engine: Engine, ctx: Context, path: Path, tokenizer: CharTokenizer) -> int:
+def _find_checkpoint(run_dir: Path, ctx: Context) -> Path:
+    """Rank 0 picks the newest verified checkpoint and tells the others (all load the same)."""
+    found: list[Any] = [None]
+    if ctx.is_main:
+        path = series.latest_checkpoint(run_dir)
+        series.clean_stale(run_dir)  # what saves killed before their rename left behind
+        found = [str(path) if path is not None else None]
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is None:
+        raise CheckpointError(
+            f"cannot resume {run_dir}: it holds no complete checkpoint whose checksums verify"
+        )
+    return Path(found[0])
+
+
+def _restore(
+    engine: Engine, ctx: Context, run_dir: Path, tokenizer: CharTokenizer, config: TrainConfig
+) -> int:
+    path = _find_checkpoint(run_dir, ctx)
     state = load_checkpoint(path)
-    if ctx.is_main:  # temporary files of saves that were killed before their rename
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)
     if state.get("tokenizer") != tokenizer.to_dict():
         raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
+    if "config" in state:
+        check_resume_config(state["config"], config, where=str(path))
+    saved_world = len(state["rng"])
+    check_resume_world(config.strategy, saved_world, ctx.world_size)
     if engine.sharded_checkpoint:
         engine.load_shards(path, state["engine"])
     else:
         engine.load_state_dict(state["engine"])
-    if len(state["rng"]) == ctx.world_size:
+    step = int(state["step"])
+    if saved_world == ctx.world_size:
         torch.set_rng_state(state["rng"][ctx.rank])
-    return int(state["step"])
+    else:
+        # Another world size splits each batch differently, so no saved stream fits a rank:
+        # dropout draws from a fresh stream per (seed, step, rank). Exact resume needs the
+        # same world size; this one continues the same training, not the same random masks.
+        torch.manual_seed(hash((config.seed, step, ctx.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+    return step
 
 
 def _progress_bar(config: TrainConfig, ctx: Context, start: int) -> Any:
@@ -125,8 +171,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
     model = GPT(model_config).to(ctx.device)
     engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
-    checkpoint = out / CHECKPOINT_NAME
-    start = _restore(engine, ctx, checkpoint, tokenizer) if resume else 0
+    start = _restore(engine, ctx, out, tokenizer, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
     extra = {"tokenizer": tokenizer.to_dict(), "config": config_to_dict(config)}
     tokens_per_step = config.batch_size * config.model.block_size
@@ -164,7 +209,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         if done == config.steps or (
             config.checkpoint_every and done % config.checkpoint_every == 0
         ):
-            _save(engine, ctx, checkpoint, done, extra)
+            _save(engine, ctx, out, done, extra)
     if bar is not None:
         bar.close()
     weights = engine.full_model_state()  # collective for strategies that shard the model

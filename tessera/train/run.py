@@ -15,13 +15,21 @@ from typing import Any
 
 import yaml
 
-from tessera.errors import ConfigError
+from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.context import shutdown
 from tessera.runtime.launch import launch
-from tessera.train.config import TrainConfig, config_to_dict, load_yaml
-from tessera.train.loop import CHECKPOINT_NAME, train_worker
+from tessera.train import checkpoint_series as series
+from tessera.train.config import (
+    TrainConfig,
+    check_resume_config,
+    check_resume_world,
+    config_to_dict,
+    job_world_size,
+    load_yaml,
+)
+from tessera.train.loop import train_worker
 
-__all__ = ["config_layers_for_resume", "print_summary", "run_training"]
+__all__ = ["check_resume", "config_layers_for_resume", "print_summary", "run_training"]
 
 
 def _under_torchrun() -> bool:
@@ -33,15 +41,36 @@ def config_layers_for_resume(run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"cannot resume {run_dir}: no config.yaml there (not a tessera run)")
-    if not (run_dir / CHECKPOINT_NAME).is_file():
-        raise ConfigError(f"cannot resume {run_dir}: it holds no {CHECKPOINT_NAME}")
+    if not series.has_checkpoint(run_dir):
+        raise ConfigError(
+            f"cannot resume {run_dir}: it holds no complete checkpoint "
+            f"({series.CHECKPOINTS_DIR}/step-N/ with its {series.MANIFEST_FILE})"
+        )
     return load_yaml(run_dir / "config.yaml")
+
+
+def check_resume(config: TrainConfig, run_dir: str | Path) -> None:
+    """Before any rank starts: refuse a resume of `run_dir` with another config or world size.
+
+    Reads config.yaml and the newest checkpoint's manifest only (no checkpoint is loaded); the
+    ranks check again against the checkpoint they load.
+    """
+    run_dir = Path(run_dir)
+    if (run_dir / "config.yaml").is_file():
+        check_resume_config(load_yaml(run_dir / "config.yaml"), config, where=str(run_dir))
+    complete = series.complete_checkpoints(run_dir)
+    if complete:
+        try:
+            saved_world = int(series.read_manifest(complete[0])["world_size"])
+        except (CheckpointError, KeyError, ValueError):
+            return  # the ranks fall back to an older checkpoint, and check that one
+        check_resume_world(config.strategy, saved_world, job_world_size(config.nproc))
 
 
 def _choose_run_dir(config: TrainConfig, resume: bool) -> Path:
     if config.out is not None:
         run_dir = Path(config.out)
-        if not resume and (run_dir / CHECKPOINT_NAME).exists():
+        if not resume and series.has_checkpoint(run_dir):
             raise ConfigError(
                 f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                 "or choose another --out"
@@ -65,6 +94,8 @@ def _write_config(config: TrainConfig, run_dir: Path) -> None:
 def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any] | None:
     """Train as `config` says; return rank 0's summary (None on other ranks under torchrun)."""
     run_dir = _choose_run_dir(config, resume)
+    if resume:
+        check_resume(config, run_dir)
     if _under_torchrun():
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)

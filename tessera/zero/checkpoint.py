@@ -337,17 +337,20 @@ def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def consolidate(run_dir: str | Path, out_path: str | Path) -> Path:
     """Stream a sharded checkpoint into one plain safetensors state dict; return its path.
 
-    `run_dir` is a `tessera train` run folder (its checkpoint.pt names the shard folder) or a
-    folder of shard files. Parameters are written in fp32 (the master weights), tied ones under
-    each of their keys; memory is bounded by the largest tensor.
+    `run_dir` is a `tessera train` run folder (its newest verified checkpoint's state file names
+    the shard folder) or a folder of shard files. Parameters are written in fp32 (the master
+    weights), tied ones under each of their keys; memory is bounded by the largest tensor.
     """
+    from tessera.train.checkpoint_series import latest_checkpoint  # late: tessera.train is above
+
     run_dir, out_path = Path(run_dir), Path(out_path)
     folder = run_dir
-    if (run_dir / "checkpoint.pt").is_file():
-        meta = load_checkpoint(run_dir / "checkpoint.pt").get("engine", {})
+    state_file = latest_checkpoint(run_dir)
+    if state_file is not None:
+        meta = load_checkpoint(state_file).get("engine", {})
         if "zero_shards" not in meta:
-            raise CheckpointError(f"{run_dir} holds a checkpoint that is not sharded by ZeRO")
-        folder = run_dir / meta["zero_shards"]
+            raise CheckpointError(f"{state_file} is a checkpoint that is not sharded by ZeRO")
+        folder = state_file.parent / meta["zero_shards"]
     metas = load_shard_files(folder)
     head = metas[0]
     with _open_verified(folder, head) as first:

@@ -2,14 +2,14 @@
 
 Each wraps the trainer's GPT with `ZeroStage1/2/3` (`tessera.zero`); the trainer's optimizer
 factory is called on this rank's master shards only. Checkpoints are sharded: every rank writes
-its own file under `zero/step-NNNNNNNN/` next to `checkpoint.pt` (which rank 0 writes last and
-which names the shard folder), so a run saved on 4 ranks can resume on 2 (resharding on load)
-and `tessera checkpoint consolidate RUN_DIR out.safetensors` yields one plain state dict.
+its own files into `zero/` of the step's checkpoint folder, beside `state.pt` (which rank 0
+writes and which names the shard folder; see `tessera.train.checkpoint_series`), so a run saved
+on 4 ranks can resume on 2 (resharding on load) and `tessera checkpoint consolidate RUN_DIR
+out.safetensors` yields one plain state dict.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.runtime.context import Context
-from tessera.train.checkpoint import load_checkpoint
 from tessera.train.strategy import Engine, OptimizerFactory
 from tessera.zero.api import STAGES, full_state_dict
 from tessera.zero.checkpoint import load_shards, save_shard
@@ -26,7 +25,7 @@ from tessera.zero.checkpoint import load_shards, save_shard
 __all__ = ["Zero1Engine", "Zero2Engine", "Zero3Engine", "ZeroEngine"]
 
 SHARD_ROOT = "zero"
-"""Folder of the run directory holding one sub-folder of rank shards per saved step."""
+"""Folder of a checkpoint holding its rank shards, beside its state file."""
 
 
 class ZeroEngine(Engine):
@@ -82,34 +81,20 @@ class ZeroEngine(Engine):
         raise NotImplementedError("a ZeRO engine loads sharded checkpoints: use load_shards")
 
     def save_shards(self, checkpoint: Path, step: int) -> dict[str, Any]:
-        """Collective: each rank writes its shard; returns what `checkpoint.pt` should hold."""
-        run_dir = checkpoint.parent
-        relative = f"{SHARD_ROOT}/step-{step:08d}"
-        if self.ctx.is_main:
-            _remove_stale_shards(run_dir, checkpoint, keep=relative)
-        save_shard(run_dir / relative, self.optimizer, step=step)
+        """Collective: each rank writes its shard beside the state file `checkpoint` (in the
+        checkpoint's folder, `zero/`); returns what the state file should hold."""
+        save_shard(checkpoint.parent / SHARD_ROOT, self.optimizer, step=step)
         if self.ctx.world_size > 1:
             dist.barrier()
-        return {"zero_shards": relative, "world_size": self.optimizer.world, "stage": self.stage}
+        return {"zero_shards": SHARD_ROOT, "world_size": self.optimizer.world, "stage": self.stage}
 
     def load_shards(self, checkpoint: Path, meta: dict[str, Any]) -> None:
-        """Load the shards `checkpoint.pt` names, from any world size."""
+        """Load the shards the state file `checkpoint` names, from any world size.
+
+        `zero_shards` is relative to the state file's folder (`zero` in a checkpoint folder;
+        `zero/step-N` beside the `checkpoint.pt` of older run folders).
+        """
         load_shards(self.optimizer, checkpoint.parent / meta["zero_shards"])
-
-
-def _remove_stale_shards(run_dir: Path, checkpoint: Path, keep: str) -> None:
-    """Delete shard folders neither being written nor named by the committed checkpoint.pt.
-
-    Called before a save, so the folder checkpoint.pt names survives until a new checkpoint.pt
-    names another one. Also removes what killed saves left: `.step-*.partial` and `.step-*.old`.
-    """
-    keep_names = {Path(keep).name}
-    if checkpoint.is_file():
-        keep_names.add(Path(load_checkpoint(checkpoint)["engine"].get("zero_shards", "")).name)
-    root = run_dir / SHARD_ROOT
-    for folder in root.iterdir() if root.is_dir() else []:
-        if folder.is_dir() and folder.name not in keep_names:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 class Zero1Engine(ZeroEngine):
