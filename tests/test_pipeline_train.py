@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.models import GPT, GPTConfig
-from tessera.train import build_config, load_checkpoint, run_training
+from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
 
 TINY = {
     "model": {"n_layer": 2, "n_embd": 32, "n_head": 2, "block_size": 32},
@@ -63,7 +63,7 @@ def _oracle(dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int]:
 
 
 def _checkpoint(run_dir):
-    return load_checkpoint(run_dir / "checkpoint.pt")["engine"]
+    return load_checkpoint(latest_checkpoint(run_dir))["engine"]
 
 
 def test_pipeline_strategy_equals_a_plain_loop(tmp_path):

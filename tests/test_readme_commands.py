@@ -95,8 +95,8 @@ def test_single_process_reference_run(tmp_path):
     out = _run([*command, *TINY_MODEL, "--steps", "5"], tmp_path)
     assert out.returncode == 0, out.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()  # runs/<timestamp>/
-    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoint.pt", "sample.txt"):
-        assert (run_dir / name).is_file(), name
+    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoints/step-00000005", "sample.txt"):
+        assert (run_dir / name).exists(), name
     assert "single on 1 rank" in out.stdout
     assert len(read_metrics(run_dir / "metrics.jsonl")) == 5
 
@@ -121,8 +121,10 @@ def test_two_rank_run_then_resume_to_a_later_step(tmp_path):
     assert [row["step"] for row in rows] == list(range(1, 8))
     assert set(rows[0]) >= {"step", "loss", "tokens_per_s", "compute_s", "comm_s", "peak_mem_mb"}
     assert len(rows[0]["peak_mem_mb"]) == 2  # one per rank
-    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoint.pt", "sample.txt"):
+    for name in ("config.yaml", "metrics.jsonl", "loss.png", "sample.txt"):
         assert (tmp_path / "runs/a" / name).stat().st_size > 0, name  # the README's run folder
+    checkpoints = sorted(p.name for p in (tmp_path / "runs/a/checkpoints").iterdir())
+    assert checkpoints == ["step-00000004", "step-00000007"]  # --keep-checkpoints 2
 
 
 def test_flags_override_the_config_file(tmp_path):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tessera
-from tessera.train import build_config, load_checkpoint, run_training
+from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
 from tessera.train.loop import train_worker
 from tessera.train.metrics import read_metrics
 from tessera.train.run import config_layers_for_resume
@@ -95,10 +95,11 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
 
 def _final_state(run_dir: Path) -> dict[str, Any]:
     """The last checkpoint: engine state, RNG states, step; ZeRO shards read tensor by tensor."""
-    checkpoint = load_checkpoint(run_dir / "checkpoint.pt")
+    state_file = latest_checkpoint(run_dir)
+    checkpoint = load_checkpoint(state_file)
     state = {k: checkpoint[k] for k in ("step", "engine", "rng")}
     if "zero_shards" in checkpoint["engine"]:
-        folder = run_dir / checkpoint["engine"]["zero_shards"]
+        folder = state_file.parent / checkpoint["engine"]["zero_shards"]
         shards = []
         for meta in load_shard_files(folder):
             with TensorFile(folder / meta["tensors"]) as tensors:
@@ -126,7 +127,7 @@ def _train_three_ways(runs: list[str], root: str) -> None:
             (folder / name).mkdir(parents=True, exist_ok=True)
             train_worker(_config(run, folder / name, steps), str(folder / name), resume)
         if tessera.init().is_main:
-            assert load_checkpoint(folder / "split" / "checkpoint.pt")["step"] == K
+            assert load_checkpoint(latest_checkpoint(folder / "split"))["step"] == K
         train_worker(_config(run, folder / "split", 2 * K), str(folder / "split"), True)
 
 
@@ -178,7 +179,9 @@ def test_the_resume_tests_cover_every_registered_strategy():
     assert sorted(REGISTERED) == sorted({options["strategy"] for options in RUNS.values()})
 
 
-def _tessera_train_until_paused(run_dir: Path, run: str, pause: str, skip: int) -> None:
+def _tessera_train_until_paused(
+    run_dir: Path, run: str, pause: str, skip: int, keep: int = 2
+) -> None:
     """Run `tessera train` until a rank holds at `pause`, then SIGKILL its process group."""
     marker = run_dir.parent / f"{run_dir.name}.paused"
     env = {
@@ -192,6 +195,7 @@ def _tessera_train_until_paused(run_dir: Path, run: str, pause: str, skip: int) 
         "--checkpoint-every": str(K),
         "--out": str(run_dir),
         "--nproc": str(RUNS[run].get("nproc", 2)),
+        "--keep-checkpoints": str(keep),
     }
     config = run_dir.parent / f"{run_dir.name}.yaml"
     config.write_text(_yaml({k: v for k, v in TINY.items() if k != "checkpoint_every"}))
@@ -228,24 +232,26 @@ def _yaml(values: dict[str, Any]) -> str:
     [
         # Mid-save: the ranks write the new step's shards while the previous step is committed.
         pytest.param("zero3", f"write:*/.step-{2 * K:08d}.partial/*", 0, marks=pytest.mark.slow),
-        # The new shards are complete, checkpoint.pt (naming them) is about to be renamed:
-        # the previous shard folder must still be there, since checkpoint.pt still names it.
-        ("zero2", "write:*/checkpoint.pt", 1),
-        # (local-sgd's single checkpoint.pt takes the same path as zero2's: not run again here.)
+        # Every file of the new checkpoint and its manifest are written, the folder is about to
+        # be renamed into place: with --keep-checkpoints 1 the previous checkpoint must still be
+        # there, since it is the only complete one. (local-sgd saves one state file, as zero2's
+        # state.pt: not run again here.)
+        ("zero2", f"commit:*/checkpoints/step-{2 * K:08d}", 0),
     ],
 )
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, straight, run, pause, skip):
     run_dir = tmp_path / "killed"
-    _tessera_train_until_paused(run_dir, run, pause, skip)
-    checkpoint = load_checkpoint(run_dir / "checkpoint.pt")  # loads: the previous save is whole
+    _tessera_train_until_paused(run_dir, run, pause, skip, keep=1)
+    checkpoint = load_checkpoint(latest_checkpoint(run_dir))  # the previous save is whole
     assert checkpoint["step"] == K
     # The killed run had logged steps past its checkpoint: they are dropped on resume.
     assert [step for step, _ in _losses(run_dir)] == list(range(1, 2 * K + 1))
     _resume(run_dir, 2 * K)
     _assert_same_run(run_dir, straight(run))
     # Nothing the killed save left behind remains: no temporary file, no partial shard folder.
-    leftovers = list(run_dir.glob(".*")) + list(run_dir.glob("zero/.*"))
+    leftovers = list(run_dir.glob(".*")) + list(run_dir.glob("checkpoints/**/.*"))
     assert not leftovers, leftovers
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step-{2 * K:08d}"]
 
 
 def test_metrics_log_drops_the_records_past_the_resumed_step(tmp_path):

@@ -11,7 +11,14 @@ import torch
 from _tolerance import check_close
 from test_trainer_oracle import oracle_run  # tests/ is on sys.path under pytest
 
-from tessera.train import build_config, load_checkpoint, load_yaml, registry, run_training
+from tessera.train import (
+    build_config,
+    latest_checkpoint,
+    load_checkpoint,
+    load_yaml,
+    registry,
+    run_training,
+)
 from tessera.train.metrics import read_metrics
 
 TINY = [
@@ -41,7 +48,7 @@ TINY_CONFIG = {
 
 
 def _params(run_dir) -> dict[str, torch.Tensor]:
-    return load_checkpoint(run_dir / "checkpoint.pt")["engine"]["model"]
+    return load_checkpoint(latest_checkpoint(run_dir))["engine"]["model"]
 
 
 def _tessera(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -100,11 +107,13 @@ def test_corrupt_checkpoint_is_refused_on_resume(tmp_path):
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr
-    checkpoint = tmp_path / "r/checkpoint.pt"
+    checkpoint = tmp_path / "r/checkpoints/step-00000002/state.pt"
     checkpoint.write_bytes(checkpoint.read_bytes()[:-100])
     resumed = _tessera("train", "--resume", "r", "--steps", "4", cwd=tmp_path)
     assert resumed.returncode == 2
-    assert "truncated" in resumed.stderr and "Traceback" not in resumed.stderr.split("\n")[0]
+    assert "state.pt is truncated" in resumed.stderr  # the warning names the file
+    error = resumed.stderr.strip().splitlines()[-1]
+    assert error.startswith("tessera: error: cannot resume r: it holds no complete checkpoint")
     assert len(read_metrics(tmp_path / "r/metrics.jsonl")) == 2  # nothing appended
 
 
