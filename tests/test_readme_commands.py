@@ -95,7 +95,13 @@ def test_single_process_reference_run(tmp_path):
     out = _run([*command, *TINY_MODEL, "--steps", "5"], tmp_path)
     assert out.returncode == 0, out.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()  # runs/<timestamp>/
-    for name in ("config.yaml", "metrics.jsonl", "loss.png", "checkpoints/step-00000005", "sample.txt"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "loss.png",
+        "checkpoints/step-00000005",
+        "sample.txt",
+    ):
         assert (run_dir / name).exists(), name
     assert "single on 1 rank" in out.stdout
     assert len(read_metrics(run_dir / "metrics.jsonl")) == 5

@@ -24,7 +24,12 @@ from tessera.models import GPT, GPTConfig
 from tessera.runtime.context import Context, init
 from tessera.train import checkpoint_series as series
 from tessera.train.checkpoint import load_checkpoint, save_checkpoint
-from tessera.train.config import TrainConfig, check_resume_config, check_resume_world, config_to_dict
+from tessera.train.config import (
+    TrainConfig,
+    check_resume_config,
+    check_resume_world,
+    config_to_dict,
+)
 from tessera.train.metrics import MetricsLog, gather_rank_metrics, peak_memory_mb, read_metrics
 from tessera.train.strategy import STRATEGIES, Engine
 
