@@ -17,6 +17,7 @@ from tessera.comm.api import (
 )
 from tessera.comm.cost import CostParams, calibrate, choose, predict
 from tessera.comm.diagnostics import history, set_checks
+from tessera.comm.flight_recorder import dump_on_failure, set_dump_dir
 
 __all__ = [
     "ALGORITHMS",
@@ -27,11 +28,13 @@ __all__ = [
     "broadcast",
     "calibrate",
     "choose",
+    "dump_on_failure",
     "history",
     "predict",
     "reduce",
     "reduce_scatter",
     "same_host",
     "set_checks",
+    "set_dump_dir",
     "shared_buffer",
 ]

@@ -237,6 +237,15 @@ def done_waiting() -> None:
     _watchdog.end()
 
 
+def current_wait() -> dict[str, object] | None:
+    """The collective this rank is blocked in right now (group key, seq, seconds), if any."""
+    waiting = _watchdog._waiting
+    if waiting is None:
+        return None
+    key, seq, since, _ = waiting
+    return {"group": key, "seq": seq, "waited_s": round(time.monotonic() - since, 3)}
+
+
 def _store() -> dist.Store | None:
     try:
         return dist.distributed_c10d._get_default_store()
@@ -286,4 +295,22 @@ def timeout_error(
         detail += f"; ranks {missing} have not reached collective #{seq} (never called it?)"
     elif missing is not None:
         detail += "; every rank reached it: a peer may have died or the network stalled"
-    return CollectiveTimeout(dist.get_rank(), op, timeout_s, detail)
+    waited = {"group": key, "seq": seq, "op": op, "peer": peer, "missing_ranks": missing}
+    return timeout_with_record(dist.get_rank(), op, timeout_s, detail, waited)
+
+
+def timeout_with_record(
+    rank: int, op: str, timeout_s: float, detail: str, waiting: dict[str, object]
+) -> CollectiveTimeout:
+    """A `CollectiveTimeout`, after this rank's flight record is written (if dumping is on).
+
+    The error names the record's path and carries it as `flight_record`.
+    """
+    from tessera.comm.flight_recorder import dump
+
+    path = dump(f"timeout: {op} did not complete within {timeout_s:g} s; {detail}", waiting)
+    if path is not None:
+        detail += f" (flight record: {path})"
+    error = CollectiveTimeout(rank, op, timeout_s, detail)
+    error.flight_record = str(path) if path is not None else None
+    return error

@@ -46,7 +46,6 @@ from tessera.comm import _shm_files, diagnostics
 from tessera.comm._ops import accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
 from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
-from tessera.errors import CollectiveTimeout
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
 
@@ -129,12 +128,14 @@ class ShmGroup:
     def _timeout(self, op: str, seq: int, timeout_s: float, count: int) -> None:
         load, stride = self._words.load, self._slot_words
         missing = [self.info.ranks[q] for q in self._peers if load(q * stride + _COUNTER) < count]
-        raise CollectiveTimeout(
+        waited = {"group": self.info.key, "seq": seq, "op": f"{op} (shm)", "peer": None}
+        raise diagnostics.timeout_with_record(
             dist.get_rank(),
             op,
             timeout_s,
             f"collective #{seq} (shm), waiting for ranks {missing}: "
-            f"ranks {missing} have not reached it (never called it?)",
+            f"ranks {missing} have not reached collective #{seq} (never called it?)",
+            {**waited, "missing_ranks": missing},
         )
 
     # --------------------------------------------------------------------------- checks

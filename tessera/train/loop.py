@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import CheckpointError
 from tessera.models import GPT, GPTConfig
@@ -160,8 +161,20 @@ def _progress_bar(config: TrainConfig, ctx: Context, start: int) -> Any:
 
 
 def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
-    """Train on this rank; rank 0 writes the run folder and returns the summary."""
+    """Train on this rank; rank 0 writes the run folder and returns the summary.
+
+    If a collective times out (or anything fails), every rank writes its flight record to
+    `run_dir/hang-rank-N.json` (`tessera.comm.flight_recorder`); a rank stopped by SIGTERM
+    (the launcher's, torchrun's) writes one too, which tells where a hung rank was stuck.
+    """
     ctx = init(timeout_s=config.timeout_s)
+    if ctx.world_size > 1:  # a spawned rank: the signal handlers are this process's own
+        install_signal_dump()
+    with dump_on_failure(run_dir):
+        return _train(ctx, config, run_dir, resume)
+
+
+def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)

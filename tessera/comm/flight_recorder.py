@@ -1,0 +1,213 @@
+"""Flight-recorder dumps: when a job hangs, every rank says what it last did and whom it waited for.
+
+A hang is diagnosed from all ranks at once: the ranks that time out know which collective they
+were in and which peer never answered; the rank that stopped knows where it stopped. So when a
+collective times out, the rank writes `DIR/hang-rank-N.json`:
+
+    {"rank", "world_size", "pid", "time", "reason",
+     "waiting": {"group", "seq", "op", "peer", "missing_ranks"} or null,
+     "collectives": [{"seq", "kind", "algorithm", "op", "shape", "dtype", "group_ranks",
+                      "call_site", "issued_by"}, ...],   # the last HISTORY, oldest first
+     "stacks": {"thread name": "formatted Python stack", ...}}
+
+Who writes it:
+- tessera's own collectives (every algorithm, shm, and "native" gloo through `tessera.comm`) at
+  their timeout (`diagnostics.timeout_error`, the shm barrier, ZeRO's stream waits);
+- a stuck rank that can still run Python, on SIGTERM or SIGUSR1 (`install_signal_dump`; the
+  launcher and torchrun send SIGTERM before SIGKILL);
+- code calling `torch.distributed` directly (gloo's own timeout raises a RuntimeError):
+  inside `dump_on_failure()`, which the trainer wraps around its loop.
+
+DIR is `set_dump_dir(path)`, else the environment variable TESSERA_DUMP_DIR (the trainer sets
+both to the run folder, so its ranks inherit it); with neither, nothing is written: a library
+call must not litter the current folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DUMP_DIR_ENV",
+    "dump",
+    "dump_dir",
+    "dump_on_failure",
+    "install_signal_dump",
+    "set_dump_dir",
+]
+
+DUMP_DIR_ENV = "TESSERA_DUMP_DIR"
+_dump_dir: Path | None = None
+
+
+def set_dump_dir(path: str | Path | None) -> None:
+    """Write flight records into `path` from now on (None: back to TESSERA_DUMP_DIR).
+
+    Also exported as TESSERA_DUMP_DIR, so processes this one starts write there too.
+    """
+    global _dump_dir
+    _dump_dir = None if path is None else Path(path)
+    if path is None:
+        os.environ.pop(DUMP_DIR_ENV, None)
+    else:
+        os.environ[DUMP_DIR_ENV] = str(path)
+
+
+def dump_dir() -> Path | None:
+    """Where flight records go, or None when dumping is off."""
+    if _dump_dir is not None:
+        return _dump_dir
+    value = os.environ.get(DUMP_DIR_ENV, "")
+    return Path(value) if value else None
+
+
+def _rank() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _collectives() -> list[dict[str, Any]]:
+    from tessera.comm.diagnostics import describe_label, history
+
+    return [
+        {
+            "seq": entry.seq,
+            "kind": entry.kind,
+            "algorithm": entry.algorithm,
+            "op": entry.op,
+            "shape": list(entry.shape),
+            "dtype": str(entry.dtype).removeprefix("torch."),
+            "group_ranks": list(entry.group_ranks),
+            "call_site": entry.call_site,
+            "issued_by": describe_label(entry.label) if entry.label else None,
+        }
+        for entry in history()
+    ]
+
+
+def _stacks() -> dict[str, str]:
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return {
+        f"{names.get(ident, 'thread')} ({ident})": "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items()
+    }
+
+
+_written: set[Path] = set()
+"""Records this process wrote: a later, vaguer one (its own SIGTERM) must not replace them."""
+
+
+def dump(
+    reason: str, waiting: dict[str, Any] | None = None, *, replace: bool = True
+) -> Path | None:
+    """Write this rank's flight record (see the module docstring); return its path, or None.
+
+    `waiting` describes the wait that failed, if any: group key, sequence number, operation,
+    the peer waited for and the ranks that never arrived. `replace=False` keeps a record this
+    process wrote already (the one of the timeout itself is the most precise). Never raises: a
+    diagnosis must not replace the error it explains.
+    """
+    folder = dump_dir()
+    if folder is None:
+        return None
+    rank, world_size = _rank()
+    path = folder / f"hang-rank-{rank}.json"
+    if not replace and path in _written:
+        return path
+    try:
+        from tessera.comm.diagnostics import current_wait
+
+        record = {
+            "rank": rank,
+            "world_size": world_size,
+            "pid": os.getpid(),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "reason": reason,
+            "waiting": waiting if waiting is not None else current_wait(),
+            "collectives": _collectives(),
+            "stacks": _stacks(),
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = folder / f".hang-rank-{rank}.json.tmp"
+        temporary.write_text(json.dumps(record, indent=1))
+        temporary.replace(path)  # a reader never sees half a record
+        _written.add(path)
+        return path
+    except Exception:  # noqa: BLE001 - best effort, see the docstring
+        return None
+
+
+@contextlib.contextmanager
+def dump_on_failure(folder: str | Path | None = None) -> Iterator[None]:
+    """Dump the flight record if the body raises; with `folder`, dump there during the body.
+
+    For failures tessera's collectives do not see: gloo's own timeout in a direct
+    `torch.distributed` call, or an exception between collectives. A record the failing
+    collective wrote already is kept. The previous dump folder is restored afterwards.
+    """
+    previous = (_dump_dir, os.environ.get(DUMP_DIR_ENV))
+    if folder is not None:
+        set_dump_dir(folder)
+    try:
+        yield
+    except BaseException as exc:
+        dump(f"{type(exc).__name__}: {exc}", replace=False)
+        raise
+    finally:
+        if folder is not None:
+            _restore_dump_dir(*previous)
+
+
+def _restore_dump_dir(folder: Path | None, env: str | None) -> None:
+    global _dump_dir
+    _dump_dir = folder
+    if env is None:
+        os.environ.pop(DUMP_DIR_ENV, None)
+    else:
+        os.environ[DUMP_DIR_ENV] = env
+
+
+_installed: dict[int, Any] = {}
+
+
+def install_signal_dump(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+    """Dump the flight record when one of `signals` arrives (main thread only).
+
+    SIGUSR1 dumps and goes on (ask a live process what it is doing); SIGTERM dumps, then ends
+    the process as SIGTERM would have, through the handler that was there before.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number in signals:
+        if number in _installed:
+            continue
+        _installed[number] = signal.signal(number, _on_signal)
+
+
+def _on_signal(number: int, _frame: Any) -> None:
+    name = signal.Signals(number).name
+    # SIGTERM also reaches ranks that failed first (the launcher stops them all): their own
+    # timeout record says more, so it is kept. SIGUSR1 is a question: always answered.
+    reason = f"signal {name}: stopped or asked from outside (it may be the rank that hung)"
+    dump(reason, replace=number == signal.SIGUSR1)
+    if number == signal.SIGUSR1:
+        return
+    previous = _installed.pop(number, signal.SIG_DFL)
+    signal.signal(number, previous)
+    if callable(previous):
+        previous(number, _frame)
+    else:
+        os.kill(os.getpid(), number)  # the default action: end the process

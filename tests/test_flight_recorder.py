@@ -1,0 +1,102 @@
+"""A rank that stops answering: the others time out naming it, and every rank leaves a record.
+
+Three ranks; the last one skips a collective that the other two call, once per transport
+(tessera's ring over point-to-point messages, tessera's shared-memory transport, gloo through
+`tessera.comm` as "native", and gloo called directly through torch.distributed), each on its own
+group with a short timeout. The live ranks must raise within the timeout, name rank 2, and write
+`hang-rank-N.json` with their last collectives and the wait that failed; at the end the launcher
+stops the job with SIGTERM, and the stuck rank, sleeping in Python, writes its record too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tessera
+from tessera.comm import all_reduce, dump_on_failure, set_dump_dir
+from tessera.comm.flight_recorder import install_signal_dump
+from tessera.errors import RankFailedError
+
+TIMEOUT_S = 1.0
+KINDS = ("ring", "shm", "native", "gloo")
+STUCK = 2
+
+
+def _one_rank_stops(root: str) -> None:
+    ctx = tessera.init()
+    install_signal_dump()
+    report: dict[str, dict] = {}
+    for kind in KINDS:
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)  # gloo's own, for the direct call
+        group = dist.new_group(list(range(ctx.world_size)), timeout=timeout)
+        set_dump_dir(Path(root) / kind)
+        x = torch.ones(7)
+        algorithm = "native" if kind == "gloo" else kind
+        all_reduce(x, algorithm=algorithm, group=group)  # every rank: history, shm segment
+        if ctx.rank != STUCK:  # the stuck rank does not call the next one
+            began = time.monotonic()
+            try:
+                with dump_on_failure():
+                    if kind == "gloo":
+                        dist.all_reduce(x, group=group)
+                    else:
+                        all_reduce(x, algorithm=algorithm, group=group, timeout=TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - reported to the test below
+                error = f"{type(exc).__name__}: {exc}"
+                report[kind] = {"error": error, "seconds": time.monotonic() - began}
+        dist.barrier()  # the stuck rank "wakes up" once the others have given up
+    reports: list[dict] = [{}] * ctx.world_size
+    dist.all_gather_object(reports, report)
+    set_dump_dir(Path(root) / "stopped")
+    if ctx.rank == STUCK:
+        time.sleep(120)  # hangs; the launcher's SIGTERM ends it (and its handler dumps)
+    if ctx.rank == 0:  # ends the job: the launcher then stops every other rank
+        raise RuntimeError("REPORT" + json.dumps(reports))
+
+
+def _record(path: Path) -> dict:
+    assert path.is_file(), f"no flight record {path}"
+    return json.loads(path.read_text())
+
+
+def test_a_rank_that_stops_is_named_and_every_rank_dumps(run_ranks, tmp_path):
+    with pytest.raises(RankFailedError) as stopped:
+        run_ranks(_one_rank_stops, 3, str(tmp_path), timeout_s=90)
+    reports = json.loads(str(stopped.value).split("REPORT", 1)[1].splitlines()[0])
+    for rank in (0, 1):
+        for kind in KINDS:
+            found = reports[rank][kind]
+            # Reported within the timeout (plus the moment spent gathering who arrived).
+            assert found["seconds"] < TIMEOUT_S + 5, (rank, kind, found)
+            record = _record(tmp_path / kind / f"hang-rank-{rank}.json")
+            assert record["rank"] == rank and record["world_size"] == 3
+            last = record["collectives"][-1]
+            assert set(last) >= {"seq", "kind", "algorithm", "op", "shape", "group_ranks"}
+            assert last["shape"] == [7] and last["group_ranks"] == [0, 1, 2]
+            assert record["stacks"], "the Python stacks of the rank's threads"
+            if kind == "gloo":  # gloo's own timeout: seen by the trainer's guard, not by tessera
+                assert "RuntimeError" in found["error"] and "RuntimeError" in record["reason"]
+                assert last["algorithm"] == "native"  # the last tessera collective, the warm-up
+                continue
+            # tessera's collectives name the rank that never arrived, and the record says so.
+            assert f"have not reached collective #{last['seq']}" in found["error"], found
+            assert "ranks [2]" in found["error"] and "flight record" in found["error"]
+            assert last["algorithm"] == kind and last["kind"] == "all_reduce"
+            waiting = record["waiting"]
+            assert waiting["seq"] == last["seq"] and waiting["missing_ranks"] == [STUCK]
+    # The stuck rank: no record from a timeout (it never waited), one from SIGTERM, whose last
+    # collective is one before the one the others waited in.
+    for kind in KINDS:
+        assert not (tmp_path / kind / f"hang-rank-{STUCK}.json").exists()
+    stuck = _record(tmp_path / "stopped" / f"hang-rank-{STUCK}.json")
+    assert stuck["reason"].startswith("signal SIGTERM")
+    assert "time.sleep(120)" in "".join(stuck["stacks"].values())
+    live = _record(tmp_path / "native" / "hang-rank-0.json")
+    assert stuck["collectives"][-1]["seq"] < live["collectives"][-1]["seq"]
