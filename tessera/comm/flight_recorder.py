@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tessera.errors import CollectiveMismatch
+
 __all__ = [
     "DUMP_DIR_ENV",
     "dump",
@@ -152,18 +154,19 @@ def dump(
 
 @contextlib.contextmanager
 def dump_on_failure(folder: str | Path | None = None) -> Iterator[None]:
-    """Dump the flight record if the body raises; with `folder`, dump there during the body.
+    """Dump the flight record if the body fails in communication; with `folder`, dump there.
 
-    For failures tessera's collectives do not see: gloo's own timeout in a direct
-    `torch.distributed` call, or an exception between collectives. A record the failing
-    collective wrote already is kept. The previous dump folder is restored afterwards.
+    For failures tessera's collectives do not see: gloo's own timeout or a broken connection in
+    a direct `torch.distributed` call (RuntimeError), a mismatch, a timeout of a wait outside
+    tessera.comm. Other errors (a bad checkpoint, a wrong shape) say enough themselves. A record
+    the failing collective wrote already is kept. The previous dump folder is restored after.
     """
     previous = (_dump_dir, os.environ.get(DUMP_DIR_ENV))
     if folder is not None:
         set_dump_dir(folder)
     try:
         yield
-    except BaseException as exc:
+    except (TimeoutError, RuntimeError, CollectiveMismatch) as exc:
         dump(f"{type(exc).__name__}: {exc}", replace=False)
         raise
     finally:
