@@ -142,12 +142,13 @@ def commit(partial: Path, step: int, files: dict[str, dict[str, Any]], **about: 
         fsync_folder(folder)  # every file's directory entry is durable before the rename
     target = step_folder(partial.parent.parent, step)
     pause_point(f"commit:{target}")
+    aside = target.parent / f".{target.name}.old"
     if target.exists():  # a resumed run saving a step again (the old one failed its checksum)
-        aside = target.parent / f".{target.name}.old"
         shutil.rmtree(aside, ignore_errors=True)
-        os.replace(target, aside)
+        os.replace(target, aside)  # POSIX renames no folder over a non-empty one
     os.replace(partial, target)
     fsync_folder(target.parent)
+    shutil.rmtree(aside, ignore_errors=True)
     return target
 
 
