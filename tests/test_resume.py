@@ -242,6 +242,7 @@ def _yaml(values: dict[str, Any]) -> str:
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tmp_path, straight, run, pause, skip):
     run_dir = tmp_path / "killed"
     _tessera_train_until_paused(run_dir, run, pause, skip, keep=1)
+    assert latest_checkpoint(run_dir) is not None, "the kill left no complete checkpoint"
     checkpoint = load_checkpoint(latest_checkpoint(run_dir))  # the previous save is whole
     assert checkpoint["step"] == K
     # The killed run had logged steps past its checkpoint: they are dropped on resume.
