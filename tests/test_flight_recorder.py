@@ -5,7 +5,9 @@ Three ranks; the last one skips a collective that the other two call, once per t
 `tessera.comm` as "native", and gloo called directly through torch.distributed), each on its own
 group with a short timeout. The live ranks must raise within the timeout, name rank 2, and write
 `hang-rank-N.json` with their last collectives and the wait that failed; at the end the launcher
-stops the job with SIGTERM, and the stuck rank, sleeping in Python, writes its record too.
+stops the job with SIGTERM, and the stuck rank, sleeping in Python, writes its record too. (gloo
+names no rank when it times out: `flight_recorder.reached` marks points every rank passes, and
+the error names the ranks that did not reach this rank's last one; the trainer marks each step.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 import tessera
 from tessera.comm import all_reduce, dump_on_failure, set_dump_dir
-from tessera.comm.flight_recorder import install_signal_dump
+from tessera.comm.flight_recorder import install_signal_dump, reached
 from tessera.errors import RankFailedError
 
 TIMEOUT_S = 1.0
@@ -45,6 +47,7 @@ def _one_rank_stops(root: str) -> None:
             try:
                 with dump_on_failure():
                     if kind == "gloo":
+                        reached("the direct gloo call")  # a point the stuck rank never reaches
                         dist.all_reduce(x, group=group)
                     else:
                         all_reduce(x, algorithm=algorithm, group=group, timeout=TIMEOUT_S)
@@ -81,8 +84,11 @@ def test_a_rank_that_stops_is_named_and_every_rank_dumps(run_ranks, tmp_path):
             assert set(last) >= {"seq", "kind", "algorithm", "op", "shape", "group_ranks"}
             assert last["shape"] == [7] and last["group_ranks"] == [0, 1, 2]
             assert record["stacks"], "the Python stacks of the rank's threads"
-            if kind == "gloo":  # gloo's own timeout: seen by the trainer's guard, not by tessera
-                assert "RuntimeError" in found["error"] and "RuntimeError" in record["reason"]
+            if kind == "gloo":  # gloo's own timeout, named by the points the ranks reached
+                named = "ranks [2] have not reached 'the direct gloo call' (stopped or hung?)"
+                assert found["error"].startswith("CollectiveTimeout"), found
+                assert named in found["error"] and "Timed out" in found["error"], found
+                assert named in record["reason"]
                 assert last["algorithm"] == "native"  # the last tessera collective, the warm-up
                 continue
             # tessera's collectives name the rank that never arrived, and the record says so.

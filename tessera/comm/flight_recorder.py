@@ -16,7 +16,9 @@ Who writes it:
 - a stuck rank that can still run Python, on SIGTERM or SIGUSR1 (`install_signal_dump`; the
   launcher and torchrun send SIGTERM before SIGKILL);
 - code calling `torch.distributed` directly (gloo's own timeout raises a RuntimeError):
-  inside `dump_on_failure()`, which the trainer wraps around its loop.
+  inside `dump_on_failure()`, which the trainer wraps around its loop; with `reached(label)`
+  at points every rank passes, that timeout becomes a CollectiveTimeout naming the ranks that
+  never reached this rank's last point.
 
 DIR is `set_dump_dir(path)`, else the environment variable TESSERA_DUMP_DIR (the trainer sets
 both to the run folder, so its ranks inherit it); with neither, nothing is written: a library
@@ -37,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tessera.errors import CollectiveMismatch
+from tessera.errors import CollectiveMismatch, CollectiveTimeout
 
 __all__ = [
     "DUMP_DIR_ENV",
@@ -45,6 +47,7 @@ __all__ = [
     "dump_dir",
     "dump_on_failure",
     "install_signal_dump",
+    "reached",
     "set_dump_dir",
 ]
 
@@ -165,7 +168,13 @@ def dump_on_failure(folder: str | Path | None = None) -> Iterator[None]:
     if folder is not None:
         set_dump_dir(folder)
     try:
-        yield
+        try:
+            yield
+        except RuntimeError as exc:
+            named = _name_the_stopped_ranks(exc)
+            if named is None:
+                raise
+            raise named from exc
     except (TimeoutError, RuntimeError, CollectiveMismatch) as exc:
         dump(f"{type(exc).__name__}: {exc}", replace=False)
         raise
@@ -181,6 +190,47 @@ def _restore_dump_dir(folder: Path | None, env: str | None) -> None:
         os.environ.pop(DUMP_DIR_ENV, None)
     else:
         os.environ[DUMP_DIR_ENV] = env
+
+
+_SYNC_KEY = "sync-points"
+_sync = {"count": 0, "label": ""}
+
+
+def reached(label: str) -> None:
+    """Mark a point every rank passes in the same order (a step, a checkpoint's barrier).
+
+    Posted to the store, as the collectives' watchdog posts their progress: when a direct
+    `torch.distributed` call then times out inside `dump_on_failure` (gloo's message names no
+    rank), the error names the ranks that never reached this rank's last point.
+    """
+    from tessera.comm.diagnostics import post_progress
+
+    _sync["count"] += 1
+    _sync["label"] = label
+    post_progress(_SYNC_KEY, _sync["count"])
+
+
+def _name_the_stopped_ranks(exc: RuntimeError) -> CollectiveTimeout | None:
+    """A CollectiveTimeout naming the ranks behind this one, for a timeout gloo raised."""
+    text = str(exc).lower()
+    if _sync["count"] == 0 or not ("timed out" in text or "timeout" in text):
+        return None
+    from tessera.comm.diagnostics import missing_ranks
+    from tessera.runtime.context import default_timeout_s
+
+    rank, world_size = _rank()
+    behind = missing_ranks(_SYNC_KEY, _sync["count"], tuple(range(world_size)))
+    if not behind:
+        return None
+    label = _sync["label"]
+    error = CollectiveTimeout(
+        rank,
+        f"a torch.distributed call after {label!r}",
+        default_timeout_s(),
+        f"ranks {behind} have not reached {label!r} (stopped or hung?); gloo said: {exc}",
+    )
+    error.flight_record = None
+    return error
 
 
 _installed: dict[int, Any] = {}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump
+from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import CheckpointError
 from tessera.models import GPT, GPTConfig
@@ -89,6 +89,8 @@ def _save(engine: Engine, ctx: Context, run_dir: Path, step: int, extra: dict[st
         save_checkpoint(
             partial / series.STATE_FILE, {"step": step, "engine": state, "rng": rng_states, **extra}
         )
+    if ctx.world_size > 1:
+        reached(f"checkpoint of step {step}: files written")
     _barrier(ctx)  # every file is written
     shares = _gather_objects(series.hash_share(partial, ctx.rank, ctx.world_size), ctx)
     if ctx.is_main:
@@ -196,6 +198,8 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     bar = _progress_bar(config, ctx, start)
     wall_start = time.perf_counter()
     for step in range(start, config.steps):
+        if ctx.world_size > 1:
+            reached(f"step {step + 1}")  # names a rank that stops, if a gloo call times out
         x, y = batches.batch(step, ctx.rank, ctx.world_size)
         x, y = x.to(ctx.device), y.to(ctx.device)
         began = time.perf_counter()
