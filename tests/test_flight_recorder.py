@@ -25,6 +25,8 @@ import tessera
 from tessera.comm import all_reduce, dump_on_failure, set_dump_dir
 from tessera.comm.flight_recorder import install_signal_dump, reached
 from tessera.errors import RankFailedError
+from tessera.train import build_config
+from tessera.train.loop import train_worker
 
 TIMEOUT_S = 1.0
 KINDS = ("ring", "shm", "native", "gloo")
@@ -106,3 +108,35 @@ def test_a_rank_that_stops_is_named_and_every_rank_dumps(run_ranks, tmp_path):
     assert "time.sleep(120)" in "".join(stuck["stacks"].values())
     live = _record(tmp_path / "native" / "hang-rank-0.json")
     assert stuck["collectives"][-1]["seq"] < live["collectives"][-1]["seq"]
+
+
+def test_the_trainer_names_a_rank_stuck_in_a_save_and_dumps_into_its_run_folder(tmp_path):
+    # Rank 0 holds inside its checkpoint write (the test hook of tessera._atomic); rank 1 waits
+    # at the checkpoint's barrier, a direct gloo call, until the run's 2 s timeout.
+    config = build_config(
+        {
+            "model": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16},
+            "batch_size": 4,
+            "corpus_bytes": 20_000,
+            "sample_tokens": 0,
+            "progress": False,
+            "strategy": "torch-ddp",
+            "nproc": 2,
+            "steps": 1,
+            "timeout_s": 2.0,
+            "out": str(tmp_path),
+        }
+    )
+    hold = {"TESSERA_TEST_PAUSE": f"write:{tmp_path}/*state.pt"}
+    with pytest.raises(RankFailedError) as failed:
+        tessera.launch(train_worker, 2, config, str(tmp_path), False, env=hold, timeout_s=90)
+    message = str(failed.value).splitlines()[0]
+    assert message.startswith("rank 1 failed: CollectiveTimeout"), message
+    assert "ranks [0] have not reached 'checkpoint of step 1: files written'" in message
+    waiting = _record(tmp_path / "hang-rank-1.json")
+    assert waiting["reason"].startswith("CollectiveTimeout") and waiting["rank"] == 1
+    assert waiting["collectives"] == []  # torch DDP calls gloo itself: no tessera collective
+    stuck = _record(tmp_path / "hang-rank-0.json")  # written on the launcher's SIGTERM
+    assert stuck["reason"].startswith("signal SIGTERM")
+    assert "pause_point" in "".join(stuck["stacks"].values())  # where it was stuck
+    assert not list((tmp_path / "checkpoints").iterdir())[0].name.startswith("step-")
