@@ -161,9 +161,10 @@ def test_the_trainer_resumes_from_the_newest_verified_checkpoint_or_refuses(tmp_
             for name, value in state.items():
                 assert torch.equal(resumed["optimizer"]["state"][index][name], value), (run, name)
     # The rotten step 3 was written again by the resumed run, and pruned with --keep 2; the
-    # old folder's new checkpoints are in the new layout, and come before its checkpoint.pt.
+    # old folder's new checkpoints are in the new layout, and replace its checkpoint.pt.
     assert _steps(tmp_path / "r") == [4, 3]
     assert latest_checkpoint(tmp_path / "old").parent.name == "step-00000004"
+    assert not (tmp_path / "old/checkpoint.pt").exists()  # pruned as the oldest of three
 
     # Another config is refused, before anything runs, naming every differing key; the keys
     # that do not change what a step computes may change.

@@ -60,6 +60,8 @@ STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
 LEGACY_CHECKPOINT = "checkpoint.pt"
 """The single, overwritten checkpoint of run folders written before the per-step layout."""
+_LEGACY_SHARDS = "zero"
+"""Where the legacy layout kept ZeRO shard folders (`zero/step-N/`), beside checkpoint.pt."""
 FORMAT = "tessera-checkpoint/1"
 _STEP = re.compile(r"step-(\d+)$")
 _CHUNK = 1 << 20
@@ -153,20 +155,27 @@ def commit(partial: Path, step: int, files: dict[str, dict[str, Any]], **about: 
 
 
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints older than the newest `keep`; return the deleted folders.
+    """Delete complete checkpoints older than the newest `keep`; return what was deleted.
 
     Call only after the newest one is committed: until then the older ones are what a resume
-    would use.
+    would use. A legacy `checkpoint.pt` (and its `zero/` shards) goes once `keep` checkpoints
+    of the per-step layout exist.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    doomed = complete_checkpoints(run_dir)[keep:]
+    complete = complete_checkpoints(run_dir)
+    doomed = complete[keep:]
     for folder in doomed:
         # Renamed first, so a kill midway leaves a dotted folder the next save clears, never a
         # `step-N` folder with some files gone.
         aside = folder.parent / f".{folder.name}.old"
         os.replace(folder, aside)
         shutil.rmtree(aside, ignore_errors=True)
+    legacy = Path(run_dir) / LEGACY_CHECKPOINT
+    if len(complete) >= keep and legacy.is_file():  # older than any of the `keep` kept
+        doomed.append(legacy)
+        legacy.unlink()  # first: it names the shard folder below
+        shutil.rmtree(Path(run_dir) / _LEGACY_SHARDS, ignore_errors=True)
     return doomed
 
 
