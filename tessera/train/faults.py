@@ -211,7 +211,7 @@ class FaultInjector:
         folder = self.run_dir / FIRED_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         try:
-            fd = os.open(folder / fault.record_name, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(folder / fault.record_name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
         record = {"rank": fault.rank, "step": fault.step, "kind": fault.kind, "time": time.time()}
