@@ -24,9 +24,12 @@ from test_trainer_oracle import oracle_run  # tests/ is on sys.path under pytest
 from tessera.cli import main as tessera_main
 from tessera.errors import ConfigError, RankFailedError
 from tessera.train import build_config, load_checkpoint, run_training
+from tessera.train import faults as faults_module
 from tessera.train.faults import (
     FAULT_ENV,
     Fault,
+    FaultInjector,
+    InjectedFault,
     check_faults,
     faults_from_env,
     fired_faults,
@@ -60,12 +63,12 @@ TINY: dict[str, Any] = {
 }
 
 # strategy -> (its options, the faults of its run). Steps 3 and 6 are checkpoint steps.
-# kill:  off (ddp 2, zero2 5), on (pipeline 3, ddp 6)
+# kill:  off (ddp 2, zero2 5), on (pipeline 3)
 # raise: on (zero2 3), off (zero3 4, pipeline 5, hybrid 2)
 # checkpoint (always on one): rank 0's checkpoint.pt (ddp 3, hybrid 6: the last save),
 #   rank 1's ZeRO shard (zero3 3)
 RUNS: dict[str, tuple[dict[str, Any], str]] = {
-    "ddp": ({"strategy": "ddp", "bucket_cap_mb": 0.01}, "1:2:kill,0:3:checkpoint,1:6:kill"),
+    "ddp": ({"strategy": "ddp", "bucket_cap_mb": 0.01}, "1:2:kill,0:3:checkpoint"),
     "zero2": ({"strategy": "zero2", "bucket_cap_mb": 0.01}, "0:3:raise,1:5:kill"),
     "zero3": ({"strategy": "zero3"}, "1:3:checkpoint,0:4:raise"),
     "pipeline": ({"strategy": "pipeline", "microbatches": 2}, "1:3:kill,0:5:raise"),
@@ -212,6 +215,57 @@ def test_fault_specs_parse_and_are_checked_against_the_run(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="rank 1 writes no checkpoint file"):
         faults_from_env(config, 2)
     assert faults_from_env(_config("zero2", tmp_path), 2) == (Fault(1, 3, "checkpoint"),)
+
+
+class _FakeClock:
+    """Stands in for `time` in tessera.train.faults: sleeping advances the clock, nothing waits."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = perf_counter
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_slow_and_hang_faults_in_one_process(tmp_path, monkeypatch):
+    clock = _FakeClock()
+    monkeypatch.setattr(faults_module, "time", clock)
+    slow = FaultInjector(parse_faults("0:3:slow,1:3:raise"), tmp_path, rank=0, timeout_s=5.0)
+    for step, work_s in ((1, 0.5), (2, 0.5), (3, 0.25), (4, 0.5)):
+        slow.at_step(step)
+        clock.now += work_s  # the step itself
+    slow.at_step(5)
+    # Steps 3 and 4 are followed by 9x their own time (10x slower); steps 1 and 2 are not.
+    assert clock.sleeps == [9 * 0.25, 9 * 0.5]
+    assert [(r["rank"], r["step"], r["kind"]) for r in fired_faults(tmp_path)] == [(0, 3, "slow")]
+    # A restarted run finds the record: the fault does not fire again.
+    clock.sleeps.clear()
+    again = FaultInjector(parse_faults("0:3:slow"), tmp_path, rank=0, timeout_s=5.0)
+    for step in (3, 4, 5):
+        again.at_step(step)
+        clock.now += 1.0
+    assert clock.sleeps == []
+    # A hang sleeps until killed; if nobody kills it within twice the timeout it says so.
+    hang = FaultInjector(parse_faults("1:2:hang"), tmp_path, rank=1, timeout_s=5.0)
+    hang.at_step(1)
+    began = clock.now
+    with pytest.raises(InjectedFault, match="1:2:hang hung for 10 s and nobody stopped it"):
+        hang.at_step(2)
+    assert clock.now - began == pytest.approx(10.0)
+    raised = FaultInjector(parse_faults("1:3:raise"), tmp_path, rank=1, timeout_s=5.0)
+    with pytest.raises(InjectedFault, match="rank 1: injected fault 1:3:raise"):
+        raised.at_step(3)
+    raised.at_step(3)  # fired once per run folder: a second pass goes on
 
 
 def test_bad_restart_options_and_fault_specs_fail_the_command_before_any_rank(

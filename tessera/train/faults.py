@@ -8,8 +8,8 @@ its S-th step. KIND is one of
 - `raise`: the rank raises `InjectedFault` (a crash the launcher reports with its traceback);
 - `hang`: the rank stops answering (sleeps; its peers' collectives time out and the run is torn
   down); it gives up by itself only after twice the run's timeout, so a hang never outlives it;
-- `slow`: from step S on, the rank sleeps 9 times the duration of its previous iteration before
-  each step, so it runs 10 times slower (a straggler);
+- `slow`: from step S on, each iteration of the rank is followed by a sleep of 9 times its
+  duration (before the next step starts), so it runs 10 times slower (a straggler);
 - `checkpoint`: the rank dies (SIGKILL) in the middle of writing its file of the checkpoint saved
   after step S: half of the first chunk is on disk, the atomic rename never happens. S must be a
   checkpoint step, and the rank must write a file of that checkpoint (every rank of a ZeRO run
