@@ -245,8 +245,8 @@ def test_slow_and_hang_faults_in_one_process(tmp_path, monkeypatch):
         slow.at_step(step)
         clock.now += work_s  # the step itself
     slow.at_step(5)
-    # Steps 3 and 4 are followed by 9x their own time (10x slower); steps 1 and 2 are not.
-    assert clock.sleeps == [9 * 0.25, 9 * 0.5]
+    # From step 3 on, 9x the previous iteration before each step (10x slower); not before.
+    assert clock.sleeps == [9 * 0.5, 9 * 0.25, 9 * 0.5]
     assert [(r["rank"], r["step"], r["kind"]) for r in fired_faults(tmp_path)] == [(0, 3, "slow")]
     # A restarted run finds the record: the fault does not fire again.
     clock.sleeps.clear()

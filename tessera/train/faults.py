@@ -8,8 +8,9 @@ its S-th step. KIND is one of
 - `raise`: the rank raises `InjectedFault` (a crash the launcher reports with its traceback);
 - `hang`: the rank stops answering (sleeps; its peers' collectives time out and the run is torn
   down); it gives up by itself only after twice the run's timeout, so a hang never outlives it;
-- `slow`: from step S on, each iteration of the rank is followed by a sleep of 9 times its
-  duration (before the next step starts), so it runs 10 times slower (a straggler);
+- `slow`: from step S on, the rank sleeps before each step 9 times the duration of its previous
+  iteration, so it runs 10 times slower (a straggler; the first step of a restarted run, which
+  has no previous iteration, is not slowed);
 - `checkpoint`: the rank dies (SIGKILL) in the middle of writing its file of the checkpoint saved
   after step S: half of the first chunk is on disk, the atomic rename never happens. S must be a
   checkpoint step, and the rank must write a file of that checkpoint (every rank of a ZeRO run
@@ -186,17 +187,17 @@ class FaultInjector:
         """Called before the trainer runs (1-based) `step`: fire this rank's fault of that step."""
         _atomic.arm_write_crash(None)  # a `checkpoint` fault covers its own step's save only
         now = time.perf_counter()
-        if self._slow and self._last_mark is not None:
-            time.sleep((SLOWDOWN - 1) * (now - self._last_mark))
-        self._last_mark = time.perf_counter()
+        previous_s = None if self._last_mark is None else now - self._last_mark
         fault = self.pending.pop(step, None)
-        if fault is None:
-            return
-        if fault.kind == "checkpoint":  # recorded when it fires, half-way through the file
+        if fault is not None and fault.kind == "checkpoint":  # recorded when it fires
             _atomic.arm_write_crash(lambda: self._claim(fault))
-            return
-        if not self._claim(fault):
-            return
+        elif fault is not None and self._claim(fault):
+            self._fire(fault)
+        if self._slow and previous_s is not None:  # the first step of a run has no previous
+            time.sleep((SLOWDOWN - 1) * previous_s)
+        self._last_mark = time.perf_counter()
+
+    def _fire(self, fault: Fault) -> None:
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "raise":
