@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera.errors import ConfigError, LaunchTimeout, RankFailedError
+from tessera.errors import ConfigError, LaunchTimeout, RankFailedError, TesseraError
 from tessera.runtime.launch import launch
 from tessera.train.config import TrainConfig
 
@@ -73,7 +73,8 @@ class Failure:
 
     world_size: int
     rank: int | None
-    """The rank reported as the cause (None when the launcher could not tell)."""
+    """The rank the launcher reported first (None when it could not tell). After a hang, that is
+    the rank whose wait timed out first, not necessarily the one that stopped answering."""
     cause: str
     """The first line of the rank's error."""
     lost: bool
@@ -88,20 +89,29 @@ class Failure:
 
 
 class RestartsExhausted(RankFailedError):
-    """The run failed once more than `--max-restarts` allowed; lists every failure in order."""
+    """The run failed once more than `--max-restarts` allowed; lists every failure in order.
+
+    A `RankFailedError` (of the last failure's rank), so callers that catch the launcher's error
+    catch this one too.
+    """
 
     def __init__(self, failures: list[Failure], max_restarts: int, last: BaseException) -> None:
         self.failures = failures
         self.max_restarts = max_restarts
+        self.rank = failures[-1].rank if failures[-1].rank is not None else -1
+        self.remote_traceback = getattr(last, "remote_traceback", "")
         lines = "\n".join(f"  {n}. {f.describe()}" for n, f in enumerate(failures, 1))
         why = (
             "a config error is not restarted"
             if failures[-1].permanent
             else f"{max_restarts} restart{'s' if max_restarts != 1 else ''} allowed"
         )
-        rank = failures[-1].rank if failures[-1].rank is not None else -1
-        remote = getattr(last, "remote_traceback", "")
-        super().__init__(rank, f"the run failed {len(failures)} times ({why}):\n{lines}", remote)
+        times = f"{len(failures)} time{'s' if len(failures) != 1 else ''}"
+        text = f"the run failed {times} ({why}):\n{lines}"
+        if self.remote_traceback:
+            text += f"\n\n--- last traceback (rank {self.rank}) ---\n"
+            text += self.remote_traceback.rstrip()
+        TesseraError.__init__(self, text)
 
 
 def check_restart_options(config: TrainConfig, max_restarts: int, min_nproc: int | None) -> None:
