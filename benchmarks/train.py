@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from tessera.train.metrics import read_metrics
+
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = {"single": 1, "torch-ddp": 2, "ddp": 2}  # strategy -> ranks
 
@@ -47,7 +49,7 @@ def run_once(strategy: str, nproc: int, steps: int, skip: int, workdir: Path, ta
         "0",
     ]
     subprocess.run(command, check=True, capture_output=True, text=True)
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / "metrics.jsonl")  # step records; event lines left out
     measured = records[skip:]
     return {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),

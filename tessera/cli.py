@@ -59,11 +59,15 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
         )
 
 
+_NOT_CONFIG = ("command", "config", "resume", "handler", "max_restarts", "min_nproc")
+"""`tessera train` options that steer the job rather than configure the training."""
+
+
 def _flag_layer(args: argparse.Namespace) -> dict[str, Any]:
     """The config values given on the command line, nested like the YAML file."""
     layer: dict[str, Any] = {}
     for dest, value in vars(args).items():
-        if value is None or dest in ("command", "config", "resume", "handler"):
+        if value is None or dest in _NOT_CONFIG:
             continue
         *parents, leaf = dest.split(".")
         target = layer
@@ -111,7 +115,12 @@ def _train(args: argparse.Namespace) -> int:
     config = build_config(*layers, *user_layers, flags)
     from tessera.train.run import print_summary, run_training  # the loop: only once valid
 
-    summary = run_training(config, resume=bool(args.resume))
+    summary = run_training(
+        config,
+        resume=bool(args.resume),
+        max_restarts=args.max_restarts,
+        min_nproc=args.min_nproc,
+    )
     if summary is not None:
         print_summary(summary)
     return 0
@@ -225,6 +234,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", metavar="FILE.yaml", help="YAML file of config values")
     train.add_argument("--resume", metavar="DIR", help="continue the run in DIR up to --steps")
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="after a rank fails, restart every rank from the newest checkpoint, up to K times "
+        "(default: 0)",
+    )
+    train.add_argument(
+        "--min-nproc",
+        type=int,
+        default=None,
+        metavar="M",
+        help="elastic: a restart after a lost rank may continue on fewer ranks, down to M "
+        "(ddp, torch-ddp, zero1-3)",
+    )
     _add_config_flags(train, TrainConfig)
     train.set_defaults(handler=_train)
 

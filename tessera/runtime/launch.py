@@ -153,7 +153,7 @@ def _context(start_method: str) -> Any:
         context = mp.get_context("forkserver")
         # Takes effect when the server starts (the first forkserver launch of this process).
         # "__main__" keeps functions of the caller's script importable in the ranks.
-        context.set_forkserver_preload(["__main__", "torch", "tessera"])
+        context.set_forkserver_preload(["__main__", "tessera.runtime._preload"])
         return context
     return mp.get_context(start_method)
 

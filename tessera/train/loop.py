@@ -31,7 +31,15 @@ from tessera.train.config import (
     check_resume_world,
     config_to_dict,
 )
-from tessera.train.metrics import MetricsLog, gather_rank_metrics, peak_memory_mb, read_metrics
+from tessera.train.faults import FaultInjector
+from tessera.train.metrics import (
+    MetricsLog,
+    gather_rank_metrics,
+    peak_memory_mb,
+    read_events,
+    read_metrics,
+)
+from tessera.train.restarts import note_restart
 from tessera.train.strategy import STRATEGIES, Engine
 
 __all__ = ["lr_at", "make_optimizer", "train_worker"]
@@ -193,11 +201,14 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
     start = _restore(engine, ctx, out, tokenizer, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
+    note_restart(log, start, ctx.world_size)  # a restarted run says so in metrics.jsonl
+    faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
     extra = {"tokenizer": tokenizer.to_dict(), "config": config_to_dict(config)}
     tokens_per_step = config.batch_size * config.model.block_size
     bar = _progress_bar(config, ctx, start)
     wall_start = time.perf_counter()
     for step in range(start, config.steps):
+        faults.at_step(step + 1)  # TESSERA_FAULT: off unless set
         if ctx.world_size > 1:
             reached(f"step {step + 1}")  # names a rank that stops, if a gloo call times out
         x, y = batches.batch(step, ctx.rank, ctx.world_size)
@@ -311,5 +322,6 @@ def _summary(
         "peak_mem_mb": this_run[-1]["peak_mem_mb"],
         "model_state_mb": this_run[-1].get("model_state_mb"),
         "wall_s": wall_s,
+        "restarts": len(read_events(out / "metrics.jsonl", "restart")),
         "sample": sample,
     }

@@ -1,4 +1,8 @@
-"""Per-step metrics: gathered from every rank, written by rank 0 as one JSON object per line."""
+"""Per-step metrics: gathered from every rank, written by rank 0 as one JSON object per line.
+
+Besides the step records, the file holds event lines (`{"event": "restart", ...}`): what happened
+to the run. `read_metrics` returns the step records only, `read_events` the events.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["MetricsLog", "gather_rank_metrics", "peak_memory_mb", "read_metrics"]
+__all__ = ["MetricsLog", "gather_rank_metrics", "peak_memory_mb", "read_events", "read_metrics"]
 
 RANK_FIELDS = ("loss", "step_s", "comm_s", "peak_mem_mb", "model_state_mb")
 """What each rank reports per logged step, in the order of the gathered vector."""
@@ -41,12 +45,12 @@ class MetricsLog:
     """Appends records to `metrics.jsonl`; on resume, drops records past the checkpoint's step.
 
     A run that died after its last checkpoint logged steps that the resumed run will redo;
-    keeping both would give two records for one step.
+    keeping both would give two records for one step. Event lines are history: all are kept.
     """
 
     def __init__(self, path: Path, *, resume_from_step: int = 0) -> None:
         self.path = path
-        kept = [r for r in read_metrics(path) if r["step"] <= resume_from_step]
+        kept = [r for r in _read_lines(path) if "event" in r or r["step"] <= resume_from_step]
         with path.open("w") as file:
             for record in kept:
                 file.write(json.dumps(record) + "\n")
@@ -57,9 +61,22 @@ class MetricsLog:
             file.write(json.dumps(record) + "\n")
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file (empty if it does not exist)."""
+def _read_lines(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl file, without event lines (empty if no file)."""
+    return [record for record in _read_lines(path) if "event" not in record]
+
+
+def read_events(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The event lines of a metrics.jsonl file (only those named `event`, if given)."""
+    return [
+        record
+        for record in _read_lines(path)
+        if "event" in record and (event is None or record["event"] == event)
+    ]

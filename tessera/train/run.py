@@ -1,9 +1,11 @@
 """One `tessera train` job: settle the config and the run folder, start the ranks, report.
 
 Three ways to start, one worker function (`train_worker`):
-- under `torchrun` / `tessera run` (WORLD_SIZE is set): this process is a rank; run it here;
-- `--nproc 1`: one rank in this process, no spawn;
-- otherwise: `tessera.launch` spawns `nproc` local ranks.
+- under `torchrun` / `tessera run` (WORLD_SIZE is set): this process is a rank; run it here (a
+  worker its elastic agent restarted resumes from the run folder by itself);
+- `--nproc 1` without restarts: one rank in this process, no spawn;
+- otherwise: `tessera.train.restarts.supervise` starts `nproc` local ranks and restarts them
+  after a failure, up to `max_restarts` times.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import yaml
 
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.context import shutdown
-from tessera.runtime.launch import launch
 from tessera.train import checkpoint_series as series
 from tessera.train.config import (
     TrainConfig,
@@ -27,7 +28,14 @@ from tessera.train.config import (
     job_world_size,
     load_yaml,
 )
+from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
+from tessera.train.restarts import (
+    check_restart_options,
+    has_checkpoint,
+    restarted_by_torchrun,
+    supervise,
+)
 
 __all__ = ["check_resume", "config_layers_for_resume", "print_summary", "run_training"]
 
@@ -91,22 +99,43 @@ def _write_config(config: TrainConfig, run_dir: Path) -> None:
     tmp.replace(run_dir / "config.yaml")
 
 
-def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any] | None:
-    """Train as `config` says; return rank 0's summary (None on other ranks under torchrun)."""
-    run_dir = _choose_run_dir(config, resume)
-    if resume:
-        check_resume(config, run_dir)
+def run_training(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    max_restarts: int = 0,
+    min_nproc: int | None = None,
+) -> dict[str, Any] | None:
+    """Train as `config` says; return rank 0's summary (None on other ranks under torchrun).
+
+    `max_restarts`: after a rank fails, restart every rank from the newest checkpoint, up to this
+    many times; `min_nproc`: restarts after a lost rank may use fewer ranks, down to this many
+    (see `tessera.train.restarts`).
+    """
+    check_restart_options(config, max_restarts, min_nproc)
     if _under_torchrun():
+        if restarted_by_torchrun():  # torchrun's agent restarted us: continue the run folder
+            run_dir = _choose_run_dir(config, resume=True)
+            resume = resume or has_checkpoint(run_dir)
+        else:
+            run_dir = _choose_run_dir(config, resume)
+        if resume:
+            check_resume(config, run_dir)
+        faults_from_env(config, int(os.environ["WORLD_SIZE"]))
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
         return train_worker(config, str(run_dir), resume)
+    run_dir = _choose_run_dir(config, resume)
+    if resume:
+        check_resume(config, run_dir)
+    faults_from_env(config, config.nproc)  # a malformed TESSERA_FAULT fails here, once
     _write_config(config, run_dir)
-    if config.nproc == 1:
+    if config.nproc == 1 and max_restarts == 0:
         try:
             return train_worker(config, str(run_dir), resume)
         finally:
             shutdown()
-    return launch(train_worker, config.nproc, config, str(run_dir), resume, timeout_s=None)[0]
+    return supervise(config, run_dir, resume, max_restarts=max_restarts, min_nproc=min_nproc)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -127,6 +156,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         ("step time (median)", f"{summary['step_s'] * 1e3:.1f} ms"),
         ("exposed communication", f"{summary['comm_s'] * 1e3:.1f} ms ({comm_share:.0%})"),
         ("peak memory per rank", ", ".join(f"{m:.0f} MB" for m in summary["peak_mem_mb"])),
+        ("restarts", str(summary.get("restarts", 0))),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("run folder", summary["run_dir"]),
     ]

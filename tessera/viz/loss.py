@@ -8,12 +8,16 @@ __all__ = ["plot_loss"]
 
 
 def plot_loss(records: list[dict], path: str | Path, *, title: str = "training loss") -> Path:
-    """Draw loss against step from metrics records and save it to `path`."""
+    """Draw loss against step from metrics records and save it to `path`.
+
+    Lines without a loss (the events of metrics.jsonl, such as restarts) are left out.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [r for r in records if "loss" in r and "event" not in r]
     steps = [r["step"] for r in records]
     losses = [r["loss"] for r in records]
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)

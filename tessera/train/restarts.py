@@ -1,0 +1,240 @@
+"""Automatic restarts of `tessera train`: after a rank fails, run every rank again from the newest
+complete checkpoint of the run folder, up to `--max-restarts` times.
+
+The supervisor is the launching process. It starts the ranks (`tessera.launch`), and when one
+fails (it raised, it died without a word, or it stopped answering so that its peers' collectives
+timed out) the launcher stops them all and the supervisor starts them again with `resume=True`
+when the run folder holds a checkpoint (from scratch otherwise). The trainer's own resume path
+does the rest, so a restarted run is exactly a `tessera train --resume DIR`: same batches, same
+RNG states, same parameters as a run that never failed. After `max_restarts` restarts the next
+failure stops the run with every failure listed (`RestartsExhausted`).
+
+The restarted trainer writes one `{"event": "restart", "step": S, "rank": R, "cause": ...}` line to
+metrics.jsonl (S: the step it resumed from; R: the rank that failed), which the summary counts.
+Under torchrun (`tessera run --max-restarts K`) the elastic agent restarts the workers instead;
+a worker with TORCHELASTIC_RESTART_COUNT > 0 resumes from the run folder by itself.
+
+Elastic world size on one machine (`--min-nproc M`): when a failure LOST a rank (it died without
+reporting, or stopped answering), the restart uses the largest world size below the current one,
+down to M, that the config accepts (`TrainConfig.check_world_size`: batch_size divisible by it);
+when none is, the same size. A rank that raised is a program error, not a lost machine: the world
+is kept. The global batch is unchanged (each rank takes batch_size / world of it), so training
+follows the same curve within reduction-order noise. Only strategies whose checkpoints load on
+any world size take part (`ELASTIC_STRATEGIES`); the others are refused up front.
+
+Ranks are started by `tessera.launch`, whose fork server imported torch and the trainer once
+(`tessera/runtime/_preload.py`): a restart then costs a fork, not a fresh interpreter importing
+torch, per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.errors import ConfigError, LaunchTimeout, RankFailedError, TesseraError
+from tessera.runtime.launch import launch
+from tessera.train.config import TrainConfig
+
+__all__ = [
+    "ELASTIC_STRATEGIES",
+    "RESTART_ENV",
+    "Failure",
+    "RestartsExhausted",
+    "check_restart_options",
+    "has_checkpoint",
+    "next_world_size",
+    "note_restart",
+    "restarted_by_torchrun",
+    "supervise",
+]
+
+RESTART_ENV = "TESSERA_RESTART"
+"""JSON the supervisor gives the ranks of a restarted launch: which restart, who failed, why."""
+
+ELASTIC_STRATEGIES = frozenset({"ddp", "torch-ddp", "zero1", "zero2", "zero3"})
+"""Strategies whose checkpoints do not depend on the world size (a full replicated state, or
+ZeRO shards that reshard on load). pipeline, tensor and hybrid tie their layout to the world
+size, single runs one rank, local-sgd keeps one replica per rank."""
+
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed launch of the ranks."""
+
+    world_size: int
+    rank: int | None
+    """The rank the launcher reported first (None when it could not tell). After a hang, that is
+    the rank whose wait timed out first, not necessarily the one that stopped answering."""
+    cause: str
+    """The first line of the rank's error."""
+    lost: bool
+    """The rank died without reporting or stopped answering (not an exception of its own)."""
+    permanent: bool = False
+    """A config error: it would fail the same way again, so it is not restarted."""
+
+    def describe(self) -> str:
+        """One line for the summary of failures."""
+        who = "the ranks" if self.rank is None else f"rank {self.rank}"
+        return f"{who} of {self.world_size}: {self.cause}"
+
+
+class RestartsExhausted(RankFailedError):
+    """The run failed once more than `--max-restarts` allowed; lists every failure in order.
+
+    A `RankFailedError` (of the last failure's rank), so callers that catch the launcher's error
+    catch this one too.
+    """
+
+    def __init__(self, failures: list[Failure], max_restarts: int, last: BaseException) -> None:
+        self.failures = failures
+        self.max_restarts = max_restarts
+        self.rank = failures[-1].rank if failures[-1].rank is not None else -1
+        self.remote_traceback = getattr(last, "remote_traceback", "")
+        lines = "\n".join(f"  {n}. {f.describe()}" for n, f in enumerate(failures, 1))
+        why = (
+            "a config error is not restarted"
+            if failures[-1].permanent
+            else f"{max_restarts} restart{'s' if max_restarts != 1 else ''} allowed"
+        )
+        times = f"{len(failures)} time{'s' if len(failures) != 1 else ''}"
+        text = f"the run failed {times} ({why}):\n{lines}"
+        if self.remote_traceback:
+            text += f"\n\n--- last traceback (rank {self.rank}) ---\n"
+            text += self.remote_traceback.rstrip()
+        TesseraError.__init__(self, text)
+
+
+def check_restart_options(config: TrainConfig, max_restarts: int, min_nproc: int | None) -> None:
+    """Refuse restart options that cannot work, before anything starts."""
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must not be negative, got {max_restarts}")
+    if min_nproc is None:
+        return
+    if not 1 <= min_nproc <= config.nproc:
+        raise ConfigError(f"--min-nproc must be in 1..nproc ({config.nproc}), got {min_nproc}")
+    if config.strategy not in ELASTIC_STRATEGIES:
+        raise ConfigError(
+            f"--min-nproc: strategy {config.strategy!r} cannot change its world size on a "
+            f"restart (its layout or checkpoint is tied to it); elastic strategies: "
+            f"{', '.join(sorted(ELASTIC_STRATEGIES))}"
+        )
+
+
+def next_world_size(
+    config: TrainConfig, world: int, failure: Failure, min_nproc: int | None
+) -> int:
+    """The world size of the restart after `failure` (see the module docstring for the rule)."""
+    if min_nproc is None or not failure.lost:
+        return world
+    for size in range(world - 1, min_nproc - 1, -1):
+        try:
+            config.check_world_size(size)
+        except ConfigError:
+            continue
+        return size
+    return world
+
+
+def _failure(exc: RankFailedError | LaunchTimeout, world: int) -> Failure:
+    if isinstance(exc, LaunchTimeout):
+        rank = exc.unfinished_ranks[0] if exc.unfinished_ranks else None
+        return Failure(world, rank, str(exc).splitlines()[0], lost=True)
+    text = str(exc).splitlines()[0].removeprefix(f"rank {exc.rank} failed: ")
+    kind = text.split(":", 1)[0]
+    lost = not exc.remote_traceback or "timeout" in kind.lower() or "timed out" in text.lower()
+    return Failure(world, exc.rank, text[:300], lost=lost, permanent=kind == "ConfigError")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run folder holds a checkpoint to resume, as `tessera train --resume` sees it."""
+    from tessera.train.run import config_layers_for_resume
+
+    try:
+        config_layers_for_resume(run_dir)
+    except ConfigError:
+        return False
+    return True
+
+
+def _rank_env(restart: dict[str, Any] | None) -> dict[str, str]:
+    """What the ranks of this launch add to this process's environment: the restart, if any."""
+    return {RESTART_ENV: json.dumps(restart) if restart else ""}
+
+
+def supervise(
+    config: TrainConfig,
+    run_dir: Path,
+    resume: bool,
+    *,
+    max_restarts: int = 0,
+    min_nproc: int | None = None,
+) -> dict[str, Any] | None:
+    """Run the ranks, restarting them after failures; return rank 0's summary."""
+    from tessera.train.loop import train_worker
+
+    check_restart_options(config, max_restarts, min_nproc)
+    failures: list[Failure] = []
+    world, restart = config.nproc, None
+    while True:
+        run_config = config if world == config.nproc else dataclasses.replace(config, nproc=world)
+        try:
+            return launch(
+                train_worker,
+                world,
+                run_config,
+                str(run_dir),
+                resume,
+                timeout_s=None,
+                env=_rank_env(restart),
+            )[0]
+        except (RankFailedError, LaunchTimeout) as exc:
+            failure = _failure(exc, world)
+            failures.append(failure)
+            if max_restarts == 0:
+                raise  # no restarts asked for: the launcher's own error, unchanged
+            if len(failures) > max_restarts or failure.permanent:
+                raise RestartsExhausted(failures, max_restarts, exc) from exc
+            world = next_world_size(config, world, failure, min_nproc)
+            resume = has_checkpoint(run_dir)
+            restart = {
+                "restart": len(failures),
+                "rank": failure.rank,
+                "cause": failure.cause,
+                "lost": failure.lost,
+                "failed_at": time.time(),
+            }
+
+
+def note_restart(log: Any, start: int, world_size: int) -> None:
+    """Trainer side: if this run is a restart, write its event line to metrics.jsonl (rank 0).
+
+    `start` is the step the trainer resumed from (0: no checkpoint, from scratch).
+    """
+    if log is None:
+        return
+    restart = json.loads(os.environ.get(RESTART_ENV) or "null")
+    torchrun_restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart is None and torchrun_restarts > 0:
+        restart = {
+            "restart": torchrun_restarts,
+            "rank": None,
+            "cause": f"torchrun restarted the workers (restart {torchrun_restarts})",
+        }
+    if restart is None:
+        return
+    event = {"event": "restart", "step": start, "rank": restart.get("rank")}
+    event.update({k: v for k, v in restart.items() if k not in event})
+    event.update(world_size=world_size, resumed_at=time.time())
+    log.write(event)
+
+
+def restarted_by_torchrun() -> bool:
+    """Whether this torchrun worker is a restart (its agent restarted the workers)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
