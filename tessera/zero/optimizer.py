@@ -121,6 +121,9 @@ class ZeroOptimizer:
         )
         self.flats = [self._make_flat(bucket, fp32) for bucket in self.reducer.buckets]
         self.optimizer = make_optimizer([flat.master for flat in self.flats])
+        self.swapped_masters = bool(getattr(self.optimizer, "swap_params", False))
+        """The fp32 masters live in the inner optimizer's files (`offload="nvme"`): they have
+        no storage here; the step publishes each updated chunk into `_publish_target`."""
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
             module.register_forward_hook(self._after_forward),
@@ -182,6 +185,34 @@ class ZeroOptimizer:
         """After the inner step: make the new slices visible as the module's parameters."""
         raise NotImplementedError
 
+    def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
+        """Where a swapped master's new value goes in the step (stages 1/2: the flat buffer's
+        slice, in the compute dtype; stage 3 overrides)."""
+        return flat.flat_param[flat.lo : flat.hi]
+
+    def _publish_source(self, flat: FlatShard) -> torch.Tensor:
+        """The slice stages 1/2 all-gather after the step: the master, or its published copy."""
+        if self.swapped_masters:
+            return flat.flat_param[flat.lo : flat.hi].detach()
+        return flat.master.detach()
+
+    def master_value(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's fp32 master slice of `flat` (read back from disk if it is swapped)."""
+        if self.swapped_masters:
+            return self.optimizer.read_param(flat.master)
+        return flat.master.detach()
+
+    @torch.no_grad()
+    def set_master(self, flat: FlatShard, value: torch.Tensor) -> None:
+        """Replace this rank's master slice of `flat` (a checkpoint load); `_publish` follows."""
+        if not self.swapped_masters:
+            flat.master.copy_(value)
+            return
+        self.optimizer.write_param(flat.master, value)
+        target = self._publish_target(flat)
+        if target is not None:
+            target.copy_(value)
+
     # -- collectives on the group's communication stream -------------------------------------
     def _collective(self, fn: Any, *args: Any, item: int = -1) -> Any:
         """Run `fn(*args)` on the group's stream and wait for it (labelled with `item`)."""
@@ -242,6 +273,13 @@ class ZeroOptimizer:
         """Step this rank's slices with the inner optimizer, then publish them."""
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
+        if self.swapped_masters:  # gradients in their own dtype, converted chunk by chunk
+            self.optimizer.step(
+                grads=self.gradient_slices(),
+                publish=[self._publish_target(flat) for flat in self.flats],
+            )
+            self._publish()
+            return
         for flat in self.flats:
             grad = self._gradient_slice(flat)
             flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
@@ -289,7 +327,8 @@ class ZeroOptimizer:
         """Every parameter, unsharded, in fp32 (collective: the masters are all-gathered)."""
         out: dict[str, torch.Tensor] = {}
         for index, flat in enumerate(self.flats):
-            full = self._collective(_all_gather, flat.master.detach(), self.group, item=index)
+            master = self.master_value(flat)
+            full = self._collective(_all_gather, master, self.group, item=index)
             offsets = flat.layout.offsets
             for index, name in enumerate(flat.layout.names):
                 piece = full[offsets[index] : offsets[index + 1]]
@@ -300,12 +339,16 @@ class ZeroOptimizer:
         """Detach from the module (after its queued collectives); the optimizer is done.
 
         Stages 1 and 2 leave the module's parameters at their current values; under stage 3 they
-        are freed shards, so call `full_state_dict` first.
+        are freed shards, so call `full_state_dict` first. An `offload="nvme"` optimizer's files
+        are removed.
         """
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         self.reducer.remove_hooks()
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:  # offload="nvme": remove its files now, not at exit
+            close()
 
 
 def _to_bf16(value: Any) -> Any:

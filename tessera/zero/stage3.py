@@ -73,6 +73,8 @@ class ZeroStage3(ZeroOptimizer):
 
     `units`: module classes and/or dotted name patterns choosing what is gathered as one
     (`tessera.zero.units.select_units`); `None` keeps the default `find_units`.
+    `offload_params`: this rank's parameter partition is the inner optimizer's (an `NVMeAdam`
+    with `swap_params=True`): no copy is kept in memory, each gather reads it from disk.
     """
 
     stage = 3
@@ -86,6 +88,7 @@ class ZeroStage3(ZeroOptimizer):
         group: dist.ProcessGroup | None = None,
         mixed_precision: str | None = None,
         units: Sequence[UnitSpec] | UnitSpec | None = None,
+        offload_params: bool = False,
     ) -> None:
         self._units = select_units(module, units)
         # One bucket per unit, whatever its size: the cap never splits one.
@@ -93,6 +96,12 @@ class ZeroStage3(ZeroOptimizer):
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
             bucket_cap_mb=2**40,
         )  # fmt: skip
+        if offload_params and not self.swapped_masters:
+            raise ValueError(
+                "offload_params=True needs an optimizer that keeps the parameters in files "
+                "(tessera.zero.initialize(..., offload='nvme', offload_params=True))"
+            )
+        self._offload_params = offload_params
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
         self._unit_of_storage: dict[int, int] = {}
         self._shards: list[torch.Tensor] = []
@@ -100,8 +109,10 @@ class ZeroStage3(ZeroOptimizer):
             unit = self._owner[id(flat.bucket.params[0])]
             self._flats_of_unit.setdefault(unit, []).append(flat)
             self._unit_of_storage[_storage_key(flat.flat_param)] = unit
-            if self.mixed_precision is None:
-                self._shards.append(flat.master.detach())  # the fp32 master is the shard
+            if self.mixed_precision is None or self._offload_params:
+                # The fp32 master is the shard (with offload_params, in the optimizer's files:
+                # `_shard_value` reads it, rounded to the compute dtype, for each gather).
+                self._shards.append(flat.master.detach())
             else:
                 self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
             flat.flat_param.untyped_storage().resize_(0)
@@ -163,7 +174,17 @@ class ZeroStage3(ZeroOptimizer):
             storage = flat.flat_param.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-            self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index], flat.lo)
+            self._all_gather_into(flat.flat_param, self._shard_value(flat), flat.lo)
+
+    def _shard_value(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's slice of a flat in the compute dtype (from disk under offload_params)."""
+        if self._offload_params:
+            return self.optimizer.read_param(flat.master).to(flat.flat_param.dtype)
+        return self._shards[flat.bucket.index]
+
+    def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
+        """The compute-dtype shard the step refreshes; none when the shard is the master."""
+        return None if self._offload_params else self._shards[flat.bucket.index]
 
     def _request(self, unit: int | None) -> Future | None:
         """Queue the gather of a unit unless it is gathered or on its way; its future."""
@@ -324,7 +345,7 @@ class ZeroStage3(ZeroOptimizer):
     @torch.no_grad()
     def _publish(self) -> None:
         self._release_unused()  # also after load_shards replaced the masters
-        if self.mixed_precision is not None:
+        if self.mixed_precision is not None and not self.swapped_masters:
             for flat, shard in zip(self.flats, self._shards):
                 shard.copy_(flat.master)
 
