@@ -73,8 +73,8 @@ def host_optimizer(
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cpu"}:
         raise NotImplementedError(
-            f"offload={offload!r} with parameters on {sorted(devices - {'cpu'})}: streaming between "
-            "device and host is not implemented yet; the CPU-only path is"
+            f"offload={offload!r} with parameters on {sorted(devices - {'cpu'})}: streaming "
+            "between device and host is not implemented yet; the CPU-only path is"
         )
     cpu_class, cpu_kwargs = _as_cpu_adam(offload, optimizer_class, optimizer_kwargs)
     if offload == "cpu":

@@ -27,6 +27,7 @@ import multiprocessing.util
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 import weakref
 from pathlib import Path
@@ -41,7 +42,9 @@ ALIGN = 4096
 """Byte alignment of O_DIRECT buffers, offsets and lengths (a disk's logical block, or more)."""
 
 
-def check_swap_dir(path: str | os.PathLike[str], need_bytes: int = 0, what: str = "nvme_dir") -> Path:
+def check_swap_dir(
+    path: str | os.PathLike[str] | None, need_bytes: int = 0, what: str = "nvme_dir"
+) -> Path:
     """`path` as a Path if it is an existing, writable folder with `need_bytes` free; else raise.
 
     Called before anything is written, with the estimate of what will be, so a run that cannot
@@ -52,8 +55,14 @@ def check_swap_dir(path: str | os.PathLike[str], need_bytes: int = 0, what: str 
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"{what} {str(folder)!r} does not exist or is not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(f"{what} {str(folder)!r} is not writable by this process")
+    try:  # a real file: permissions, read-only mounts and root's exemptions all show here
+        probe, name = tempfile.mkstemp(dir=folder, prefix=".tessera-probe-")
+        os.close(probe)
+        os.unlink(name)
+    except OSError as error:
+        raise PermissionError(
+            f"{what} {str(folder)!r} is not writable by this process ({error.strerror})"
+        ) from None
     free = shutil.disk_usage(folder).free
     if need_bytes > free:
         raise OSError(
@@ -177,7 +186,9 @@ class SwapFile:
             os.posix_fallocate(self._fd, 0, self.nbytes)  # ENOSPC now, not mid-training
         except OSError as error:
             os.close(self._fd)
-            raise OSError(f"cannot reserve {self.nbytes} bytes for swap file {path}: {error}")
+            raise OSError(
+                f"cannot reserve {self.nbytes} bytes for swap file {path}: {error}"
+            ) from None
 
     def _check(self, offset: int, buffer: torch.Tensor) -> memoryview:
         length = buffer.numel() * buffer.element_size()
@@ -206,6 +217,7 @@ class SwapFile:
             done += os.pwritev(self._fd, [view[done:]], offset + done)
 
     def close(self) -> None:
+        """Close the file descriptor (idempotent; the folder's removal deletes the file)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -124,6 +124,10 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
     model = GPT(model_config).to(ctx.device)
+    if config.activation_checkpointing:
+        from tessera.memory import checkpoint_activations
+
+        checkpoint_activations(model)
     engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
     checkpoint = out / CHECKPOINT_NAME
     start = _restore(engine, ctx, checkpoint, tokenizer) if resume else 0
@@ -168,6 +172,9 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
     if bar is not None:
         bar.close()
     weights = engine.full_model_state()  # collective for strategies that shard the model
+    close = getattr(engine, "close", None)
+    if close is not None:  # e.g. offload="nvme": its swap files go now, not at interpreter exit
+        close()
     if not ctx.is_main:
         return None
     weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}
