@@ -41,14 +41,13 @@ def _gradient(step: int, index: int, numel: int) -> torch.Tensor:
     return torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + index))
 
 
-def _run(make, steps: int, swap: bool = False, start: list[torch.Tensor] | None = None):
+def _run(make, steps: int, swap: bool = False, sizes: list[int] = SIZES):
     torch.manual_seed(0)
-    initial = start or [torch.randn(n) for n in SIZES]
-    params = [nn.Parameter(t.clone()) for t in initial]
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
     optimizer = make(params)
-    published = [torch.zeros(n) for n in SIZES]
+    published = [torch.zeros(n) for n in sizes]
     for step in range(steps):
-        grads = [_gradient(step, i, n) for i, n in enumerate(SIZES)]
+        grads = [_gradient(step, i, n) for i, n in enumerate(sizes)]
         if swap:
             optimizer.step(grads=grads, publish=published)
         else:
@@ -70,13 +69,18 @@ def _slow_writes(monkeypatch):
     monkeypatch.setattr(SwapFile, "write", late)
 
 
-def test_nvme_adam_streams_chunks_bit_identical_to_cpu_adam(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "sizes", [SIZES, [7, 300]], ids=["more chunks than buffers", "fewer chunks than buffers"]
+)
+def test_nvme_adam_streams_chunks_bit_identical_to_cpu_adam(tmp_path, monkeypatch, sizes):
+    """With fewer chunks than buffers, the next step's reads use buffers no write has used:
+    only the wait for the pending write of the same chunk keeps them from reading stale state."""
     _slow_writes(monkeypatch)
-    expected, cpu = _run(lambda ps: CPUAdam(ps, **HYPER), 3)
-    moments, swapped = {}, {}
+    expected, cpu = _run(lambda ps: CPUAdam(ps, **HYPER), 3, sizes=sizes)
     for swap in (False, True):
         options = dict(nvme_dir=str(tmp_path), buffer_mb=SMALLEST_MB, swap_params=swap)
-        values, optimizer = _run(lambda ps: NVMeAdam(ps, **HYPER, **options), 3, swap=swap)  # noqa: B023
+        make = lambda ps: NVMeAdam(ps, **HYPER, **options)  # noqa: B023, E731
+        values, optimizer = _run(make, 3, swap=swap, sizes=sizes)
         assert optimizer.chunk == CHUNK_QUANTUM  # several chunks per parameter
         for ours, theirs in zip(values, expected):
             assert torch.equal(ours, theirs), f"parameters differ (swap_params={swap})"
@@ -90,19 +94,17 @@ def test_nvme_adam_streams_chunks_bit_identical_to_cpu_adam(tmp_path, monkeypatc
         (folder,) = tmp_path.iterdir()
         manifest = json.loads((folder / MANIFEST).read_text())
         assert manifest["pid"] == os.getpid()
-        moments[swap] = state
-        swapped[swap] = optimizer
         optimizer.close()
         assert not list(tmp_path.iterdir()), "close() must remove the swap folder"
     # Resume: CPUAdam's state dict loaded into a fresh NVMeAdam continues bit for bit.
-    more, _ = _run(lambda ps: CPUAdam(ps, **HYPER), 4)
+    more, _ = _run(lambda ps: CPUAdam(ps, **HYPER), 4, sizes=sizes)
     resumed = NVMeAdam(
         [nn.Parameter(v.clone()) for v in expected], **HYPER, nvme_dir=str(tmp_path),
         buffer_mb=SMALLEST_MB,
     )  # fmt: skip
     resumed.load_state_dict(cpu.state_dict())
-    for param, index in zip(resumed.params, range(len(SIZES))):
-        param.grad = _gradient(3, index, SIZES[index])
+    for index, param in enumerate(resumed.params):
+        param.grad = _gradient(3, index, sizes[index])
     resumed.step()
     for ours, theirs in zip(resumed.params, more):
         assert torch.equal(ours.detach(), theirs)
