@@ -418,3 +418,74 @@ def test_peak_rss_helper_measures_a_real_allocation():
     growth = _peak_rss_growth(lambda: block.append(torch.ones(8 * 2**20)))
     assert 32 * 2**20 <= growth < 40 * 2**20, growth
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
+
+
+# --- swap_idle (GeePS): idle blocks' parameters in files, the next `keep` prefetched ----------
+
+
+class Tower(nn.Module):
+    """Not tessera's GPT: ModuleDict blocks called one by one, one layer called twice, a root
+    parameter used directly, and a head outside the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict({"a": nn.Linear(24, 24), "b": nn.Linear(24, 24)}) for _ in range(3)
+        )
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 24))
+        self.head = nn.Linear(24, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = torch.tanh(block["b"](block["a"](x)))
+            if index == 1:
+                x = block["a"](x)  # called twice within one forward
+        return self.head(x * self.gain)
+
+
+@pytest.mark.parametrize("where", ["files", "host"])
+def test_swap_idle_same_gradients_and_steps_as_plain(tmp_path, where):
+    import copy
+
+    from tessera.memory import IdleSwapper, swap_idle
+
+    plain = Tower()
+    swapped = copy.deepcopy(plain)
+    keep = 1
+    swapper = swap_idle(swapped, keep=keep, nvme_dir=str(tmp_path) if where == "files" else None)
+    assert isinstance(swapper, IdleSwapper) and len(swapper.blocks) == 6
+    block_bytes = max(block.nbytes for block in swapper.blocks)
+    seen: list[int] = []  # resident block bytes whenever a block starts, forward or backward
+    for block in swapper.blocks:
+        block.module.register_forward_pre_hook(lambda *_: seen.append(swapper.resident_bytes()))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.1, weight_decay=0.1)
+    swapped_opt = torch.optim.AdamW(swapped.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(2):
+        x = torch.randn(5, 24, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in ((plain, plain_opt), (swapped, swapped_opt)):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+        assert swapper.resident_bytes() == 0, "every block is idle after backward"
+        for (name, a), b in zip(plain.named_parameters(), swapped.parameters()):
+            assert torch.equal(a.grad, b.grad), (step, name)  # the same operations: bit-equal
+        plain_opt.step()
+        swapper.step(swapped_opt)  # one block at a time
+        assert swapper.resident_bytes() == 0
+        with torch.no_grad():  # a forward without autograd brings blocks in and out too
+            assert torch.equal(plain(x), swapped(x))
+    # At most the running block, the `keep` prefetched ones and one being left are resident.
+    assert seen and max(seen) <= (keep + 2) * block_bytes, (seen, block_bytes)
+    if where == "files":
+        (folder,) = tmp_path.iterdir()
+        assert len(list(folder.glob("block-*.bin"))) == 6
+    swapper.close()
+    assert not list(tmp_path.iterdir())
+    for a, b in zip(plain.parameters(), swapped.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="keep must be an int >= 0"):
+        swap_idle(Tower(), keep=-1)
+    tied = Tower()
+    tied.head.weight = tied.blocks[0]["b"].weight
+    with pytest.raises(ValueError, match="tied parameters cannot be swapped"):
+        swap_idle(tied)

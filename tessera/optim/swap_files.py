@@ -22,6 +22,7 @@ then 4096-byte aligned, which `aligned_empty` and the callers' chunk sizes provi
 
 from __future__ import annotations
 
+import ctypes
 import json
 import multiprocessing.util
 import os
@@ -140,9 +141,11 @@ class SwapFolder:
         self._finalizer = weakref.finalize(self, _remove, self.path, self._files)
         multiprocessing.util.Finalize(self, _remove, (self.path, self._files), exitpriority=10)
 
-    def file(self, name: str, nbytes: int) -> SwapFile:
-        """A new file of `nbytes` (rounded up to `ALIGN`) in this folder, space reserved."""
-        swap = SwapFile(self.path / name, nbytes)
+    def file(self, name: str, nbytes: int, *, direct: bool = True) -> SwapFile:
+        """A new file of `nbytes` (rounded up to `ALIGN`) in this folder, space reserved.
+
+        `direct=False`: buffered I/O, for callers whose buffers cannot be aligned."""
+        swap = SwapFile(self.path / name, nbytes, direct=direct)
         self._files.append(swap)
         return swap
 
@@ -172,13 +175,15 @@ def _round_up(nbytes: int) -> int:
 class SwapFile:
     """One preallocated file read and written in aligned ranges (`O_DIRECT` if possible)."""
 
-    def __init__(self, path: Path, nbytes: int) -> None:
+    def __init__(self, path: Path, nbytes: int, *, direct: bool = True) -> None:
         self.path = path
         self.nbytes = _round_up(nbytes)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
         try:
-            self._fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-            self.direct = hasattr(os, "O_DIRECT")
+            if not (direct and hasattr(os, "O_DIRECT")):
+                raise OSError("buffered I/O asked for")
+            self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            self.direct = True
         except OSError:  # tmpfs and some others refuse O_DIRECT: buffered I/O, same results
             self._fd = os.open(path, flags, 0o600)
             self.direct = False
@@ -199,7 +204,11 @@ class SwapFile:
             )
         if self.direct and (offset % ALIGN or length % ALIGN or buffer.data_ptr() % ALIGN):
             raise ValueError(f"{self.path}: O_DIRECT needs {ALIGN}-byte aligned ranges")
-        return memoryview(buffer.view(torch.uint8).numpy())
+        if not buffer.is_contiguous() or buffer.device.type != "cpu":
+            raise ValueError(f"{self.path}: I/O needs a contiguous CPU tensor")
+        # A view of the tensor's memory by address: not `.numpy()`, which would mark the storage
+        # as not resizable for good (swap_idle frees storages by resizing them to zero bytes).
+        return memoryview((ctypes.c_char * length).from_address(buffer.data_ptr())).cast("B")
 
     def read(self, offset: int, buffer: torch.Tensor) -> None:
         """Fill the contiguous `buffer` with the file's bytes from `offset`."""
