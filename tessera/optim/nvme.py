@@ -129,6 +129,8 @@ class NVMeAdam(torch.optim.Optimizer):
         self._kernel = _kernel_or_warn()
         if swap_params:
             for param in self.params:
+                if param.untyped_storage().nbytes() == 0:
+                    continue  # made without memory: its owner writes the value (write_param)
                 self.write_param(param, param.detach())
                 param.untyped_storage().resize_(0)
 

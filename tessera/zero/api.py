@@ -104,6 +104,8 @@ def initialize(
     extra: dict[str, Any] = {"units": units} if units is not None else {}
     if offload_params:
         extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
+    if optimizer_kwargs.get("swap_params"):  # NVMeAdam keeps the masters: made straight there
+        extra["swap_masters"] = True
     optimizer = STAGES[stage](
         model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
     )

@@ -57,6 +57,8 @@ class ZeroEngine(Engine):
                 kwargs["bucket_cap_mb"] = config.bucket_cap_mb
             if getattr(config, "offload", None):
                 make_optimizer = _offload_optimizer(self.stage, module, make_optimizer, config)
+                if make_optimizer.keywords.get("swap_params"):
+                    kwargs["swap_masters"] = True
             if getattr(config, "offload_params", False):
                 kwargs["offload_params"] = True
         self.optimizer = STAGES[self.stage](module, make_optimizer, **kwargs)

@@ -75,6 +75,7 @@ class ZeroStage3(ZeroOptimizer):
     (`tessera.zero.units.select_units`); `None` keeps the default `find_units`.
     `offload_params`: this rank's parameter partition is the inner optimizer's (an `NVMeAdam`
     with `swap_params=True`): no copy is kept in memory, each gather reads it from disk.
+    `swap_masters`: the fp32 masters are in the inner optimizer's files (`offload="nvme"`).
     """
 
     stage = 3
@@ -89,33 +90,22 @@ class ZeroStage3(ZeroOptimizer):
         mixed_precision: str | None = None,
         units: Sequence[UnitSpec] | UnitSpec | None = None,
         offload_params: bool = False,
+        swap_masters: bool = False,
     ) -> None:
         self._units = select_units(module, units)
+        self._offload_params = offload_params
+        self._shards: list[torch.Tensor] = []
         # One bucket per unit, whatever its size: the cap never splits one.
         super().__init__(
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
-            bucket_cap_mb=2**40,
+            bucket_cap_mb=2**40, swap_masters=swap_masters or offload_params,
         )  # fmt: skip
-        if offload_params and not self.swapped_masters:
-            raise ValueError(
-                "offload_params=True needs an optimizer that keeps the parameters in files "
-                "(tessera.zero.initialize(..., offload='nvme', offload_params=True))"
-            )
-        self._offload_params = offload_params
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
         self._unit_of_storage: dict[int, int] = {}
-        self._shards: list[torch.Tensor] = []
         for flat in self.flats:
             unit = self._owner[id(flat.bucket.params[0])]
             self._flats_of_unit.setdefault(unit, []).append(flat)
             self._unit_of_storage[_storage_key(flat.flat_param)] = unit
-            if self.mixed_precision is None or self._offload_params:
-                # The fp32 master is the shard (with offload_params, in the optimizer's files:
-                # `_shard_value` reads it, rounded to the compute dtype, for each gather).
-                self._shards.append(flat.master.detach())
-            else:
-                self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
-            flat.flat_param.untyped_storage().resize_(0)
         self._lock = threading.RLock()  # backward hooks may run on autograd's worker threads
         self._gathered: dict[int, Future] = {}
         """Units gathered or being gathered (as decided; the gather may still be queued)."""
@@ -134,6 +124,21 @@ class ZeroStage3(ZeroOptimizer):
         """Units whose every gradient arrived in the running backward: not prefetched again."""
         self._end_queued: set[int] = set()
         self._hook_modules()
+
+    def _make_flat(
+        self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
+    ) -> FlatShard:
+        """The base's flat, then this rank's shard kept and the full buffer freed at once (so
+        set-up never holds the whole model twice)."""
+        flat = super()._make_flat(bucket, sources, master)
+        if self.mixed_precision is None or self._offload_params:
+            # The fp32 master is the shard (with offload_params, in the optimizer's files:
+            # `_shard_value` reads it, rounded to the compute dtype, for each gather).
+            self._shards.append(flat.master.detach())
+        else:
+            self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
+        flat.flat_param.untyped_storage().resize_(0)
+        return flat
 
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
         """Root parameters first, then each unit's, in module order; tied ones go to the root."""
