@@ -100,7 +100,8 @@ class ZeroOptimizer:
         self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
         """Every rank of the group on this host: collectives go through shared memory."""
         everything = list(module.parameters()) + list(module.buffers())
-        stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
+        if self.world > 1:  # (a one-rank group has nothing to copy; the flat copy costs a model)
+            stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
         # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
         # originals are freed as the flats fill (memory at set-up: about one model, not two).
         sources = {id(p): p.detach() for _, p in named}
