@@ -306,6 +306,7 @@ class NVMeAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch's format: scalars stay in memory, the moments go to the files."""
         self.flush()
+        self._on_disk = [False] * len(self.params)  # the loaded state replaces all of it
         small: dict[Any, dict[str, Any]] = {}
         for index, per_param in state_dict["state"].items():
             small[index] = {k: v for k, v in per_param.items() if k not in _MOMENTS}
