@@ -237,10 +237,11 @@ def swap_trial(swapped: bool, width: int, nvme_dir: str) -> dict:
         model(idx).square().mean().backward()
         times.append(time.perf_counter() - began)
     resident = swapper.resident_bytes() / 2**20 if swapper else None
+    peak = _status_kib("VmHWM") / 1024  # before close(), which brings every block back
     if swapper is not None:
         swapper.close()
     return {
-        "peak_rss_mb": _status_kib("VmHWM") / 1024,
+        "peak_rss_mb": peak,
         "baseline_rss_mb": baseline,
         "step_s": statistics.median(times[1:]),
         "block_params_resident_after_backward_mb": resident,
