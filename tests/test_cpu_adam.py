@@ -324,7 +324,7 @@ def test_zero_offload_bad_input():
     from tessera.optim.offload import host_optimizer
 
     model = _offload_model()
-    with pytest.raises(NotImplementedError, match="nvme"):
+    with pytest.raises(ValueError, match="nvme_dir is required"):  # test_offload.py: the rest
         host_optimizer("nvme", 2, model, torch.optim.AdamW, {})
     with pytest.raises(ValueError, match="offload must be one of"):
         host_optimizer("gpu", 2, model, torch.optim.AdamW, {})

@@ -57,6 +57,14 @@ RUNS: dict[str, dict[str, Any]] = {
     "zero2": {"strategy": "zero2", "bucket_cap_mb": 0.01},
     "zero3": {"strategy": "zero3"},
     "zero3-bf16": {"strategy": "zero3", "mixed_precision": "bf16"},
+    # ZeRO-Infinity: moments, masters and parameter partitions in files; blocks recomputed.
+    "zero3-nvme": {
+        "strategy": "zero3",
+        "mixed_precision": "bf16",
+        "offload": "nvme",
+        "offload_params": True,
+        "activation_checkpointing": True,
+    },
     "pipeline": {"strategy": "pipeline", "microbatches": 2},
     "tensor": {"strategy": "tensor"},
     "hybrid-zero1": {"strategy": "hybrid", "dp": 2, "zero": 1, "microbatches": 2},
@@ -67,6 +75,8 @@ RUNS: dict[str, dict[str, Any]] = {
 
 def _config(run: str, out: Path, steps: int) -> Any:
     layers = {"nproc": 2, **RUNS[run]}
+    if layers.get("offload") == "nvme":
+        layers["nvme_dir"] = str(out.parent)  # the swap files' private folder goes beside
     return build_config(TINY, {"steps": steps, "out": str(out), **layers})
 
 
@@ -160,7 +170,7 @@ def _assert_same_run(resumed: Path, straight: Path) -> None:
     [
         ["single"],
         ["ddp", "torch-ddp", "local-sgd"],
-        ["zero1", "zero2", "zero3", "zero3-bf16"],
+        ["zero1", "zero2", "zero3", "zero3-bf16", "zero3-nvme"],
         ["pipeline", "tensor", "hybrid-zero1", "hybrid-zero2"],
     ],
     ids=lambda runs: "+".join(runs),

@@ -1,13 +1,17 @@
-"""Which optimizer ZeRO-Offload runs: the user's Adam(W) choice turned into `CPUAdam`.
+"""Which optimizer ZeRO-Offload runs: the user's Adam(W) choice turned into `CPUAdam`/`NVMeAdam`.
 
 ZeRO-Offload (Ren et al., USENIX ATC 2021) keeps the fp32 master weights, the gradient partition
 and Adam's moments in host memory and runs the step there, so the step must be a fast CPU Adam.
 `tessera.zero.initialize(..., offload="cpu")` keeps the familiar `optimizer_class=AdamW` (or
 `Adam`, or `CPUAdam` itself) and this module maps it, with its options, to `CPUAdam`.
 
-What is not done yet (issue 12): on CUDA, streaming gradients to pinned host buffers and the
-updated parameters back, overlapped with backward/forward, and `offload="nvme"`. Both are refused
-with a clear error instead of silently running something else.
+`offload="nvme"` (ZeRO-Infinity, Rajbhandari et al., SC 2021) maps it to `NVMeAdam`, the same
+step with the moments in files under `nvme_dir` streamed through `nvme_buffer_mb` of buffers.
+The fp32 master weights are files too where they are a copy (`mixed_precision="bf16"`), and with
+`offload_params=True` (stage 3 only) ZeRO-3's parameter partition itself: gathers read it back.
+
+What is not done yet: on CUDA, streaming gradients to pinned host buffers and the updated
+parameters back, overlapped with backward/forward: refused with a clear error.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import torch
 from torch import nn
 
 from tessera.optim.cpu_adam import CPUAdam
+from tessera.optim.nvme import NVMeAdam
+from tessera.optim.swap_files import check_swap_dir
 
 __all__ = ["OFFLOAD_MODES", "host_optimizer"]
 
-OFFLOAD_MODES = (None, "cpu")
+OFFLOAD_MODES = (None, "cpu", "nvme")
 _ADAM_OPTIONS = ("lr", "betas", "eps", "weight_decay")
 _HARMLESS = ("foreach", "fused", "capturable", "differentiable")  # torch kernel choices only
 
@@ -32,32 +38,67 @@ def host_optimizer(
     model: nn.Module,
     optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any],
+    *,
+    nvme_dir: str | None = None,
+    nvme_buffer_mb: float = 64.0,
+    offload_params: bool = False,
+    mixed_precision: str | None = None,
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """`(optimizer_class, kwargs)` to build the inner optimizer with under `offload`.
 
     `offload=None` returns them unchanged. `"cpu"`: `CPUAdam` with the same hyper-parameters
     (AdamW -> decoupled decay, Adam -> L2 decay with Adam's default weight_decay of 0).
+    `"nvme"`: `NVMeAdam` with them, its files under `nvme_dir` (checked here: it must exist and
+    be writable; the space for the states is checked when the optimizer knows its shard).
     """
     if offload not in OFFLOAD_MODES:
-        if offload == "nvme":
-            raise NotImplementedError("offload='nvme' (ZeRO-Infinity) is not implemented yet")
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+    if offload != "nvme" and (nvme_dir is not None or offload_params):
+        raise ValueError(
+            f"nvme_dir and offload_params go with offload='nvme', not offload={offload!r}"
+        )
     if offload is None:
         return optimizer_class, optimizer_kwargs
     if stage == 0:
-        raise ValueError("offload='cpu' needs ZeRO stage 1, 2 or 3 (stage 0 is plain DDP)")
+        raise ValueError(f"offload={offload!r} needs ZeRO stage 1, 2 or 3 (stage 0 is plain DDP)")
+    if offload_params and stage != 3:
+        raise ValueError(
+            f"offload_params=True offloads ZeRO-3's parameter partitions; stage {stage} keeps "
+            "whole parameters on every rank (use stage=3)"
+        )
+    if offload == "nvme":
+        check_swap_dir(nvme_dir)
+        if optimizer_class is CPUAdam and optimizer_kwargs.get("bf16_moments"):
+            raise ValueError("offload='nvme' keeps fp32 moments: bf16_moments is not supported")
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cpu"}:
         raise NotImplementedError(
-            f"offload='cpu' with parameters on {sorted(devices - {'cpu'})}: streaming between "
-            "device and host is not implemented yet; the CPU-only path is"
+            f"offload={offload!r} with parameters on {sorted(devices - {'cpu'})}: streaming "
+            "between device and host is not implemented yet; the CPU-only path is"
         )
+    cpu_class, cpu_kwargs = _as_cpu_adam(offload, optimizer_class, optimizer_kwargs)
+    if offload == "cpu":
+        return cpu_class, cpu_kwargs
+    swap_params = offload_params or mixed_precision is not None  # the fp32 master is a copy
+    cpu_kwargs.pop("bf16_moments", None)
+    return NVMeAdam, {
+        **cpu_kwargs,
+        "nvme_dir": str(nvme_dir),
+        "buffer_mb": nvme_buffer_mb,
+        "swap_params": swap_params,
+    }
+
+
+def _as_cpu_adam(
+    offload: str, optimizer_class: type[torch.optim.Optimizer], optimizer_kwargs: dict[str, Any]
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """`CPUAdam` and its kwargs for the user's Adam(W) choice; a clear error for another one."""
     adamw = {torch.optim.AdamW: True, torch.optim.Adam: False}.get(optimizer_class)
     if optimizer_class is CPUAdam:
         return CPUAdam, dict(optimizer_kwargs)
     if adamw is None:
         raise ValueError(
-            "offload='cpu' runs the step with tessera.optim.CPUAdam: use optimizer_class="
+            f"offload={offload!r} runs the step with tessera.optim.CPUAdam: use optimizer_class="
             f"torch.optim.AdamW, torch.optim.Adam or CPUAdam, not {optimizer_class.__name__}"
         )
     unsupported = set(optimizer_kwargs) - set(_ADAM_OPTIONS) - set(_HARMLESS)
@@ -66,7 +107,7 @@ def host_optimizer(
     else:
         unsupported -= {"amsgrad", "maximize"}
     if unsupported:
-        raise ValueError(f"offload='cpu' (CPUAdam) does not support {sorted(unsupported)}")
+        raise ValueError(f"offload={offload!r} (CPUAdam) does not support {sorted(unsupported)}")
     kwargs = {k: v for k, v in optimizer_kwargs.items() if k in _ADAM_OPTIONS}
     kwargs.setdefault("weight_decay", 1e-2 if adamw else 0.0)  # torch's defaults
     return CPUAdam, {**kwargs, "adamw": adamw}

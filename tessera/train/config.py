@@ -94,6 +94,21 @@ class TrainConfig:
     mixed_precision: str | None = _option(
         None, "zero1-3: bf16 to compute and communicate, fp32 master weights and optimizer."
     )
+    offload: str | None = _option(
+        None,
+        "zero1-3 with adamw: cpu (ZeRO-Offload: the step runs on the host with CPUAdam) or nvme "
+        "(ZeRO-Infinity: optimizer state in files under nvme_dir, streamed through buffers).",
+    )
+    nvme_dir: str | None = _option(None, "offload nvme: existing writable folder for the files.")
+    nvme_buffer_mb: float = _option(64.0, "offload nvme: memory of the streaming buffers, MB.")
+    offload_params: bool = _option(
+        False, "offload nvme with zero3: the parameter partitions go to nvme_dir too."
+    )
+    activation_checkpointing: bool = _option(
+        False,
+        "Recompute each GPT block's activations in backward (single, ddp, torch-ddp, local-sgd, "
+        "zero1-3).",
+    )
     dp: int = _option(1, "hybrid: data-parallel degree.")
     tp: int = _option(1, "hybrid: tensor-parallel degree.")
     pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
@@ -146,7 +161,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s", "bucket_cap_mb"):
+        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
@@ -157,6 +172,7 @@ class TrainConfig:
             )
         if self.mixed_precision and not self.strategy.startswith("zero"):
             raise ConfigError("mixed_precision needs strategy zero1, zero2 or zero3")
+        self._check_memory_options()
         if self.zero not in (0, 1, 2):
             raise ConfigError(
                 f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"
@@ -174,6 +190,34 @@ class TrainConfig:
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
+
+    def _check_memory_options(self) -> None:
+        """Offload and activation checkpointing: where they apply, and nvme_dir up front."""
+        if self.offload not in (None, "cpu", "nvme"):
+            raise ConfigError(f"offload must be cpu, nvme or unset, got {self.offload!r}")
+        if self.offload and not self.strategy.startswith("zero"):
+            raise ConfigError(
+                f"offload={self.offload} offloads ZeRO's sharded state: it needs strategy zero1, "
+                f"zero2 or zero3, not {self.strategy}"
+            )
+        if self.offload and self.optimizer != "adamw":
+            raise ConfigError(f"offload={self.offload} runs a CPU Adam: it needs optimizer adamw")
+        if self.offload != "nvme" and (self.nvme_dir is not None or self.offload_params):
+            raise ConfigError("nvme_dir and offload_params need offload nvme")
+        if self.offload_params and self.strategy != "zero3":
+            raise ConfigError("offload_params moves ZeRO-3's parameter partitions: use zero3")
+        if self.offload == "nvme":
+            from tessera.optim.swap_files import check_swap_dir
+
+            try:
+                check_swap_dir(self.nvme_dir)
+            except (ValueError, OSError) as error:
+                raise ConfigError(str(error)) from None
+        if self.activation_checkpointing and self.strategy in ("pipeline", "tensor", "hybrid"):
+            raise ConfigError(
+                f"activation_checkpointing wraps the whole GPT's blocks; strategy "
+                f"{self.strategy} splits the model its own way and does not support it"
+            )
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a world size this config cannot run on, before any rank starts.

@@ -198,6 +198,10 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
     model = GPT(model_config).to(ctx.device)
+    if config.activation_checkpointing:
+        from tessera.memory import checkpoint_activations
+
+        checkpoint_activations(model)
     engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
     start = _restore(engine, ctx, out, tokenizer, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
@@ -246,6 +250,9 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     if bar is not None:
         bar.close()
     weights = engine.full_model_state()  # collective for strategies that shard the model
+    close = getattr(engine, "close", None)
+    if close is not None:  # e.g. offload="nvme": its swap files go now, not at interpreter exit
+        close()
     if not ctx.is_main:
         return None
     weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}

@@ -55,6 +55,9 @@ def initialize(
     mixed_precision: str | None = None,
     units: Sequence[UnitSpec] | UnitSpec | None = None,
     offload: str | None = None,
+    nvme_dir: str | None = None,
+    nvme_buffer_mb: float = 64.0,
+    offload_params: bool = False,
     **optimizer_kwargs: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard `model`'s training state over `group` with ZeRO `stage` (0 = plain DDP).
@@ -70,15 +73,26 @@ def initialize(
 
     `offload="cpu"` (ZeRO-Offload, stages 1-3) runs the step on the host with
     `tessera.optim.CPUAdam` (`optimizer_class` AdamW, Adam or CPUAdam; `tessera.optim.offload`).
+    `offload="nvme"` (ZeRO-Infinity) keeps Adam's moments (and the fp32 masters under
+    mixed precision; with `offload_params=True`, stage 3's parameter partitions) in files under
+    `nvme_dir`, streamed through `nvme_buffer_mb` MB of buffers (`tessera.optim.nvme.NVMeAdam`).
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_optimizer(optimizer_class, optimizer_kwargs)
-    optimizer_class, optimizer_kwargs = host_optimizer(
-        offload, stage, model, optimizer_class, optimizer_kwargs
-    )
     if mixed_precision not in (None, "bf16"):
         raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
+    optimizer_class, optimizer_kwargs = host_optimizer(
+        offload,
+        stage,
+        model,
+        optimizer_class,
+        optimizer_kwargs,
+        nvme_dir=nvme_dir,
+        nvme_buffer_mb=nvme_buffer_mb,
+        offload_params=offload_params,
+        mixed_precision=mixed_precision,
+    )
     if units is not None and stage != 3:
         raise ValueError(f"units= chooses ZeRO-3's gather units; stage {stage} gathers nothing")
     if stage == 0:
@@ -87,7 +101,11 @@ def initialize(
         wrapped = DataParallel(model, group=group)
         return wrapped, optimizer_class(model.parameters(), **optimizer_kwargs)
     make_optimizer = partial(optimizer_class, **optimizer_kwargs)
-    extra = {"units": units} if units is not None else {}
+    extra: dict[str, Any] = {"units": units} if units is not None else {}
+    if offload_params:
+        extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
+    if optimizer_kwargs.get("swap_params"):  # NVMeAdam keeps the masters: made straight there
+        extra["swap_masters"] = True
     optimizer = STAGES[stage](
         model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
     )

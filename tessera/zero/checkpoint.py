@@ -130,9 +130,9 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
     tensors: dict[str, torch.Tensor] = {}
     flat_state = []
     for flat in optimizer.flats:
-        sources = {"param": flat.master.detach()}
+        sources = {"param": optimizer.master_value(flat)}
         scalars: dict[str, Any] = {}
-        for kind, value in optimizer.optimizer.state.get(flat.master, {}).items():
+        for kind, value in _inner_state(optimizer.optimizer, flat.master).items():
             if isinstance(value, torch.Tensor) and value.shape == flat.master.shape:
                 sources[kind] = value
             else:
@@ -171,6 +171,12 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
 
     save_checkpoint(folder / name, meta)
     return name
+
+
+def _inner_state(inner: Any, master: torch.Tensor) -> dict[str, Any]:
+    """The inner optimizer's state of one master; read whole from disk under offload='nvme'."""
+    read_state = getattr(inner, "read_state", None)
+    return read_state(master) if read_state is not None else inner.state.get(master, {})
 
 
 def load_shard_files(folder: str | Path) -> list[dict[str, Any]]:
@@ -278,7 +284,7 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
     ):
         # A shard made only of padding reads no run at all: padding is zero in the parameters
         # and in every state (its gradient is always zero), so zeros are its exact values.
-        flat.master.copy_(kinds.pop("param", torch.zeros(flat.master.numel())))
+        optimizer.set_master(flat, kinds.pop("param", torch.zeros(flat.master.numel())))
         for kind in saved["kinds"]:
             kinds.setdefault(kind, torch.zeros(flat.master.numel()))
         # Each flat gets its own scalar tensors: torch's load_state_dict keeps a `step` tensor

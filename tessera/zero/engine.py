@@ -10,6 +10,7 @@ out.safetensors` yields one plain state dict.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.optim.offload import host_optimizer
 from tessera.runtime.context import Context
 from tessera.train.strategy import Engine, OptimizerFactory
 from tessera.zero.api import STAGES, full_state_dict
@@ -52,8 +54,20 @@ class ZeroEngine(Engine):
             kwargs["mixed_precision"] = config.mixed_precision
             if self.stage < 3:
                 kwargs["bucket_cap_mb"] = config.bucket_cap_mb
+            if getattr(config, "offload", None):
+                make_optimizer = _offload_optimizer(self.stage, module, make_optimizer, config)
+                if make_optimizer.keywords.get("swap_params"):
+                    kwargs["swap_masters"] = True
+            if getattr(config, "offload_params", False):
+                kwargs["offload_params"] = True
         self.optimizer = STAGES[self.stage](module, make_optimizer, **kwargs)
         module._tessera_zero = self.optimizer
+
+    def close(self) -> None:
+        """Release what outlives training: an `offload="nvme"` optimizer's swap files."""
+        close = getattr(self.optimizer.optimizer, "close", None)
+        if close is not None:
+            close()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward; buckets are reduce-scattered as they fill, the end waits for the last."""
@@ -95,6 +109,30 @@ class ZeroEngine(Engine):
         `zero/step-N` beside the `checkpoint.pt` of older run folders).
         """
         load_shards(self.optimizer, checkpoint.parent / meta["zero_shards"])
+
+
+def _offload_optimizer(
+    stage: int, module: nn.Module, make_optimizer: OptimizerFactory, config: Any
+) -> OptimizerFactory:
+    """The trainer's optimizer as `CPUAdam` / `NVMeAdam` with the same hyper-parameters.
+
+    The factory is asked once, on a one-element probe, which class and options it uses, so the
+    trainer's choice (`train.loop.make_optimizer`) is read, not copied here.
+    """
+    probe = make_optimizer([nn.Parameter(torch.zeros(1))])
+    options = {k: probe.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+    optimizer_class, kwargs = host_optimizer(
+        config.offload,
+        stage,
+        module,
+        type(probe),
+        options,
+        nvme_dir=config.nvme_dir,
+        nvme_buffer_mb=config.nvme_buffer_mb,
+        offload_params=config.offload_params,
+        mixed_precision=config.mixed_precision,
+    )
+    return partial(optimizer_class, **kwargs)
 
 
 class Zero1Engine(ZeroEngine):

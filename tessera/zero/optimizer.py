@@ -80,6 +80,7 @@ class ZeroOptimizer:
         group: dist.ProcessGroup | None = None,
         mixed_precision: str | None = None,
         bucket_cap_mb: float = 25.0,
+        swap_masters: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
@@ -99,11 +100,14 @@ class ZeroOptimizer:
         self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
         """Every rank of the group on this host: collectives go through shared memory."""
         everything = list(module.parameters()) + list(module.buffers())
-        stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
-        fp32 = {id(p): p.detach().float().reshape(-1) for _, p in named}
+        if self.world > 1:  # (a one-rank group has nothing to copy; the flat copy costs a model)
+            stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
+        # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
+        # originals are freed as the flats fill (memory at set-up: about one model, not two).
+        sources = {id(p): p.detach() for _, p in named}
         if mixed_precision == "bf16":
-            for _, param in named:
-                param.data = param.data.to(torch.bfloat16)
+            for _, param in named:  # filled from `sources` by _make_flat: untouched until then
+                param.data = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device)
         world = self.world
         self.reducer = Reducer(
             named,
@@ -119,8 +123,23 @@ class ZeroOptimizer:
             group=group,
             engine_kind=f"ZeRO-{self.stage}",
         )
-        self.flats = [self._make_flat(bucket, fp32) for bucket in self.reducer.buckets]
-        self.optimizer = make_optimizer([flat.master for flat in self.flats])
+        self.swapped_masters = swap_masters
+        """The fp32 masters live in the inner optimizer's files (`offload="nvme"`): they have
+        no storage here; the step publishes each updated chunk into `_publish_target`."""
+        self.flats: list[FlatShard] = []
+        if swap_masters:  # the optimizer first: each master goes to its file as it is made
+            masters = [self._storageless_master(bucket) for bucket in self.reducer.buckets]
+            self.optimizer = make_optimizer(masters)
+            if not getattr(self.optimizer, "swap_params", False):
+                raise TypeError(
+                    f"swap_masters=True needs an optimizer that keeps its parameters in files "
+                    f"(NVMeAdam(swap_params=True)), got {type(self.optimizer).__name__}"
+                )
+            for bucket, master in zip(self.reducer.buckets, masters):
+                self.flats.append(self._make_flat(bucket, sources, master))
+        else:
+            self.flats = [self._make_flat(bucket, sources) for bucket in self.reducer.buckets]
+            self.optimizer = make_optimizer([flat.master for flat in self.flats])
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
             module.register_forward_hook(self._after_forward),
@@ -131,19 +150,40 @@ class ZeroOptimizer:
         """Trainable parameters in bucket order, and their units (stage 3 overrides)."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad], None
 
-    def _make_flat(self, bucket: Bucket, fp32: dict[int, torch.Tensor]) -> FlatShard:
+    def _storageless_master(self, bucket: Bucket) -> nn.Parameter:
+        """A master of the right length with no memory behind it (its value goes to a file)."""
+        numel = sum(p.numel() for p in bucket.params)
+        lo, hi = shard_range(numel, self.world, self.rank)
+        master = torch.empty(hi - lo, dtype=torch.float32, device=bucket.params[0].device)
+        master.untyped_storage().resize_(0)
+        return nn.Parameter(master)
+
+    def _make_flat(
+        self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
+    ) -> FlatShard:
+        """Lay out a bucket's parameters in a flat buffer and make this rank's master slice.
+
+        `master`: a storageless master whose value goes to the inner optimizer's file."""
         layout = FlatLayout(tuple(bucket.names), tuple(tuple(p.shape) for p in bucket.params))
         padded = padded_numel(layout.numel, self.world)
         lo, hi = shard_range(layout.numel, self.world, self.rank)
         first = bucket.params[0]
+        aliased = master is None and self.mixed_precision is None and self.stage < 3
         flat_param = torch.zeros(padded, dtype=first.dtype, device=first.device)
-        master_full = torch.zeros(padded, dtype=torch.float32, device=first.device)
+        master_full = None
+        if not aliased:
+            master_full = torch.zeros(padded, dtype=torch.float32, device=first.device)
         for position, param in enumerate(bucket.params):
             start, end = bucket.offsets[position], bucket.offsets[position + 1]
-            flat_param[start:end].copy_(param.detach().reshape(-1))
-            master_full[start:end].copy_(fp32[id(param)])
+            source = sources.pop(id(param)).reshape(-1)
+            flat_param[start:end].copy_(source)
+            if master_full is not None:
+                master_full[start:end].copy_(source)
             param.data = flat_param[start:end].view_as(param)
-        if self.mixed_precision is None and self.stage < 3:
+            del source
+        if master is not None:
+            self.optimizer.write_param(master, master_full[lo:hi])
+        elif aliased:
             master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
         else:
             master = nn.Parameter(master_full[lo:hi].clone())
@@ -181,6 +221,34 @@ class ZeroOptimizer:
     def _publish(self) -> None:
         """After the inner step: make the new slices visible as the module's parameters."""
         raise NotImplementedError
+
+    def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
+        """Where a swapped master's new value goes in the step (stages 1/2: the flat buffer's
+        slice, in the compute dtype; stage 3 overrides)."""
+        return flat.flat_param[flat.lo : flat.hi]
+
+    def _publish_source(self, flat: FlatShard) -> torch.Tensor:
+        """The slice stages 1/2 all-gather after the step: the master, or its published copy."""
+        if self.swapped_masters:
+            return flat.flat_param[flat.lo : flat.hi].detach()
+        return flat.master.detach()
+
+    def master_value(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's fp32 master slice of `flat` (read back from disk if it is swapped)."""
+        if self.swapped_masters:
+            return self.optimizer.read_param(flat.master)
+        return flat.master.detach()
+
+    @torch.no_grad()
+    def set_master(self, flat: FlatShard, value: torch.Tensor) -> None:
+        """Replace this rank's master slice of `flat` (a checkpoint load); `_publish` follows."""
+        if not self.swapped_masters:
+            flat.master.copy_(value)
+            return
+        self.optimizer.write_param(flat.master, value)
+        target = self._publish_target(flat)
+        if target is not None:
+            target.copy_(value)
 
     # -- collectives on the group's communication stream -------------------------------------
     def _collective(self, fn: Any, *args: Any, item: int = -1) -> Any:
@@ -242,6 +310,13 @@ class ZeroOptimizer:
         """Step this rank's slices with the inner optimizer, then publish them."""
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
+        if self.swapped_masters:  # gradients in their own dtype, converted chunk by chunk
+            self.optimizer.step(
+                grads=self.gradient_slices(),
+                publish=[self._publish_target(flat) for flat in self.flats],
+            )
+            self._publish()
+            return
         for flat in self.flats:
             grad = self._gradient_slice(flat)
             flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
@@ -289,7 +364,8 @@ class ZeroOptimizer:
         """Every parameter, unsharded, in fp32 (collective: the masters are all-gathered)."""
         out: dict[str, torch.Tensor] = {}
         for index, flat in enumerate(self.flats):
-            full = self._collective(_all_gather, flat.master.detach(), self.group, item=index)
+            master = self.master_value(flat)
+            full = self._collective(_all_gather, master, self.group, item=index)
             offsets = flat.layout.offsets
             for index, name in enumerate(flat.layout.names):
                 piece = full[offsets[index] : offsets[index + 1]]
@@ -300,12 +376,16 @@ class ZeroOptimizer:
         """Detach from the module (after its queued collectives); the optimizer is done.
 
         Stages 1 and 2 leave the module's parameters at their current values; under stage 3 they
-        are freed shards, so call `full_state_dict` first.
+        are freed shards, so call `full_state_dict` first. An `offload="nvme"` optimizer's files
+        are removed.
         """
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
         self.reducer.remove_hooks()
+        close = getattr(self.optimizer, "close", None)
+        if close is not None:  # offload="nvme": remove its files now, not at exit
+            close()
 
 
 def _to_bf16(value: Any) -> Any:

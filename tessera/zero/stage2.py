@@ -34,5 +34,5 @@ class ZeroStage2(ZeroOptimizer):
 
     def _publish(self) -> None:
         for index, flat in enumerate(self.flats):
-            master = flat.master.detach()
+            master = self._publish_source(flat)
             self._collective(self._all_gather_into, flat.flat_param, master, flat.lo, item=index)

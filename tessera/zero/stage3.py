@@ -73,6 +73,9 @@ class ZeroStage3(ZeroOptimizer):
 
     `units`: module classes and/or dotted name patterns choosing what is gathered as one
     (`tessera.zero.units.select_units`); `None` keeps the default `find_units`.
+    `offload_params`: this rank's parameter partition is the inner optimizer's (an `NVMeAdam`
+    with `swap_params=True`): no copy is kept in memory, each gather reads it from disk.
+    `swap_masters`: the fp32 masters are in the inner optimizer's files (`offload="nvme"`).
     """
 
     stage = 3
@@ -86,25 +89,23 @@ class ZeroStage3(ZeroOptimizer):
         group: dist.ProcessGroup | None = None,
         mixed_precision: str | None = None,
         units: Sequence[UnitSpec] | UnitSpec | None = None,
+        offload_params: bool = False,
+        swap_masters: bool = False,
     ) -> None:
         self._units = select_units(module, units)
+        self._offload_params = offload_params
+        self._shards: list[torch.Tensor] = []
         # One bucket per unit, whatever its size: the cap never splits one.
         super().__init__(
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
-            bucket_cap_mb=2**40,
+            bucket_cap_mb=2**40, swap_masters=swap_masters or offload_params,
         )  # fmt: skip
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
         self._unit_of_storage: dict[int, int] = {}
-        self._shards: list[torch.Tensor] = []
         for flat in self.flats:
             unit = self._owner[id(flat.bucket.params[0])]
             self._flats_of_unit.setdefault(unit, []).append(flat)
             self._unit_of_storage[_storage_key(flat.flat_param)] = unit
-            if self.mixed_precision is None:
-                self._shards.append(flat.master.detach())  # the fp32 master is the shard
-            else:
-                self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
-            flat.flat_param.untyped_storage().resize_(0)
         self._lock = threading.RLock()  # backward hooks may run on autograd's worker threads
         self._gathered: dict[int, Future] = {}
         """Units gathered or being gathered (as decided; the gather may still be queued)."""
@@ -123,6 +124,21 @@ class ZeroStage3(ZeroOptimizer):
         """Units whose every gradient arrived in the running backward: not prefetched again."""
         self._end_queued: set[int] = set()
         self._hook_modules()
+
+    def _make_flat(
+        self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
+    ) -> FlatShard:
+        """The base's flat, then this rank's shard kept and the full buffer freed at once (so
+        set-up never holds the whole model twice)."""
+        flat = super()._make_flat(bucket, sources, master)
+        if self.mixed_precision is None or self._offload_params:
+            # The fp32 master is the shard (with offload_params, in the optimizer's files:
+            # `_shard_value` reads it, rounded to the compute dtype, for each gather).
+            self._shards.append(flat.master.detach())
+        else:
+            self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
+        flat.flat_param.untyped_storage().resize_(0)
+        return flat
 
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
         """Root parameters first, then each unit's, in module order; tied ones go to the root."""
@@ -163,7 +179,17 @@ class ZeroStage3(ZeroOptimizer):
             storage = flat.flat_param.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-            self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index], flat.lo)
+            self._all_gather_into(flat.flat_param, self._shard_value(flat), flat.lo)
+
+    def _shard_value(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's slice of a flat in the compute dtype (from disk under offload_params)."""
+        if self._offload_params:
+            return self.optimizer.read_param(flat.master).to(flat.flat_param.dtype)
+        return self._shards[flat.bucket.index]
+
+    def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
+        """The compute-dtype shard the step refreshes; none when the shard is the master."""
+        return None if self._offload_params else self._shards[flat.bucket.index]
 
     def _request(self, unit: int | None) -> Future | None:
         """Queue the gather of a unit unless it is gathered or on its way; its future."""
@@ -324,7 +350,7 @@ class ZeroStage3(ZeroOptimizer):
     @torch.no_grad()
     def _publish(self) -> None:
         self._release_unused()  # also after load_shards replaced the masters
-        if self.mixed_precision is not None:
+        if self.mixed_precision is not None and not self.swapped_masters:
             for flat, shard in zip(self.flats, self._shards):
                 shard.copy_(flat.master)
 
