@@ -385,9 +385,8 @@ def test_masked_input_is_the_protocol_formula_computed_independently():
     length = 37  # not a multiple of the AES block: the keystream's tail is used too
 
     def prg(seed: bytes) -> list[int]:
-        stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(
-            bytes(8 * length)
-        )
+        encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+        stream = encryptor.update(bytes(8 * length))
         return [int.from_bytes(stream[8 * i : 8 * i + 8], "little") for i in range(length)]
 
     def mask_seed(client: SecAggClient, public: bytes) -> bytes:
