@@ -11,17 +11,30 @@ split, 100 clients, 10 per round, an MLP 64-64-10, SGD lr 0.1, B = 10. Measured:
 - deployed mode: `tessera fl` round time over loopback with 10 client processes, plain and
   secure (this process serves);
 - accuracy after `--dp-rounds` rounds with DP at epsilon 1, 4, 8 (delta 1e-3 < 1/100 clients,
-  noise multiplier found by bisection on the RDP accountant, clip 1.0), against no DP.
+  noise multiplier found by bisection on the RDP accountant, clip 1.0), against no DP;
+- Flower (`flwr[simulation]`, Ray) on the same FedAvg task, side by side in the same run
+  (`flower_fedavg.py` in a subprocess, between the repeats of the tessera timings): its round
+  time, start-up and rounds to 90%. It needs the `bench-fl` extra (`make bench-fl` makes a venv
+  with it and runs this script); without flwr the Flower rows say so.
 
-Writes results/federated.{json,md,png}. Flower is not run here (not installed).
+FedSGD against FedAvg: FedSGD takes one server step of lr per round; FedAvg's clients take
+E * ceil(n_k / B) local steps each (the `local steps` column), so on this task (about 14 samples
+per client) a FedAvg round is worth at most a few FedSGD rounds. The extra FedSGD rows with larger
+server learning rates (McMahan et al. tune lr per method) show the ratio is not a weak baseline.
+
+Writes results/federated.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -145,6 +158,40 @@ def _deployed_round_ms(train, parts, rounds: int, secure: bool) -> float:
     return 1000 * statistics.median(history.round_s[1:])
 
 
+def _run_flower(python: str, rounds: int) -> dict:
+    """Flower's simulation of the FedAvg task (`flower_fedavg.py`), or why it did not run."""
+    probe = subprocess.run(
+        [python, "-c", "import flwr, ray"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        return {"error": f"flwr[simulation] not importable by {python} (the bench-fl extra)"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]),
+        "OMP_NUM_THREADS": "1",
+    }
+    start = time.perf_counter()
+    done = subprocess.run(
+        [python, str(HERE / "flower_fedavg.py"), "--rounds", str(rounds)],
+        capture_output=True, text=True, env=env, timeout=3600, check=False,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"flower_fedavg.py failed: {done.stderr[-2000:]}"}
+    result = json.loads(lines[-1])
+    result["process_s"] = time.perf_counter() - start
+    rounds_s = result["round_s"]
+    # The first round also starts Ray's worker and loads the data there: start-up, not a round.
+    result["median_round_s"] = statistics.median(rounds_s[1:])
+    result["first_round_extra_s"] = rounds_s[0] - result["median_round_s"]
+    return result
+
+
+def _local_steps(parts, epochs: int, batch_size: int) -> float:
+    """Mean local SGD steps of a FedAvg client per round: E * ceil(n_k / B)."""
+    return statistics.mean(epochs * math.ceil(len(p) / batch_size) for p in parts)
+
+
 def _noise_for_epsilon(epsilon: float, rounds: int, q: float, delta: float) -> float:
     low, high = 0.3, 50.0
     for _ in range(40):
@@ -164,45 +211,65 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--deployed-rounds", type=int, default=20, help="0: skip")
     parser.add_argument("--skip-convergence", action="store_true")
     parser.add_argument("--skip-dp", action="store_true")
+    parser.add_argument("--flower-rounds", type=int, default=150, help="0: skip Flower")
+    parser.add_argument(
+        "--flower-python",
+        default=sys.executable,
+        help="a Python with flwr[simulation] and tessera (default: this one)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     train, test = _digits()
     common = dict(num_clients=100, clients_per_round=10, batch_size=10, lr=0.1, seed=0)
     result: dict = {"machine": platform.processor() or platform.machine(), "curves": {}}
 
-    runs = [("shards", a, e) for e in (1, 5) for a in ("fedsgd", "fedavg", "fedprox")]
-    runs += [(f"dirichlet{alpha}", "fedavg", 1) for alpha in (0.1, 0.5)]
+    runs = [("shards", a, e, 0.1) for e in (1, 5) for a in ("fedsgd", "fedavg", "fedprox")]
+    runs += [(f"dirichlet{alpha}", "fedavg", 1, 0.1) for alpha in (0.1, 0.5)]
+    runs += [("shards", "fedsgd", 1, lr) for lr in (0.3, 1.0)]  # FedSGD with a tuned lr
     convergence = []
-    for scheme, algorithm, epochs in [] if args.skip_convergence else runs:
+    for scheme, algorithm, epochs, lr in [] if args.skip_convergence else runs:
         if algorithm == "fedsgd" and epochs > 1:
             continue  # FedSGD has no local epochs
         if scheme.startswith("dirichlet"):
             alpha = float(scheme.removeprefix("dirichlet"))
             parts = partition(train[1], 100, scheme="dirichlet", alpha=alpha, seed=0)
         else:
-            parts = scheme
+            parts = partition(train[1], 100, scheme=scheme, seed=0)
         history = simulate(
             _model, train, test, partition=parts, local_epochs=epochs, rounds=args.max_rounds,
-            algorithm=algorithm, mu=0.01 if algorithm == "fedprox" else 0.0, **common,
+            algorithm=algorithm, mu=0.01 if algorithm == "fedprox" else 0.0,
+            **{**common, "lr": lr},
         )  # fmt: skip
         row = {
-            "partition": scheme, "algorithm": algorithm, "E": epochs,
+            "partition": scheme, "algorithm": algorithm, "E": epochs, "lr": lr,
+            "local_steps": 1.0 if algorithm == "fedsgd" else _local_steps(parts, epochs, 10),
             "rounds_to_90": _rounds_to(history.accuracy), "final": history.accuracy[-1],
             "round_ms": 1000 * statistics.median(history.round_s),
         }  # fmt: skip
         convergence.append(row)
-        result["curves"][f"{algorithm} E={epochs} {scheme}"] = history.accuracy
+        name = f"{algorithm} E={epochs} {scheme}" + (f" lr {lr:g}" if lr != 0.1 else "")
+        result["curves"][name] = history.accuracy
         print(row, flush=True)
     result["convergence"] = convergence
 
     shard_parts = partition(train[1], 100, scheme="shards", seed=0)
+    result["shard_local_steps"] = _local_steps(shard_parts, 1, 10)
+    start = time.perf_counter()  # start-up: partition, two models, the round-0 evaluation
+    simulate(_model, train, test, partition="shards", rounds=0, **common)
+    result["tessera_startup_s"] = time.perf_counter() - start
     timing = {
         "tessera": [],
         "plain loop": [],
         "secure (10% dropout)": [],
         "plain (10% dropout)": [],
     }
-    for _ in range(3):  # A B A B: tessera plain, loop, secure, plain with the same dropout
+    result["flower"] = {"skipped": True}
+    for repeat in range(3):  # A B A B: tessera plain, loop, secure, plain with the same dropout
+        if repeat == 1 and args.flower_rounds:  # Flower between the repeats, in the same run
+            result["flower"] = _run_flower(args.flower_python, args.flower_rounds)
+            print({k: v for k, v in result["flower"].items() if k not in ("round_s", "accuracy")})
+            if "accuracy" in result["flower"]:
+                result["curves"]["Flower fedavg E=1 shards"] = result["flower"]["accuracy"]
         n = args.timing_rounds
         timing["tessera"] += simulate(_model, train, test, partition=shard_parts, rounds=n,
                                       **common).round_s  # fmt: skip
@@ -246,29 +313,86 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def _ratio_rows(result: dict) -> list[str]:
+    """The issue's targets beside the measured values."""
+    ms, flower = result["round_ms"], result.get("flower", {})
+    rows = {(r["algorithm"], r["E"], r["partition"], r["lr"]): r for r in result["convergence"]}
+    out = ["| target | measured | met |", "|---|---|---|"]
+
+    def add(target: str, value: float | None, text: str, ok: bool | None) -> None:
+        met = "-" if ok is None or value is None else ("yes" if ok else "no")
+        out.append(f"| {target} | {text if value is not None else 'not measured'} | {met} |")
+
+    sim = ms["tessera"] / ms["plain loop"]
+    add("simulation round <= 1.5x a plain loop", sim, f"{sim:.2f}x", sim <= 1.5)
+    flower_ms = 1000 * flower["median_round_s"] if "median_round_s" in flower else None
+    if flower_ms:
+        add("about 20x faster than Flower's simulation", 1, f"{flower_ms / ms['tessera']:.1f}x "
+            f"({ms['tessera']:.1f} vs {flower_ms:.0f} ms)", None)  # fmt: skip
+        deployed = ms.get("deployed, 10 client processes")
+        add("deployed, 10 client processes <= Flower's simulation round", deployed,
+            f"{deployed:.0f} vs {flower_ms:.0f} ms ({deployed / flower_ms:.2f}x)"
+            if deployed else "", deployed is not None and deployed <= flower_ms)  # fmt: skip
+    else:
+        add("Flower side by side", None, "", None)
+    secure = ms["secure (10% dropout)"] / ms["plain (10% dropout)"]
+    add("secure aggregation <= 2x plain (10% dropout)", secure, f"{secure:.2f}x", secure <= 2.0)
+    sgd = rows.get(("fedsgd", 1, "shards", 0.1), {}).get("rounds_to_90")
+    for epochs in (1, 5):
+        avg = rows.get(("fedavg", epochs, "shards", 0.1), {}).get("rounds_to_90")
+        value = sgd / avg if sgd and avg else None
+        text = f"{sgd} / {avg} = {value:.2f}x" if value else ""
+        add(f"FedSGD / FedAvg E={epochs} rounds to 90% (shards) >= 5x", value, text,
+            value is not None and value >= 5)  # fmt: skip
+    return out
+
+
 def _write(result: dict, args) -> None:
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     (out / "federated.json").write_text(json.dumps(result, indent=1))
-    ms = result["round_ms"]
+    ms, flower = result["round_ms"], result.get("flower", {})
+    load = os.getloadavg()[0]
     lines = [
         "## federated", "",
         f"scikit-learn digits, 100 clients, 10 per round, MLP 64-64-10, SGD 0.1, B = 10; "
-        f"machine: {result['machine']}, loaded. Rounds capped at {args.max_rounds}.", "",
-        "| partition | algorithm | E | rounds to 90% | final accuracy |", "|---|---|---|---|---|",
+        f"machine: {result['machine']}, 2 cores shared with other jobs (load average "
+        f"{load:.1f} at the end). Rounds capped at {args.max_rounds}. `local steps`: a client's "
+        f"SGD steps per round, E * ceil(n_k / B) averaged over clients (FedSGD: one server step).",
+        "",
+        "| partition | algorithm | E | lr | local steps | rounds to 90% | final accuracy |",
+        "|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in result["convergence"]:
         reached = row["rounds_to_90"] if row["rounds_to_90"] is not None else f">{args.max_rounds}"
         lines.append(
-            f"| {row['partition']} | {row['algorithm']} | {row['E']} | {reached} | "
-            f"{row['final']:.3f} |"
+            f"| {row['partition']} | {row['algorithm']} | {row['E']} | {row['lr']:g} | "
+            f"{row['local_steps']:.1f} | {reached} | {row['final']:.3f} |"
+        )
+    if "accuracy" in flower:
+        reached = _rounds_to(flower["accuracy"])
+        lines.append(
+            f"| shards | Flower fedavg | 1 | 0.1 | {result['shard_local_steps']:.1f}"
+            f" | {reached if reached is not None else '>' + str(args.flower_rounds)} | "
+            f"{flower['accuracy'][-1]:.3f} |"
         )
     lines += ["", "| round time (median ms) | value |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in ms.items()]
+    if "median_round_s" in flower:
+        flower_ms = 1000 * flower["median_round_s"]
+        lines.append(f"| Flower {flower['flwr']} simulation (Ray) | {flower_ms:.2f} |")
+        lines += [
+            "",
+            f"Flower start-up: {flower['import_s']:.1f} s importing flwr, "
+            f"{flower['startup_s']:.1f} s from `run_simulation` to the first round, and "
+            f"{flower['first_round_extra_s']:.1f} s more in the first round (Ray's worker "
+            f"starting); tessera's `simulate` starts its first round "
+            f"{1000 * result['tessera_startup_s']:.0f} ms after the call.",
+        ]
+    elif "error" in flower:
+        lines += ["", f"Flower: not run ({flower['error'][:200]})."]
+    lines += ["", *_ratio_rows(result)]
     lines += [
-        "",
-        f"tessera / plain loop: {ms['tessera'] / ms['plain loop']:.2f}x; secure / plain "
-        f"(10% dropout): {ms['secure (10% dropout)'] / ms['plain (10% dropout)']:.2f}x",
         "",
         f"| DP target epsilon ({args.dp_rounds} rounds, delta 1e-3) | sigma | accuracy |",
         "|---|---|---|",
