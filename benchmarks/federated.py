@@ -442,8 +442,9 @@ def _write(result: dict, args) -> None:
             f"has a floor the protocol sets: {floor['agreements']:.0f} X25519 agreements "
             f"({floor['exchange_us']:.0f} us CPU each) and {floor['keys']:.0f} key generations "
             f"({floor['generate_us']:.0f} us) = {floor['ms']:.1f} ms for 10 clients with one "
-            f"dropout, {floor['ms'] / plain_cpu:.2f}x the plain round by itself; the rest (AES-CTR "
-            f"masks, HKDF, Shamir shares, AES-GCM, quantisation) is {overhead - floor['ms']:.1f} ms.",
+            f"dropout, {floor['ms'] / plain_cpu:.2f}x the plain round by itself; the rest "
+            f"(AES-CTR masks, HKDF, Shamir shares, AES-GCM, quantisation) is "
+            f"{overhead - floor['ms']:.1f} ms.",
         ]
     lines += ["", *_ratio_rows(result)]
     lines += [
