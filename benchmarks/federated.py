@@ -238,7 +238,14 @@ def main(argv: list[str] | None = None) -> dict:
         default=sys.executable,
         help="a Python with flwr[simulation] and tessera (default: this one)",
     )
+    parser.add_argument(
+        "--render-only", action="store_true", help="rewrite the tables from results/federated.json"
+    )
     args = parser.parse_args(argv)
+    if args.render_only:
+        result = json.loads((HERE / "results" / "federated.json").read_text())
+        _write(result, args)
+        return result
     torch.set_num_threads(1)
     train, test = _digits()
     common = dict(num_clients=100, clients_per_round=10, batch_size=10, lr=0.1, seed=0)
@@ -385,6 +392,38 @@ def _ratio_rows(result: dict) -> list[str]:
     return out
 
 
+def _fedsgd_note(result: dict) -> list[str]:
+    """Why FedAvg's advantage over FedSGD is bounded here, from the measured rows."""
+    rows = {
+        (r["algorithm"], r["E"], r["lr"], r.get("B", 10)): r
+        for r in result["convergence"]
+        if r["partition"] == "shards"
+    }
+
+    def rounds(*key) -> int | None:
+        return rows.get(key, {}).get("rounds_to_90")
+
+    sgd, full_batch = rounds("fedsgd", 1, 0.1, 10), rounds("fedavg", 1, 0.1, "all")
+    e1, e5, e20 = (rounds("fedavg", e, 0.1, 10) for e in (1, 5, 20))
+    tuned = [(lr, rounds("fedsgd", 1, lr, 10)) for lr in (0.3, 1.0)]
+    if not all([sgd, full_batch, e1, e5, e20]) or not all(r for _, r in tuned):
+        return []
+    steps = {e: rows[("fedavg", e, 0.1, 10)]["local_steps"] for e in (1, 5, 20)}
+    return [
+        "",
+        f"FedSGD against FedAvg (shards): FedSGD is FedAvg with B = all and E = 1 (McMahan et al. "
+        f"2017, sec. 2): the two reach 90% at rounds {sgd} and {full_batch} here. "
+        f"A FedAvg round is worth at most its local steps in FedSGD rounds, and a client holds "
+        f"about 14 samples, so E = 1, B = 10 gives {steps[1]:.0f} local steps (measured "
+        f"{sgd / e1:.1f}x fewer rounds), E = 5 gives {steps[5]:.0f} ({sgd / e5:.1f}x) and, beyond "
+        f"the issue's grid, E = 20 gives {steps[20]:.0f} ({sgd / e20:.1f}x, {e20} rounds): the 5x "
+        f"target needs more local work per round than E = 5 gives on this data, not a weaker "
+        f"baseline. Tuning FedSGD's lr as McMahan et al. do makes it faster, not slower: "
+        + ", ".join(f"lr {lr:g}: {r} rounds" for lr, r in tuned)
+        + " (FedAvg keeps lr 0.1).",
+    ]
+
+
 def _write(result: dict, args) -> None:
     out = HERE / "results"
     out.mkdir(exist_ok=True)
@@ -446,7 +485,7 @@ def _write(result: dict, args) -> None:
             f"(AES-CTR masks, HKDF, Shamir shares, AES-GCM, quantisation) is "
             f"{overhead - floor['ms']:.1f} ms.",
         ]
-    lines += ["", *_ratio_rows(result)]
+    lines += ["", *_ratio_rows(result), *_fedsgd_note(result)]
     lines += [
         "",
         f"| DP target epsilon ({args.dp_rounds} rounds, delta 1e-3) | sigma | accuracy |",
