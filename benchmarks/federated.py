@@ -413,8 +413,9 @@ def _fedsgd_note(result: dict) -> list[str]:
         "",
         f"FedSGD against FedAvg (shards): FedSGD is FedAvg with B = all and E = 1 (McMahan et al. "
         f"2017, sec. 2): the two reach 90% at rounds {sgd} and {full_batch} here. "
-        f"A FedAvg round is worth at most its local steps in FedSGD rounds, and a client holds "
-        f"about 14 samples, so E = 1, B = 10 gives {steps[1]:.0f} local steps (measured "
+        f"Where FedSGD takes one step a round, a FedAvg client takes its local steps, which bound "
+        f"its advantage roughly (less on non-IID shards, where local steps drift); a client "
+        f"holds about 14 samples, so E = 1, B = 10 gives {steps[1]:.0f} local steps (measured "
         f"{sgd / e1:.1f}x fewer rounds), E = 5 gives {steps[5]:.0f} ({sgd / e5:.1f}x) and, beyond "
         f"the issue's grid, E = 20 gives {steps[20]:.0f} ({sgd / e20:.1f}x, {e20} rounds): the 5x "
         f"target needs more local work per round than E = 5 gives on this data, not a weaker "
