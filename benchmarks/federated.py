@@ -503,12 +503,19 @@ def _write(result: dict, args) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, curve in result["curves"].items():
-        ax.plot(curve, label=name)
-    ax.axhline(0.9, color="grey", lw=0.5)
-    ax.set(xlabel="round", ylabel="test accuracy", title="digits, 100 clients, 10 per round")
-    ax.legend(fontsize=7)
+    # left: the shards grid and Flower; right: the other partitions and the FedSGD rows
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    left = [n for n in result["curves"] if "shards" in n and " lr " not in n and "B=all" not in n]
+    for panel, ax in enumerate(axes):
+        names = [n for n in result["curves"] if (n in left) == (panel == 0)]
+        for index, name in enumerate(names):
+            style = "--" if "Flower" in name or "fedprox" in name else "-"
+            ax.plot(result["curves"][name], style, lw=1, label=name, color=f"C{index}")
+    for ax, title in zip(axes, ("shards: FedSGD, FedAvg, FedProx, Flower", "other rows")):
+        ax.axhline(0.9, color="grey", lw=0.5)
+        ax.set(xlabel="round", title=title, xlim=(0, 160), ylim=(0, 1))
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("test accuracy (digits, 100 clients, 10 per round)")
     fig.tight_layout()
     fig.savefig(out / "federated.png", dpi=100)
     print("\n".join(lines))
