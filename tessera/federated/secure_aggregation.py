@@ -30,15 +30,13 @@ masked vector up; 2 key generations, 2 (n - 1) X25519 agreements and n PRG expan
 vector (the quadratic part of the protocol). For small models the agreements dominate (about
 35 us of CPU each on the benchmark machine, against about 12 us to expand a 4,811-coordinate mask
 with AES-NI), and the protocol fixes their number; around them nothing is redone: a client agrees
-each key once (`_share_keys`), roster keys are parsed once per process (`_public_key`, a cache of a
-pure function of public data), and every mask's keystream is written into one reused buffer and
+each key once (`_share_keys`) and every mask's keystream is written into one reused buffer and
 added in place (`_add_prg`).
 """
 
 from __future__ import annotations
 
 import functools
-import hmac
 import os
 import struct
 from collections.abc import Collection, Mapping
@@ -46,10 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from tessera.errors import TesseraError
 from tessera.federated import _shamir
@@ -107,22 +106,10 @@ def _scratch(length: int) -> np.ndarray:
     return np.empty(length + 2, dtype=np.uint64)
 
 
-@functools.lru_cache(maxsize=4096)
-def _public_key(data: bytes) -> X25519PublicKey:
-    """A parsed X25519 public key (cached: the same roster keys are parsed by every client)."""
-    return X25519PublicKey.from_public_bytes(data)
-
-
-def _hkdf_sha256(secret: bytes, purpose: bytes) -> bytes:
-    """HKDF-SHA256 (RFC 5869) of `secret`, no salt, info `purpose`, 32 bytes: the extract step
-    HMAC(0^32, secret) then one expand block HMAC(PRK, purpose || 0x01)."""
-    prk = hmac.digest(bytes(32), secret, "sha256")
-    return hmac.digest(prk, purpose + b"\x01", "sha256")
-
-
 def _agree(private: X25519PrivateKey, public: bytes, purpose: bytes) -> bytes:
     """A 32-byte key both ends derive: HKDF-SHA256 of the X25519 shared secret."""
-    return _hkdf_sha256(private.exchange(_public_key(public)), purpose)
+    shared = private.exchange(X25519PublicKey.from_public_bytes(public))
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(shared)
 
 
 _MASK = b"tessera secagg mask"
