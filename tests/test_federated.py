@@ -415,6 +415,19 @@ def test_masked_input_is_the_protocol_formula_computed_independently():
             assert [int(m) for m in masked] == [e % 2**64 for e in expected], (u, partners)
 
 
+def test_shamir_coefficients_cover_the_whole_field():
+    """Shamir's secrecy needs the random coefficients uniform on GF(2^521 - 1): drawn 4,000 of
+    them, each bit of the top byte is set in half of them (binomial: 0.5 +- 6 sigma, sigma =
+    0.0079) and every one is below the prime."""
+    from tessera.federated import _shamir
+
+    values = _shamir._random_elements(4000)
+    assert all(0 <= v < _shamir.PRIME for v in values)
+    for bit in range(513, 521):
+        fraction = sum(v >> bit & 1 for v in values) / len(values)
+        assert abs(fraction - 0.5) < 6 * 0.0079, bit
+
+
 def test_simulate_secure_equals_plain_and_same_clients_drop():
     x, y = _data(200, seed=5)
     runs = {}
