@@ -4,7 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+FL_VENV := .venv-fl
+
+.PHONY: demo test lint bench bench-fl clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -19,8 +21,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# benchmarks/federated.py with Flower beside tessera: its own venv (Flower pins older packages)
+$(FL_VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(FL_VENV)
+	$(FL_VENV)/bin/pip install --quiet --upgrade pip
+	$(FL_VENV)/bin/pip install --quiet -e ".[federated,bench,bench-fl]" -c constraints.txt
+	touch $@
+
+bench-fl: $(FL_VENV)/.installed
+	$(FL_VENV)/bin/python benchmarks/federated.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(FL_VENV) runs .pytest_cache

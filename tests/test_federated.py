@@ -373,6 +373,61 @@ def test_a_masked_input_is_not_the_clients_update():
     assert [int(v) for v in total] == [int(v) % 2**64 for v in expected]
 
 
+def test_masked_input_is_the_protocol_formula_computed_independently():
+    """y_u = x_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv) mod 2^64, with
+    s_uv = HKDF-SHA256(X25519(s_u, S_v)) and PRG the AES-256-CTR keystream, recomputed here with
+    `cryptography`'s HKDF and a fresh cipher per mask and Python integers for the ring."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    length = 37  # not a multiple of the AES block: the keystream's tail is used too
+
+    def prg(seed: bytes) -> list[int]:
+        encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+        stream = encryptor.update(bytes(8 * length))
+        return [int.from_bytes(stream[8 * i : 8 * i + 8], "little") for i in range(length)]
+
+    def mask_seed(client: SecAggClient, public: bytes) -> bytes:
+        shared = client._s_key.exchange(X25519PublicKey.from_public_bytes(public))
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"tessera secagg mask")
+        return hkdf.derive(shared)
+
+    ids = [3, 8, 13, 21]
+    server = SecAggServer(ids)
+    clients = {u: SecAggClient(u) for u in ids}
+    roster = server.collect_keys({u: c.advertise_keys() for u, c in clients.items()})
+    inboxes = server.route_shares({u: c.share_keys(roster, 3) for u, c in clients.items()})
+    reports = {u: quantize(_reports(length)[u]) for u in ids}
+    for u in ids:
+        for partners in (None, [3, 8, 21]):  # 13 left after round 1: no mask with it
+            others = [v for v in ids if v != u and (partners is None or v in partners)]
+            expected = [int(x) for x in reports[u]]
+            terms = [prg(clients[u]._seed)] + [
+                [m if u < v else -m for m in prg(mask_seed(clients[u], roster[v][1]))]
+                for v in others
+            ]
+            for term in terms:
+                expected = [e + t for e, t in zip(expected, term)]
+            masked = clients[u].masked_input(reports[u], inboxes[u], partners)
+            assert masked.dtype == np.uint64
+            assert [int(m) for m in masked] == [e % 2**64 for e in expected], (u, partners)
+
+
+def test_shamir_coefficients_cover_the_whole_field():
+    """Shamir's secrecy needs the random coefficients uniform on GF(2^521 - 1): drawn 4,000 of
+    them, each bit of the top byte is set in half of them (binomial: 0.5 +- 6 sigma, sigma =
+    0.0079) and every one is below the prime."""
+    from tessera.federated import _shamir
+
+    values = _shamir._random_elements(4000)
+    assert all(0 <= v < _shamir.PRIME for v in values)
+    for bit in range(513, 521):
+        fraction = sum(v >> bit & 1 for v in values) / len(values)
+        assert abs(fraction - 0.5) < 6 * 0.0079, bit
+
+
 def test_simulate_secure_equals_plain_and_same_clients_drop():
     x, y = _data(200, seed=5)
     runs = {}

@@ -26,11 +26,17 @@ each report is rounded to a multiple of 2^-f, so the dequantised sum of n report
 n * 2^-(f+1) of the exact sum (plus the float64 rounding of the final division by 2^f).
 
 Cost per client: 2 keys up, n-1 encrypted share pairs up and down, one 8-byte-per-coordinate
-masked vector up; n - 1 + 1 PRG expansions of the vector (the quadratic part of the protocol).
+masked vector up; 2 key generations, 2 (n - 1) X25519 agreements and n PRG expansions of the
+vector (the quadratic part of the protocol). For small models the agreements dominate (about
+35 us of CPU each on the benchmark machine, against about 12 us to expand a 4,811-coordinate mask
+with AES-NI), and the protocol fixes their number; around them nothing is redone: a client agrees
+each key once (`_share_keys`) and every mask's keystream is written into one reused buffer and
+added in place (`_add_prg`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from collections.abc import Collection, Mapping
@@ -70,7 +76,7 @@ class SecureAggregationError(TesseraError):
 def quantize(vector: torch.Tensor, frac_bits: int = FRAC_BITS) -> np.ndarray:
     """`round(vector * 2^frac_bits)` as two's-complement uint64 (a ring element per coordinate)."""
     scaled = np.rint(vector.detach().to(torch.float64).numpy() * 2.0**frac_bits)
-    if not np.isfinite(scaled).all() or np.abs(scaled).max(initial=0) >= 2.0**62:
+    if not (np.abs(scaled) < 2.0**62).all():  # also False for NaN and infinities
         raise SecureAggregationError(
             f"secure aggregation: a value leaves the fixed-point range +-2^{62 - frac_bits}"
         )
@@ -82,10 +88,22 @@ def dequantize(total: np.ndarray, frac_bits: int = FRAC_BITS) -> torch.Tensor:
     return torch.from_numpy(total.view(np.int64).astype(np.float64) / 2.0**frac_bits)
 
 
-def _prg(seed: bytes, length: int) -> np.ndarray:
-    """`length` pseudo-random uint64 from a 32-byte seed: AES-256-CTR keystream."""
+@functools.lru_cache(maxsize=4)
+def _zeros(num_bytes: int) -> bytes:
+    return bytes(num_bytes)
+
+
+def _add_prg(total: np.ndarray, seed: bytes, sign: int, scratch: np.ndarray) -> None:
+    """`total += sign * PRG(seed)` (mod 2^64), in place. PRG(seed) is the AES-256-CTR keystream
+    (zero nonce and counter) read as uint64; it is written into `scratch` (len(total) + 2 words:
+    `update_into` wants a block's slack), so expanding a mask allocates nothing."""
     encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    return np.frombuffer(encryptor.update(bytes(8 * length)), dtype=np.uint64)
+    encryptor.update_into(_zeros(8 * len(total)), scratch.view(np.uint8))
+    (np.add if sign > 0 else np.subtract)(total, scratch[: len(total)], out=total)
+
+
+def _scratch(length: int) -> np.ndarray:
+    return np.empty(length + 2, dtype=np.uint64)
 
 
 def _agree(private: X25519PrivateKey, public: bytes, purpose: bytes) -> bytes:
@@ -94,8 +112,8 @@ def _agree(private: X25519PrivateKey, public: bytes, purpose: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=purpose).derive(shared)
 
 
-def _pairwise_mask(s_private: X25519PrivateKey, other_public: bytes, length: int) -> np.ndarray:
-    return _prg(_agree(s_private, other_public, b"tessera secagg mask"), length)
+_MASK = b"tessera secagg mask"
+_SHARES = b"tessera secagg shares"
 
 
 class SecAggClient:
@@ -135,7 +153,7 @@ class SecAggClient:
                 self._held[v] = (s_shares[v + 1], b_shares[v + 1])
                 continue
             nonce = os.urandom(12)
-            key = _agree(self._c_key, c_public, b"tessera secagg shares")
+            key = _agree(self._c_key, c_public, _SHARES)
             self._share_keys[v] = key
             out[v] = nonce + AESGCM(key).encrypt(nonce, record, None)
         return out
@@ -153,19 +171,20 @@ class SecAggClient:
         """
         for sender, ciphertext in inbox.items():
             key = self._share_keys.get(sender) or _agree(
-                self._c_key, self._roster[sender][0], b"tessera secagg shares"
+                self._c_key, self._roster[sender][0], _SHARES
             )
             record = AESGCM(key).decrypt(ciphertext[:12], ciphertext[12:], None)
             u, v, s_share, b_share = _SHARE_RECORD.unpack(record)
             if (u, v) != (sender, self.client_id):
                 raise SecureAggregationError(f"secure aggregation: misrouted share {u}->{v}")
             self._held[u] = (_shamir.share_from_bytes(s_share), _shamir.share_from_bytes(b_share))
-        masked = report + _prg(self._seed, len(report))
+        masked, scratch = np.array(report, dtype=np.uint64), _scratch(len(report))
+        _add_prg(masked, self._seed, +1, scratch)
         for v, (_, s_public) in self._roster.items():
             if v == self.client_id or (partners is not None and v not in partners):
                 continue
-            mask = _pairwise_mask(self._s_key, s_public, len(report))
-            masked = masked + mask if self.client_id < v else masked - mask
+            sign = +1 if self.client_id < v else -1
+            _add_prg(masked, _agree(self._s_key, s_public, _MASK), sign, scratch)
         return masked
 
     def unmask(self, dropped: Collection[int], survivors: Collection[int]) -> dict:
@@ -225,10 +244,10 @@ class SecAggServer:
         self._require(len(responses), "answered the unmask round")
         total = np.zeros_like(next(iter(self.masked.values())))
         for u in self.survivors:
-            total = total + self.masked[u]
-        length = len(total)
+            np.add(total, self.masked[u], out=total)
+        scratch = _scratch(len(total))
         for u in self.survivors:
-            total = total - _prg(self._recover(responses, "b", u), length)
+            _add_prg(total, self._recover(responses, "b", u), -1, scratch)
         for v in self.dropped:
             s_key = X25519PrivateKey.from_private_bytes(self._recover(responses, "s", v))
             if s_key.public_key().public_bytes(*_RAW) != self.roster[v][1]:
@@ -236,8 +255,8 @@ class SecAggServer:
                     f"secure aggregation: the shares of client {v}'s mask key are inconsistent"
                 )
             for u in self.survivors:  # u added +mask if u < v, -mask if u > v: take it back
-                mask = _pairwise_mask(s_key, self.roster[u][1], length)
-                total = total - mask if u < v else total + mask
+                seed = _agree(s_key, self.roster[u][1], _MASK)
+                _add_prg(total, seed, -1 if u < v else +1, scratch)
         return total
 
     def _recover(self, responses, kind: str, client: int) -> bytes:
