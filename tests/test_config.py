@@ -81,12 +81,13 @@ def test_bad_config_stops_with_one_message_before_any_process(
     tmp_path, monkeypatch, capsys, yaml_text, flags, message
 ):
     monkeypatch.chdir(tmp_path)
+    import tessera.train.restarts
     import tessera.train.run
 
     def no_ranks(*_args, **_kwargs):
         raise AssertionError("a rank was started for a config that cannot run")
 
-    monkeypatch.setattr(tessera.train.run, "launch", no_ranks)
+    monkeypatch.setattr(tessera.train.restarts, "launch", no_ranks)
     monkeypatch.setattr(tessera.train.run, "train_worker", no_ranks)
     (tmp_path / "run.yaml").write_text(yaml_text)
     assert main(["train", "--config", "run.yaml", *flags]) == 2
