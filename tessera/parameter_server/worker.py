@@ -35,6 +35,12 @@ class WorkerStats:
     wait_s: float
     """Time spent in pulls and pushes (communication plus waiting for the policy)."""
     compute_s: float
+    pull_s: float = 0.0
+    """Of `wait_s`, the pulls (held back by the policy included)."""
+    push_s: float = 0.0
+    """Of `wait_s`, the pushes (a server applies the gradient before it answers)."""
+    sleep_s: float = 0.0
+    """Time slept on purpose as a slow worker."""
 
 
 class _Heartbeat:
@@ -75,7 +81,7 @@ def run_worker(
     """Perform updates (pull, compute, push) as worker `worker` until its clock reaches `steps`."""
     servers = range(plan.num_servers)
     params = list(model.parameters())
-    wait_s = compute_s = 0.0
+    pull_s = push_s = compute_s = sleep_s = 0.0
     first_step = transport.call(0, "start_clock", worker)  # > 0 when resuming from a checkpoint
     heartbeat = _Heartbeat(transport, worker, plan.num_servers, heartbeat_s)
     started = time.perf_counter()
@@ -101,12 +107,14 @@ def run_worker(
                 for s in servers
             ]
             transport.wait(calls)
-            wait_s += (t1 - t0) + (time.perf_counter() - t3)
+            pull_s += t1 - t0
             compute_s += t2 - t1
+            sleep_s += t3 - t2
+            push_s += time.perf_counter() - t3
         elapsed = time.perf_counter() - started
         updates = max(0, steps - first_step)
-        stats = WorkerStats(worker, updates, updates / elapsed if elapsed > 0 else 0.0, wait_s,
-                            compute_s)
+        stats = WorkerStats(worker, updates, updates / elapsed if elapsed > 0 else 0.0,
+                            pull_s + push_s, compute_s, pull_s, push_s, sleep_s)
         calls = [(s, "finish", transport.call_async(s, "finish", worker, stats)) for s in servers]
         transport.wait(calls)
     finally:
