@@ -82,7 +82,9 @@ def run_worker(
     servers = range(plan.num_servers)
     params = list(model.parameters())
     pull_s = push_s = compute_s = sleep_s = 0.0
-    first_step = transport.call(0, "start_clock", worker)  # > 0 when resuming from a checkpoint
+    # > 0 when resuming from checkpoints; under ASP/SSP the servers may differ: the smallest.
+    first_step = min(transport.wait(
+        [(s, "start_clock", transport.call_async(s, "start_clock", worker)) for s in servers]))
     heartbeat = _Heartbeat(transport, worker, plan.num_servers, heartbeat_s)
     started = time.perf_counter()
     try:

@@ -20,6 +20,7 @@ from tessera.runtime.context import shutdown
 from tessera.runtime.launch import launch
 from tessera.train.config import TrainConfig, config_to_dict, load_yaml
 from tessera.train.loop import CHECKPOINT_NAME, train_worker
+from tessera.train.registry import own_entry_point
 
 __all__ = ["config_layers_for_resume", "print_summary", "run_training"]
 
@@ -65,6 +66,12 @@ def _write_config(config: TrainConfig, run_dir: Path) -> None:
 def run_training(config: TrainConfig, *, resume: bool = False) -> dict[str, Any] | None:
     """Train as `config` says; return rank 0's summary (None on other ranks under torchrun)."""
     run_dir = _choose_run_dir(config, resume)
+    entry = own_entry_point(config.strategy)
+    if entry is not None:  # servers and workers: the strategy runs the whole job (ps)
+        if not _under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+            _write_config(config, run_dir)
+        summary = entry(config, run_dir, resume)
+        return summary if not _under_torchrun() or int(os.environ["RANK"]) == 0 else None
     if _under_torchrun():
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
@@ -88,6 +95,19 @@ def print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    rows = summary.get("rows")  # a strategy with its own entry point gives its own rows
+    if rows is None:
+        rows = _engine_rows(summary)
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    if summary["sample"]:
+        console.print("[bold]sample:[/bold]")
+        console.print(summary["sample"], markup=False, highlight=False)
+
+
+def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     comm_share = summary["comm_s"] / summary["step_s"] if summary["step_s"] else 0.0
     rows = [
         ("steps (this run / total)", f"{summary['steps_this_run']} / {summary['steps']}"),
@@ -102,10 +122,4 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("model_state_mb"):
         states = ", ".join(f"{m:.2f} MB" for m in summary["model_state_mb"])
         rows.insert(-2, ("model states per rank", states))
-    for name, value in rows:
-        table.add_row(name, value)
-    console = Console()
-    console.print(table)
-    if summary["sample"]:
-        console.print("[bold]sample:[/bold]")
-        console.print(summary["sample"], markup=False, highlight=False)
+    return rows
