@@ -46,6 +46,20 @@ def _child(entry: Callable[..., Any], config: Any, rank: int, world_size: int, i
         results.put(("error", rank, f"{name}: {type(exc).__name__}: {exc}", traceback.format_exc()))
 
 
+def _context() -> Any:
+    """forkserver with torch and the runtime imported once, where the platform has it.
+
+    A spawned process imports torch and tessera anew (seconds of CPU each, S + W times per run);
+    a process forked from the forkserver starts with them imported. The forkserver itself is a
+    fresh interpreter (no threads, no RPC state), so what is forked from it is clean.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["tessera.parameter_server.api"])
+    return context
+
+
 def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss: bool) -> Any:
     """Run `entry(config, rank, world_size, init_method)` on S + W processes; rank 0's value.
 
@@ -53,7 +67,7 @@ def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss:
     failed while `tolerate_worker_loss` let the run go on.
     """
     world_size = config.num_servers + config.num_workers
-    context = mp.get_context("spawn")
+    context = _context()
     results: mp.Queue = context.Queue()
     store_dir = tempfile.mkdtemp(prefix="tessera-ps-")
     init_file = os.path.join(store_dir, "rpc-store")
