@@ -219,7 +219,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, logreg only")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all modes (medians)")
+    parser.add_argument("--from-json", action="store_true",
+                        help="rebuild the table and plot from results/parameter_server.json")
     args = parser.parse_args(argv)
+    if args.from_json:
+        result = json.loads((RESULTS / "parameter_server.json").read_text())
+        _plot(result["rows"], RESULTS / "parameter_server.png")
+        (RESULTS / "parameter_server.md").write_text(_table(result))
+        return result
     steps = 20 if args.quick else 60
     runs = [(model, mode) for model in (["logreg"] if args.quick else list(MODELS))
             for mode in [*MODES, "ddp"]]
@@ -274,8 +281,8 @@ def _table(result: dict) -> str:
         lines.append(f"| {r['model']} | {r['mode']} | {r['updates_per_s']:.1f} ({each}) "
                      f"| {r['updates_per_s'] / bsp[r['model']]:.2f} "
                      f"| {r['whole_run_updates_per_s']:.1f} | {target} | {r['max_staleness']} |")
-    lines += ["", "Where the time goes, ms per update (medians): a fast worker (0) and the slow one "
-              "(2); compute alone = the same data + forward + backward in one process with the "
+    lines += ["", "Where the time goes, ms per update (medians): a fast worker (0) and the slow "
+              "one (2); compute alone = the same data + forward + backward in one process with the "
               "machine otherwise as loaded.", "",
               "| model | mode | worker 0 pull / compute / push | worker 2 pull / compute / sleep "
               "/ push | compute alone |", "|---|---|---|---|---|"]
@@ -288,12 +295,41 @@ def _table(result: dict) -> str:
             f"{fast['push_s']:.1f} | {slow['pull_s']:.1f} / {slow['compute_s']:.1f} / "
             f"{slow['sleep_s']:.1f} / {slow['push_s']:.1f} "
             f"| {result['compute_alone_ms'][r['model']]:.1f} |")
+    lines += ["", *_reading(result)]
     lines += ["", "Push + pull time per update of one worker, 10M+ parameters (target: 2 servers "
               "below 1):", "", "| servers | params | push+pull ms per update (each round) |",
               "|---|---|---|"]
     lines += [f"| {p['servers']} | {p['params'] / 1e6:.1f}M | {p['push_pull_ms_per_update']:.1f} "
               f"({', '.join(f'{t:.0f}' for t in p['each'])}) |" for p in result["push_pull"]]
+    lines += ["", "![loss against wall time](benchmarks/results/parameter_server.png)"]
     return "\n".join(lines) + "\n"
+
+
+def _step_ms(phases: dict) -> float:
+    return sum(phases[k] for k in ("pull_s", "compute_s", "sleep_s", "push_s"))
+
+
+def _reading(result: dict) -> list[str]:
+    """What bounds ASP's gain, from the measured phases.
+
+    With W = 3 workers of which one takes r times as long per update as the others, BSP runs at
+    the straggler's pace (3 updates per straggler step) and ASP at the sum of the rates, so
+    ASP / BSP <= (2 r + 1) / 3: 2.33 for r = 3. r is measured under ASP, where nobody waits.
+    """
+    lines = ["Bound: with one straggler r times slower per update than the two others, ASP / BSP "
+             "<= (2r + 1) / 3 (BSP moves at the straggler's pace, ASP at the sum of the rates); "
+             "r measured from ASP's phases:", "",
+             "| model | r (slow / fast ms per update under ASP) | bound (2r+1)/3 | measured ASP / "
+             "BSP | fast worker's compute under ASP / alone |", "|---|---|---|---|---|"]
+    for model in sorted({r["model"] for r in result["rows"]}):
+        rows = {r["mode"]: r for r in result["rows"] if r["model"] == model}
+        phases = rows["asp"]["ms_per_update"]
+        ratio = _step_ms(phases[2]) / statistics.fmean(_step_ms(p) for p in phases[:2])
+        measured = rows["asp"]["updates_per_s"] / rows["bsp"]["updates_per_s"]
+        contention = phases[0]["compute_s"] / result["compute_alone_ms"][model]
+        lines.append(f"| {model} | {ratio:.2f} | {(2 * ratio + 1) / 3:.2f} | {measured:.2f} "
+                     f"| {contention:.1f}x |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
 from _tolerance import check_close
+
 from tessera.cli import main
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import ConfigError
@@ -37,25 +37,53 @@ from tessera.train.registry import OWN_ENTRY_POINTS, own_entry_point, strategy_n
 STEPS, SPLIT, WORKERS, SERVERS = 4, 2, 2, 1
 TINY = {
     "model": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "dropout": 0.0},
-    "batch_size": 4, "corpus_bytes": 20_000, "sample_tokens": 5, "progress": False,
-    "optimizer": "adamw", "lr": 1e-2, "warmup_steps": 2, "decay_steps": 0, "grad_clip": 0.0,
-    "weight_decay": 0.1, "seed": 3,
+    "batch_size": 4,
+    "corpus_bytes": 20_000,
+    "sample_tokens": 5,
+    "progress": False,
+    "optimizer": "adamw",
+    "lr": 1e-2,
+    "warmup_steps": 2,
+    "decay_steps": 0,
+    "grad_clip": 0.0,
+    "weight_decay": 0.1,
+    "seed": 3,
 }
-FLAGS = ["--strategy", "ps", "--servers", str(SERVERS), "--workers", str(WORKERS),
-         "--consistency", "bsp", "--checkpoint-every", str(SPLIT)]
+FLAGS = [
+    "--strategy",
+    "ps",
+    "--servers",
+    str(SERVERS),
+    "--workers",
+    str(WORKERS),
+    "--consistency",
+    "bsp",
+    "--checkpoint-every",
+    str(SPLIT),
+]
 
 
 def _oracle(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Synchronous training written out: the whole global batch, AdamW, linear warmup."""
     text = load_corpus("stdlib", max_bytes=TINY["corpus_bytes"])
     tokenizer = CharTokenizer.from_text(text)
-    batches = LMBatches(tokenizer.encode_tensor(text), block_size=16, global_batch_size=4,
-                        seed=TINY["seed"])
+    batches = LMBatches(
+        tokenizer.encode_tensor(text), block_size=16, global_batch_size=4, seed=TINY["seed"]
+    )
     torch.manual_seed(TINY["seed"])
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, n_layer=1, n_embd=16, n_head=2,
-                          block_size=16, dropout=0.0)).to(dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=TINY["lr"], betas=(0.9, 0.95),
-                                  weight_decay=TINY["weight_decay"])
+    model = GPT(
+        GPTConfig(
+            vocab_size=tokenizer.vocab_size,
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            block_size=16,
+            dropout=0.0,
+        )
+    ).to(dtype)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=TINY["lr"], betas=(0.9, 0.95), weight_decay=TINY["weight_decay"]
+    )
     for step in range(STEPS):
         for group in optimizer.param_groups:
             group["lr"] = TINY["lr"] * min(1.0, (step + 1) / TINY["warmup_steps"])
@@ -72,13 +100,25 @@ def _gradient_losses(run_dir: Path) -> dict[tuple[int, int], float]:
     return {(r["worker"], r["clock"]): r["loss"] for r in lines if r["kind"] == "gradient"}
 
 
-def test_tessera_train_ps_matches_synchronous_training_and_resumes_bit_for_bit(
-        tmp_path, capsys):
+def test_tessera_train_ps_matches_synchronous_training_and_resumes_bit_for_bit(tmp_path, capsys):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(TINY))
     straight = tmp_path / "straight"
-    assert main(["train", "--config", str(config), *FLAGS, "--steps", str(STEPS),
-                 "--out", str(straight)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                *FLAGS,
+                "--steps",
+                str(STEPS),
+                "--out",
+                str(straight),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert "tessera train: ps on 3 ranks" in table and "total updates/s" in table
     assert "1 / 2 / BSP()" in table and "0: 8" in table  # 8 gradients, all of staleness 0
@@ -90,8 +130,7 @@ def test_tessera_train_ps_matches_synchronous_training_and_resumes_bit_for_bit(
 
     # The run folder: metrics (every gradient, each worker, the histogram), plots, sample.
     lines = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in lines] == ["gradient"] * 8 + ["worker"] * 2 + [
-        "staleness_histogram"]
+    assert [r["kind"] for r in lines] == ["gradient"] * 8 + ["worker"] * 2 + ["staleness_histogram"]
     assert all(r["updates_per_s"] > 0 and r["wait_s"] >= 0 for r in lines if r["kind"] == "worker")
     assert lines[-1]["counts"] == {"0": 8}
     for name in ("loss.png", "metrics.png", "sample.txt", "config.yaml"):
@@ -105,8 +144,11 @@ def test_tessera_train_ps_matches_synchronous_training_and_resumes_bit_for_bit(
         shutil.copy(straight / shard, crashed / shard)
     shutil.copy(straight / "config.yaml", crashed / "config.yaml")
     shutil.copy(straight / "checkpoint.pt", crashed / "checkpoint.pt")
-    (crashed / "metrics.jsonl").write_text("".join(
-        json.dumps(r) + "\n" for r in lines if r["kind"] == "gradient" and r["clock"] < SPLIT))
+    (crashed / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n" for r in lines if r["kind"] == "gradient" and r["clock"] < SPLIT
+        )
+    )
     assert main(["train", "--resume", str(crashed), "--steps", str(STEPS)]) == 0
     capsys.readouterr()
 
@@ -129,17 +171,20 @@ def test_tessera_train_ps_matches_synchronous_training_and_resumes_bit_for_bit(
 
     # Starting afresh over server checkpoints, without --resume, is refused.
     with pytest.raises(ConfigError, match="holds the server checkpoints of an earlier run"):
-        own_entry_point("ps")(build_config(TINY, {"strategy": "ps", "out": str(crashed)}),
-                              tmp_path / "crashed", False)
+        own_entry_point("ps")(
+            build_config(TINY, {"strategy": "ps", "out": str(crashed)}), tmp_path / "crashed", False
+        )
 
 
 def test_the_server_optimizer_follows_the_schedule_by_clock():
     config = build_config(TINY, {"strategy": "ps", "workers": 2, "warmup_steps": 4})
     lr = TINY["lr"]
     expected_by_clock = [lr * (c + 1) / 4 for c in range(4)] + [lr] * 2
-    for per_gradient, lrs in ((False, expected_by_clock),  # BSP: one step per clock
-                              # ASP/SSP: two steps (W = 2) per clock, each with AdamW's lr / W
-                              (True, [x / 2 for x in expected_by_clock for _ in range(2)])):
+    for per_gradient, lrs in (
+        (False, expected_by_clock),  # BSP: one step per clock
+        # ASP/SSP: two steps (W = 2) per clock, each with AdamW's lr / W
+        (True, [x / 2 for x in expected_by_clock for _ in range(2)]),
+    ):
         param = torch.zeros(3, requires_grad=True)
         optimizer = _server_optimizer(config, per_gradient, [param])
         seen = []
@@ -153,8 +198,11 @@ def test_the_server_optimizer_follows_the_schedule_by_clock():
         param.grad = torch.ones(3)
         again.step()
         assert again.param_groups[0]["lr"] == pytest.approx(lr / (2 if per_gradient else 1))
-    sgd = _server_optimizer(build_config(TINY, {"strategy": "ps", "optimizer": "sgd"}), True,
-                            [torch.zeros(1, requires_grad=True)])
+    sgd = _server_optimizer(
+        build_config(TINY, {"strategy": "ps", "optimizer": "sgd"}),
+        True,
+        [torch.zeros(1, requires_grad=True)],
+    )
     sgd.param_groups[0]["params"][0].grad = torch.ones(1)
     sgd.step()  # SGD's gradient is already scaled by 1/W on the server: no lr scaling
     assert sgd.param_groups[0]["lr"] == pytest.approx(lr / 2)  # warmup 2: clock 0 -> lr / 2

@@ -101,16 +101,18 @@ def _gpt(model_config: GPTConfig, seed: int) -> GPT:
 
 
 @functools.lru_cache(maxsize=2)
-def _batches(corpus: str, corpus_bytes: int, block_size: int, batch_size: int,
-             seed: int) -> LMBatches:
+def _batches(
+    corpus: str, corpus_bytes: int, block_size: int, batch_size: int, seed: int
+) -> LMBatches:
     """The run's batch stream, built once per process."""
     text = load_corpus(corpus, max_bytes=corpus_bytes)
     tokens = CharTokenizer.from_text(text).encode_tensor(text)
     return LMBatches(tokens, block_size=block_size, global_batch_size=batch_size, seed=seed)
 
 
-def _worker_batch(source: tuple, num_workers: int, worker: int,
-                  step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _worker_batch(
+    source: tuple, num_workers: int, worker: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _batches(*source).batch(step, worker, num_workers)
 
 
@@ -152,18 +154,31 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
     out = Path(run_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank gets here
     servers_dir = out / SERVERS_FOLDER
-    if not resume and servers_dir.exists() \
-            and latest_common_version(servers_dir, config.servers) is not None:
-        raise ConfigError(f"{servers_dir} holds the server checkpoints of an earlier run; "
-                          f"continue it with --resume {out} or choose another --out")
+    if (
+        not resume
+        and servers_dir.exists()
+        and latest_common_version(servers_dir, config.servers) is not None
+    ):
+        raise ConfigError(
+            f"{servers_dir} holds the server checkpoints of an earlier run; "
+            f"continue it with --resume {out} or choose another --out"
+        )
     policy = ps_policy(config.consistency, config.staleness)
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
-    source = (config.corpus, config.corpus_bytes, config.model.block_size, config.batch_size,
-              config.seed)
-    record = {"tokenizer": tokenizer.to_dict(), "config": config_to_dict(config),
-              "parameter_server": SERVERS_FOLDER}
+    source = (
+        config.corpus,
+        config.corpus_bytes,
+        config.model.block_size,
+        config.batch_size,
+        config.seed,
+    )
+    record = {
+        "tokenizer": tokenizer.to_dict(),
+        "config": config_to_dict(config),
+        "parameter_server": SERVERS_FOLDER,
+    }
     started = time.perf_counter()
     if main and not resume:  # a crash from here on can be resumed from the server checkpoints
         save_checkpoint(out / CHECKPOINT_NAME, {"step": 0, "engine": None, **record})
@@ -172,9 +187,13 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
         _next_token_loss,
         functools.partial(_worker_batch, source, config.workers),
         optimizer_fn=functools.partial(_server_optimizer, config, not aggregates(policy)),
-        num_servers=config.servers, num_workers=config.workers, consistency=policy,
-        steps=config.steps, slow_workers=parse_slow_workers(config.slow_worker, config.workers),
-        timeout_s=config.timeout_s, checkpoint_dir=servers_dir,
+        num_servers=config.servers,
+        num_workers=config.workers,
+        consistency=policy,
+        steps=config.steps,
+        slow_workers=parse_slow_workers(config.slow_worker, config.workers),
+        timeout_s=config.timeout_s,
+        checkpoint_dir=servers_dir,
         checkpoint_every=config.checkpoint_every,
     )
     wall_s = time.perf_counter() - started
@@ -183,8 +202,11 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
     log = _merge_earlier_log(out / "metrics.jsonl", result.log) if resume else result.log
     full = PSResult(**{**result.__dict__, "log": log})
     write_metrics(full, out)
-    _plot_loss(full, out / "loss.png", f"ps: {config.servers} server(s), {config.workers} "
-               f"workers, {config.consistency}")
+    _plot_loss(
+        full,
+        out / "loss.png",
+        f"ps: {config.servers} server(s), {config.workers} workers, {config.consistency}",
+    )
     weights = _full_state_dict(_gpt(model_config, config.seed), result.state_dict)
     step = _completed_clock(log, config.workers, result.dropped_workers)
     save_checkpoint(out / CHECKPOINT_NAME, {"step": step, "engine": {"model": weights}, **record})
@@ -193,22 +215,28 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
     return _summary(out, config, result, log, wall_s, sample)
 
 
-def _full_state_dict(model: torch.nn.Module,
-                     parameters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _full_state_dict(
+    model: torch.nn.Module, parameters: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The model's state dict from the servers' parameters: a tied weight (the GPT's lm_head is
     its embedding) is served once, under its first name, and appears here under both."""
     missing, unexpected = model.load_state_dict(parameters, strict=False)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(parameters)
     if unexpected or set(missing) - tied:
-        raise RuntimeError(f"the servers' parameters do not fit the model: missing "
-                           f"{sorted(set(missing) - tied)}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"the servers' parameters do not fit the model: missing "
+            f"{sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
     return {name: t.detach().clone() for name, t in model.state_dict().items()}
 
 
 def _completed_clock(log: list[dict[str, Any]], workers: int, dropped: list[int]) -> int:
     """Updates completed by every live worker."""
-    done = [1 + max((r["clock"] for r in log if r["worker"] == w), default=-1)
-            for w in range(workers) if w not in dropped]
+    done = [
+        1 + max((r["clock"] for r in log if r["worker"] == w), default=-1)
+        for w in range(workers)
+        if w not in dropped
+    ]
     return min(done, default=0)
 
 
@@ -217,8 +245,11 @@ def _merge_earlier_log(path: Path, log: list[dict[str, Any]]) -> list[dict[str, 
     from tessera.train.metrics import read_metrics
 
     redone = {(r["worker"], r["clock"]) for r in log}
-    earlier = [{k: v for k, v in r.items() if k != "kind"} for r in read_metrics(path)
-               if r.get("kind") == "gradient" and (r["worker"], r["clock"]) not in redone]
+    earlier = [
+        {k: v for k, v in r.items() if k != "kind"}
+        for r in read_metrics(path)
+        if r.get("kind") == "gradient" and (r["worker"], r["clock"]) not in redone
+    ]
     return sorted(earlier, key=lambda r: r["time"]) + log
 
 
@@ -233,8 +264,12 @@ def _plot_loss(result: PSResult, path: Path, title: str) -> None:
     start = min((r["time"] for r in result.log), default=0.0)
     for worker in sorted({r["worker"] for r in result.log}):
         mine = [r for r in result.log if r["worker"] == worker]
-        ax.plot([r["time"] - start for r in mine], [r["loss"] for r in mine], lw=1,
-                label=f"worker {worker}")
+        ax.plot(
+            [r["time"] - start for r in mine],
+            [r["loss"] for r in mine],
+            lw=1,
+            label=f"worker {worker}",
+        )
     ax.set(xlabel="wall time (s)", ylabel="loss (nats per character)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -243,29 +278,43 @@ def _plot_loss(result: PSResult, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _summary(out: Path, config: Any, result: PSResult, log: list[dict[str, Any]], wall_s: float,
-             sample: str) -> dict[str, Any]:
+def _summary(
+    out: Path, config: Any, result: PSResult, log: list[dict[str, Any]], wall_s: float, sample: str
+) -> dict[str, Any]:
     window = max(1, config.workers)  # the first and last clock's worth of gradients
     losses = [r["loss"] for r in log]
     rates = [r for r in result.updates_per_s if not math.isnan(r)]
     histogram = staleness_histogram(result)
+    policy = ps_policy(config.consistency, config.staleness)
     summary = {
-        "run_dir": str(out), "strategy": "ps", "world_size": config.servers + config.workers,
-        "steps": config.steps, "first_loss": statistics.fmean(losses[:window]),
-        "final_loss": statistics.fmean(losses[-window:]), "updates_per_s": sum(rates),
-        "worker_updates_per_s": result.updates_per_s, "worker_wait_s": result.wait_s,
-        "staleness_histogram": histogram, "dropped_workers": result.dropped_workers,
-        "wall_s": wall_s, "sample": sample,
+        "run_dir": str(out),
+        "strategy": "ps",
+        "world_size": config.servers + config.workers,
+        "steps": config.steps,
+        "first_loss": statistics.fmean(losses[:window]),
+        "final_loss": statistics.fmean(losses[-window:]),
+        "updates_per_s": sum(rates),
+        "worker_updates_per_s": result.updates_per_s,
+        "worker_wait_s": result.wait_s,
+        "staleness_histogram": histogram,
+        "dropped_workers": result.dropped_workers,
+        "wall_s": wall_s,
+        "sample": sample,
     }
     per_worker = ", ".join(
         "dropped" if math.isnan(u) else f"{u:.1f}/s, waited {w:.1f} s"
-        for u, w in zip(result.updates_per_s, result.wait_s))
+        for u, w in zip(result.updates_per_s, result.wait_s)
+    )
     summary["rows"] = [
-        ("servers / workers / consistency",
-         f"{config.servers} / {config.workers} / {ps_policy(config.consistency, config.staleness)}"),
+        (
+            "servers / workers / consistency",
+            f"{config.servers} / {config.workers} / {policy}",
+        ),
         ("updates per worker", str(config.steps)),
-        ("loss (first -> last clock)", f"{summary['first_loss']:.3f} -> "
-                                       f"{summary['final_loss']:.3f}"),
+        (
+            "loss (first -> last clock)",
+            f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}",
+        ),
         ("total updates/s", f"{summary['updates_per_s']:.1f}"),
         ("per worker", per_worker),
         ("staleness (value: gradients)", ", ".join(f"{k}: {v}" for k, v in histogram.items())),

@@ -103,8 +103,9 @@ class TrainConfig:
     consistency: str = _option("bsp", "ps: bsp, asp or ssp.")
     staleness: int = _option(2, "ps: the bound K of ssp, in clocks.")
     slow_worker: str | None = _option(
-        None, "ps: WORKER:FACTOR (comma-separated for several) makes a worker FACTOR times slower."
-        " ps does not apply grad_clip."
+        None,
+        "ps: WORKER:FACTOR (comma-separated for several) makes a worker FACTOR times slower."
+        " ps does not apply grad_clip.",
     )
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
