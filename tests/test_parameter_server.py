@@ -385,6 +385,12 @@ def test_ssp_bound_holds_with_a_straggler_and_a_peer_without_the_token(run_ranks
     # Worker 0 is ~100x faster than worker 1: it waits at the bound, never past it.
     assert max(leads) == SSP_BOUND, leads
     assert result.wait_s[0] > result.wait_s[1]  # the fast worker is the one held back
+    # Where the time went: the straggler (factor 2) slept at least as long as it computed, the
+    # others not at all, and wait = pull + push.
+    slow = result.phases_s[1]
+    assert slow["sleep_s"] >= slow["compute_s"] > 0.1 * SSP_STEPS
+    assert result.phases_s[0]["sleep_s"] == 0 and math.isnan(result.phases_s[2]["pull_s"])
+    assert result.wait_s[0] == result.phases_s[0]["pull_s"] + result.phases_s[0]["push_s"]
     assert math.isnan(result.updates_per_s[2])
 
 

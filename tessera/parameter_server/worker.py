@@ -100,9 +100,10 @@ def run_worker(
             loss.backward()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             t2 = time.perf_counter()
+            t3 = t2
             if slow_factor > 1:
                 time.sleep((slow_factor - 1) * (t2 - t1))
-            t3 = time.perf_counter()
+                t3 = time.perf_counter()
             calls = [
                 (s, "push", transport.call_async(
                     s, "push", worker, step, plan.gather(s, grads), float(loss.detach())))
