@@ -385,6 +385,12 @@ def test_ssp_bound_holds_with_a_straggler_and_a_peer_without_the_token(run_ranks
     # Worker 0 is ~100x faster than worker 1: it waits at the bound, never past it.
     assert max(leads) == SSP_BOUND, leads
     assert result.wait_s[0] > result.wait_s[1]  # the fast worker is the one held back
+    # Where the time went: the straggler (factor 2) slept at least as long as it computed, the
+    # others not at all, and wait = pull + push.
+    slow = result.phases_s[1]
+    assert slow["sleep_s"] >= slow["compute_s"] > 0.1 * SSP_STEPS
+    assert result.phases_s[0]["sleep_s"] == 0 and math.isnan(result.phases_s[2]["pull_s"])
+    assert result.wait_s[0] == result.phases_s[0]["pull_s"] + result.phases_s[0]["push_s"]
     assert math.isnan(result.updates_per_s[2])
 
 
@@ -457,7 +463,7 @@ def test_a_restarted_run_resumes_from_the_server_checkpoints(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     kwargs = dict(optimizer_fn=_adamw, num_servers=2, num_workers=1, consistency="bsp",
                   steps=4, timeout_s=30)
-    full = run(_net, _net_loss, _net_batch, checkpoint_dir=straight, checkpoint_every=1, **kwargs)
+    full = run(_net, _net_loss, _net_batch, checkpoint_dir=straight, checkpoint_every=2, **kwargs)
     for server in range(2):  # the restarted run finds only the checkpoint after 2 clocks
         (resumed / f"server-{server}").mkdir(parents=True)
         name = f"server-{server}/applied-{2:010d}.pt"
@@ -538,3 +544,61 @@ def test_a_read_held_back_too_long_raises_pstimeout_naming_the_slowest_worker():
     finally:
         stop.set()
         beating.join()
+
+
+# Periodic checkpoints under ASP: shards saved at different moments resume exactly.
+def _gradient(worker: int, clock: int) -> list[torch.Tensor]:
+    """Small integers: every sum of them, and lr / W times it, is exact in float32."""
+    return [torch.tensor([1.0 + worker, 2.0 * clock, 3.0 - worker - clock])]
+
+
+def _asp_servers(folder, clocks_done=None):
+    servers = []
+    for s in range(2):
+        server = ShardServer(
+            server=s, pieces=[torch.tensor([4.0, 8.0, 16.0])], policy=ASP(), num_workers=2,
+            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5), timeout_s=30.0,
+            layout=[("w", 0, 3)], checkpoint_dir=str(folder), checkpoint_every=1,
+        )
+        servers.append(server)
+    return servers
+
+
+def _update(server: ShardServer, worker: int, clock: int) -> None:
+    server.pull(worker, clock)
+    server.push(worker, clock, _gradient(worker, clock), 0.0)
+
+
+def test_asp_shards_checkpoint_every_n_clocks_and_resume_without_applying_twice(tmp_path):
+    from tessera.parameter_server.checkpoint import KEEP, latest_common_version, load_shard
+
+    # Two shards see the gradients of 2 workers in different orders, then the run crashes.
+    first, second = _asp_servers(tmp_path)
+    for worker, clock in ((0, 0), (1, 0), (0, 1), (0, 2), (0, 3)):
+        _update(first, worker, clock)
+    for worker, clock in ((0, 0), (1, 0), (1, 1), (0, 1), (1, 2)):
+        _update(second, worker, clock)
+    # checkpoint_every=1 clock = W = 2 applied gradients: files at versions 2 and 4.
+    assert latest_common_version(tmp_path, 2) == 4
+    restarted = _asp_servers(tmp_path)
+    for server in restarted:
+        server.restore(load_shard(tmp_path, server.server, 4, server.layout))
+    assert [s.clocks for s in restarted] == [[3, 1], [2, 2]]  # different gradients on each
+    # Each worker restarts from its smallest clock over the servers, and pushes to both.
+    starts = [min(s.start_clock(w) for s in restarted) for w in range(2)]
+    assert starts == [2, 1]
+    for worker in range(2):
+        for clock in range(starts[worker], 4):
+            for server in restarted:
+                _update(server, worker, clock)
+    # Every (worker, clock < 4) gradient applied exactly once on each shard: the uninterrupted
+    # result, whatever the order (SGD without momentum on exact values).
+    total = sum(_gradient(w, c)[0] for w in range(2) for c in range(4))
+    expected = torch.tensor([4.0, 8.0, 16.0]) - 0.5 * total / 2
+    for server in restarted:
+        assert torch.equal(server.pieces[0].detach(), expected), server.server
+        assert server.clocks == [4, 4] and server.version == 8
+    # Saved again at versions 6 and 8; a server keeps only its newest KEEP files.
+    for s in range(2):
+        kept = sorted(f.name for f in (tmp_path / f"server-{s}").iterdir())
+        assert kept == [f"applied-{v:010d}.pt" for v in (6, 8)] and KEEP == 2

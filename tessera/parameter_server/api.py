@@ -92,9 +92,10 @@ def run(
     fresh random one when spawning) must be presented by every peer. `timeout_s` (default 60):
     a worker silent this long is lost (error under BSP, dropped under ASP/SSP); a read held back
     by the policy fails after 2x it, so one step of the slowest worker must take less.
-    `checkpoint_dir`: servers save their shards there (under BSP every `checkpoint_every` clocks
-    if > 0, and in every mode at the end) and a run finding checkpoints there resumes from them:
-    each worker continues from its saved clock up to `steps`.
+    `checkpoint_dir`: servers save their shards there (if `checkpoint_every` > 0, every that many
+    clocks under BSP and every that many x W applied gradients under ASP/SSP; in every mode at the
+    end) and a run finding checkpoints there resumes from them: each worker continues from its
+    saved clock up to `steps` (see `checkpoint` for how ASP's unaligned shards resume exactly).
     """
     config = _validate(
         model_fn, loss_fn, data_fn, optimizer_fn, lr, num_servers, num_workers, consistency,

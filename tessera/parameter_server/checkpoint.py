@@ -5,11 +5,17 @@ clock of W workers applies W). A file holds the shard's pieces, its optimizer st
 clocks and the shard layout (checked on load). Files are written through `tessera._atomic`, so a
 crash leaves the previous file or the new one, never half of one.
 
-When: under BSP after every `checkpoint_every` clocks (a clock boundary is the same state on every
-server) and, in every mode, once at the end of the run. Under ASP and SSP there is no moment where
-all shards have applied the same gradients while workers run, so periodic checkpoints are not
-taken there. Resume picks the largest V for which every server has a file; all servers then start
-from the same set of applied gradients.
+When: every `checkpoint_every` clocks and, in every mode, once at the end of the run. Under BSP a
+clock boundary is the same state on every server. Under ASP and SSP a server saves after every
+`checkpoint_every` x W applied gradients (as many as that many BSP clocks); the servers then hold
+different sets of gradients (each applies them in arrival order), so each file records which:
+the workers' clocks on that server. On resume a worker restarts from the smallest of its clocks
+over the servers, and a server skips a gradient it had applied already (`ShardServer.push`): every
+worker's update reaches every shard exactly once across the restart.
+
+Resume picks the largest V for which every server has a file. A server keeps its last two files
+(`KEEP`): servers are never a whole interval apart (a worker's push goes to all of them before its
+next update), so the newest common V is always among them.
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import torch
 from tessera._atomic import write_atomically
 from tessera.errors import CheckpointError
 
-__all__ = ["latest_common_version", "load_shard", "save_shard"]
+__all__ = ["KEEP", "latest_common_version", "load_shard", "save_shard"]
 
 FORMAT = "tessera-parameter-server-shard-v1"
 _NAME = re.compile(r"applied-(\d+)\.pt$")
+KEEP = 2
+"""Shard files a server keeps; older ones are deleted once a newer one is written."""
 
 
 def _path(folder: str | Path, server: int, version: int) -> Path:
@@ -38,16 +46,21 @@ def save_shard(folder: str | Path, server: int, state: dict[str, Any]) -> Path:
     """Write server `server`'s `state` (pieces, optimizer, clocks, layout, version) atomically."""
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buffer)
-    return write_atomically(_path(folder, server, state["version"]),
+    path = write_atomically(_path(folder, server, state["version"]),
                             lambda f: f.write(buffer.getvalue()))
+    for old in sorted(_versions(folder, server))[:-KEEP]:
+        _path(folder, server, old).unlink(missing_ok=True)
+    return path
+
+
+def _versions(folder: str | Path, server: int) -> set[int]:
+    files = (Path(folder) / f"server-{server}").glob("applied-*.pt")
+    return {int(m.group(1)) for f in files if (m := _NAME.search(f.name))}
 
 
 def latest_common_version(folder: str | Path, num_servers: int) -> int | None:
     """The largest V every server saved, or None when `folder` holds no checkpoint."""
-    found = []
-    for server in range(num_servers):
-        files = (Path(folder) / f"server-{server}").glob("applied-*.pt")
-        found.append({int(m.group(1)) for f in files if (m := _NAME.search(f.name))})
+    found = [_versions(folder, server) for server in range(num_servers)]
     if not any(found):
         return None
     common = set.intersection(*found)

@@ -91,6 +91,7 @@ class Coordinator:
             events=[e for snap in snapshots for e in snap["events"]],
             updates_per_s=[stats[w].updates_per_s if w in stats else math.nan for w in workers],
             wait_s=[stats[w].wait_s if w in stats else math.nan for w in workers],
+            phases_s=[_phases(stats.get(w)) for w in workers],
             wall_s=time.perf_counter() - self._started,
             dropped_workers=dropped,
         )
@@ -101,6 +102,12 @@ class Coordinator:
             self._cond.notify_all()
             self._cond.wait_for(lambda: expected <= self._fetched, timeout=timeout_s)
         return result
+
+
+def _phases(stats: Any) -> dict[str, float]:
+    """Seconds a worker spent per phase of its updates (NaN for a dropped worker)."""
+    names = ("pull_s", "compute_s", "sleep_s", "push_s")
+    return {name: math.nan if stats is None else getattr(stats, name) for name in names}
 
 
 def fetch_result(transport: Transport, timeout_s: float) -> PSResult:

@@ -31,6 +31,10 @@ class PSResult:
     """Seconds from the servers' start to the end of training."""
     dropped_workers: list[int] = field(default_factory=list)
     """Workers dropped after falling silent (ASP and SSP only)."""
+    phases_s: list[dict[str, float]] = field(default_factory=list)
+    """Per worker: seconds in `pull_s` (held back by the policy included), `compute_s` (data,
+    forward, backward), `sleep_s` (a slow worker's deliberate sleep) and `push_s` (the server
+    applies before it answers); NaN for a dropped worker. What bounds a run's updates/s."""
 
 
 def merge_logs(server_logs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -110,6 +110,8 @@ class ShardServer:
             if read is None or read.clock != clock:
                 raise RuntimeError(f"server {self.server}: worker {worker} pushed clock {clock} "
                                    f"without reading it first (read: {read})")
+            if clock < self.clocks[worker]:
+                return  # applied here before a restart (see `checkpoint`): not twice
             if aggregates(self.policy):
                 bucket = self._pending.setdefault(clock, {})
                 bucket[worker] = (grads, read, loss)
@@ -120,6 +122,9 @@ class ShardServer:
                 self._record(worker, read, loss)
                 self.clocks[worker] = clock + 1
                 self.version += 1
+                every = self.checkpoint_every * self.num_workers
+                if self.checkpoint_dir is not None and every and self.version % every == 0:
+                    save_shard(self.checkpoint_dir, self.server, self.state())
             self._cond.notify_all()
 
     def heartbeat(self, worker: int) -> None:
@@ -136,7 +141,8 @@ class ShardServer:
             self._cond.notify_all()
 
     def start_clock(self, worker: int) -> int:
-        """The clock worker `worker` resumes from (0 unless restored from a checkpoint)."""
+        """Updates of worker `worker` this shard has applied (0 unless restored from a
+        checkpoint); the worker resumes from the smallest over the servers."""
         with self._cond:
             self._admit(worker, "start_clock")
             return self.clocks[worker]

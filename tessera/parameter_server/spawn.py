@@ -25,7 +25,7 @@ from typing import Any
 
 from tessera.errors import RankFailedError
 from tessera.parameter_server.transport import peer_name
-from tessera.runtime.launch import decode_result, encode_result, stop_processes
+from tessera.runtime.launch import decode_result, encode_result, process_context, stop_processes
 
 __all__ = ["spawn_local"]
 
@@ -34,7 +34,10 @@ _GRACE_S = 1.0
 
 
 def _child(entry: Callable[..., Any], config: Any, rank: int, world_size: int, init_file: str,
-           results: mp.Queue) -> None:
+           environment: dict[str, str], results: mp.Queue) -> None:
+    # A forkserver child starts with the server's environment: give it the caller's, as it is now.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), TESSERA_PS_INIT_FILE=init_file)
     name = peer_name(rank, config.num_servers)
@@ -53,13 +56,17 @@ def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss:
     failed while `tolerate_worker_loss` let the run go on.
     """
     world_size = config.num_servers + config.num_workers
-    context = mp.get_context("spawn")
+    context = process_context()  # a forkserver that imported torch and tessera once
     results: mp.Queue = context.Queue()
     store_dir = tempfile.mkdtemp(prefix="tessera-ps-")
     init_file = os.path.join(store_dir, "rpc-store")
+    environment = dict(os.environ)
     processes = [
-        context.Process(target=_child, args=(entry, config, r, world_size, init_file, results),
-                        name=f"tessera-ps-{peer_name(r, config.num_servers)}")
+        context.Process(
+            target=_child,
+            args=(entry, config, r, world_size, init_file, environment, results),
+            name=f"tessera-ps-{peer_name(r, config.num_servers)}",
+        )
         for r in range(world_size)
     ]
     try:

@@ -35,6 +35,12 @@ class WorkerStats:
     wait_s: float
     """Time spent in pulls and pushes (communication plus waiting for the policy)."""
     compute_s: float
+    pull_s: float = 0.0
+    """Of `wait_s`, the pulls (held back by the policy included)."""
+    push_s: float = 0.0
+    """Of `wait_s`, the pushes (a server applies the gradient before it answers)."""
+    sleep_s: float = 0.0
+    """Time slept on purpose as a slow worker."""
 
 
 class _Heartbeat:
@@ -75,8 +81,10 @@ def run_worker(
     """Perform updates (pull, compute, push) as worker `worker` until its clock reaches `steps`."""
     servers = range(plan.num_servers)
     params = list(model.parameters())
-    wait_s = compute_s = 0.0
-    first_step = transport.call(0, "start_clock", worker)  # > 0 when resuming from a checkpoint
+    pull_s = push_s = compute_s = sleep_s = 0.0
+    # > 0 when resuming from checkpoints; under ASP/SSP the servers may differ: the smallest.
+    first_step = min(transport.wait(
+        [(s, "start_clock", transport.call_async(s, "start_clock", worker)) for s in servers]))
     heartbeat = _Heartbeat(transport, worker, plan.num_servers, heartbeat_s)
     started = time.perf_counter()
     try:
@@ -92,21 +100,24 @@ def run_worker(
             loss.backward()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             t2 = time.perf_counter()
+            t3 = t2
             if slow_factor > 1:
                 time.sleep((slow_factor - 1) * (t2 - t1))
-            t3 = time.perf_counter()
+                t3 = time.perf_counter()
             calls = [
                 (s, "push", transport.call_async(
                     s, "push", worker, step, plan.gather(s, grads), float(loss.detach())))
                 for s in servers
             ]
             transport.wait(calls)
-            wait_s += (t1 - t0) + (time.perf_counter() - t3)
+            pull_s += t1 - t0
             compute_s += t2 - t1
+            sleep_s += t3 - t2
+            push_s += time.perf_counter() - t3
         elapsed = time.perf_counter() - started
         updates = max(0, steps - first_step)
-        stats = WorkerStats(worker, updates, updates / elapsed if elapsed > 0 else 0.0, wait_s,
-                            compute_s)
+        stats = WorkerStats(worker, updates, updates / elapsed if elapsed > 0 else 0.0,
+                            pull_s + push_s, compute_s, pull_s, push_s, sleep_s)
         calls = [(s, "finish", transport.call_async(s, "finish", worker, stats)) for s in servers]
         transport.wait(calls)
     finally:

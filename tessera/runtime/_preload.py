@@ -18,6 +18,7 @@ _MODULES = (
     "tessera.data_parallel.engine",
     "tessera.zero.engine",
     "tessera.pipeline.engine",
+    "tessera.parameter_server.api",
 )
 
 for _name in _MODULES:

@@ -30,7 +30,7 @@ import torch
 
 from tessera.errors import LaunchTimeout, RankFailedError
 
-__all__ = ["launch"]
+__all__ = ["launch", "process_context"]
 
 _GRACE_S = 1.0  # after a failure, how long other ranks may still report before they are stopped
 
@@ -123,7 +123,7 @@ def launch(
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
-    context = _context(start_method)
+    context = process_context(start_method)
     results: mp.Queue = context.Queue()
     store_dir = tempfile.mkdtemp(prefix="tessera-launch-")
     init_file = os.path.join(store_dir, "store")
@@ -145,8 +145,12 @@ def launch(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _context(start_method: str) -> Any:
-    """The multiprocessing context; a forkserver preloads torch and tessera for its children."""
+def process_context(start_method: str = "forkserver") -> Any:
+    """The multiprocessing context; a forkserver preloads torch and tessera for its children.
+
+    One preload list for every process tessera starts (ranks, parameter servers and workers):
+    the server is started once per process, with the list set when it starts.
+    """
     if start_method == "forkserver":
         if "forkserver" not in mp.get_all_start_methods():
             return mp.get_context("spawn")

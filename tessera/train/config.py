@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tessera.errors import ConfigError
-from tessera.train.registry import STRATEGIES
+from tessera.train.registry import OWN_ENTRY_POINTS, STRATEGIES
 
 __all__ = [
     "ModelSettings",
@@ -117,6 +117,15 @@ class TrainConfig:
     )
     microbatches: int = _option(4, "pipeline, hybrid: micro-batches per step.")
     schedule: str = _option("1f1b", "pipeline, hybrid: naive, gpipe or 1f1b.")
+    servers: int = _option(1, "ps: parameter servers (the parameters are sharded over them).")
+    workers: int = _option(2, "ps: workers; each computes on 1/workers of the batch.")
+    consistency: str = _option("bsp", "ps: bsp, asp or ssp.")
+    staleness: int = _option(2, "ps: the bound K of ssp, in clocks.")
+    slow_worker: str | None = _option(
+        None,
+        "ps: WORKER:FACTOR (comma-separated for several) makes a worker FACTOR times slower."
+        " ps does not apply grad_clip.",
+    )
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
     log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
@@ -133,9 +142,10 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
+        if self.strategy not in STRATEGIES and self.strategy not in OWN_ENTRY_POINTS:
             raise ConfigError(
-                f"unknown strategy {self.strategy!r}; choose one of {sorted(STRATEGIES)}"
+                f"unknown strategy {self.strategy!r}; choose one of "
+                f"{sorted([*STRATEGIES, *OWN_ENTRY_POINTS])}"
             )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be at least 1, got {self.nproc}")
@@ -225,6 +235,11 @@ class TrainConfig:
         Everything an engine would refuse at set-up from the config and the number of ranks alone
         is checked here, so that the user gets one message instead of a traceback per rank.
         """
+        if self.strategy == "ps":  # servers + workers processes, whatever nproc says
+            from tessera.parameter_server.train import check_ps_config
+
+            world = torchrun_world()
+            return check_ps_config(self, None if world is None else world[0])
         if self.strategy == "single" and world_size != 1:
             raise ConfigError(f"strategy 'single' runs one process; got {world_size} ranks")
         if self.batch_size % world_size:

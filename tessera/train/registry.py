@@ -14,7 +14,13 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["STRATEGIES", "register_strategy", "strategy_names"]
+__all__ = [
+    "OWN_ENTRY_POINTS",
+    "STRATEGIES",
+    "own_entry_point",
+    "register_strategy",
+    "strategy_names",
+]
 
 BUILTIN_STRATEGIES: dict[str, str] = {
     "single": "tessera.train.strategy:Engine",
@@ -30,12 +36,25 @@ BUILTIN_STRATEGIES: dict[str, str] = {
 }
 """tessera's strategies: name -> "module:attribute" of the factory (an Engine class or function)."""
 
+OWN_ENTRY_POINTS: dict[str, str] = {
+    "ps": "tessera.parameter_server.train:train_ps",
+}
+"""Strategies whose ranks play different roles (parameter servers and workers), so no `Engine`
+run alike on every rank fits them: `run_training` hands them the whole job,
+`entry(config, run_dir, resume) -> summary`. They have no resume test in test_resume.py's table;
+each has its own (tests/test_parameter_server_train.py)."""
+
 _user_strategies: dict[str, Callable[..., Any]] = {}
 
 
 def _load(target: str) -> Callable[..., Any]:
     module_name, _, attribute = target.partition(":")
     return getattr(importlib.import_module(module_name), attribute)
+
+
+def own_entry_point(name: str) -> Callable[..., Any] | None:
+    """The entry point of strategy `name` if it runs the job itself, else None."""
+    return _load(OWN_ENTRY_POINTS[name]) if name in OWN_ENTRY_POINTS else None
 
 
 def strategy_names() -> list[str]:
@@ -51,7 +70,7 @@ def register_strategy(name: str) -> Callable[[Callable[..., Any]], Callable[...,
     """
 
     def add(factory: Callable[..., Any]) -> Callable[..., Any]:
-        if name in BUILTIN_STRATEGIES or name in _user_strategies:
+        if name in BUILTIN_STRATEGIES or name in OWN_ENTRY_POINTS or name in _user_strategies:
             raise ValueError(f"strategy {name!r} is registered twice")
         _user_strategies[name] = factory
         return factory

@@ -30,6 +30,7 @@ from tessera.train.config import (
 )
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
+from tessera.train.registry import own_entry_point
 from tessera.train.restarts import (
     check_restart_options,
     has_checkpoint,
@@ -113,6 +114,20 @@ def run_training(
     (see `tessera.train.restarts`).
     """
     check_restart_options(config, max_restarts, min_nproc)
+    entry = own_entry_point(config.strategy)
+    if entry is not None:  # servers and workers: the strategy runs the whole job (ps)
+        if max_restarts or min_nproc is not None:
+            raise ConfigError(
+                f"--max-restarts and --min-nproc are not supported by --strategy {config.strategy}"
+                " (its servers checkpoint their shards; continue a run with --resume)"
+            )
+        run_dir = _choose_run_dir(config, resume)
+        if resume:
+            check_resume(config, run_dir)
+        if not _under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
+            _write_config(config, run_dir)
+        summary = entry(config, run_dir, resume)
+        return summary if not _under_torchrun() or int(os.environ["RANK"]) == 0 else None
     if _under_torchrun():
         if restarted_by_torchrun():  # torchrun's agent restarted us: continue the run folder
             run_dir = _choose_run_dir(config, resume=True)
@@ -148,6 +163,19 @@ def print_summary(summary: dict[str, Any]) -> None:
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
+    rows = summary.get("rows")  # a strategy with its own entry point gives its own rows
+    if rows is None:
+        rows = _engine_rows(summary)
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    if summary["sample"]:
+        console.print("[bold]sample:[/bold]")
+        console.print(summary["sample"], markup=False, highlight=False)
+
+
+def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     comm_share = summary["comm_s"] / summary["step_s"] if summary["step_s"] else 0.0
     rows = [
         ("steps (this run / total)", f"{summary['steps_this_run']} / {summary['steps']}"),
@@ -163,10 +191,4 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary.get("model_state_mb"):
         states = ", ".join(f"{m:.2f} MB" for m in summary["model_state_mb"])
         rows.insert(-2, ("model states per rank", states))
-    for name, value in rows:
-        table.add_row(name, value)
-    console = Console()
-    console.print(table)
-    if summary["sample"]:
-        console.print("[bold]sample:[/bold]")
-        console.print(summary["sample"], markup=False, highlight=False)
+    return rows

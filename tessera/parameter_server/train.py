@@ -1,0 +1,329 @@
+"""`tessera train --strategy ps`: the reference GPT trained by S servers and W workers.
+
+Why an entry point of its own and not an `Engine`: the trainer's loop runs the same step on every
+rank, while here ranks play different roles (servers apply, workers compute) and under ASP they
+do not even take the same number of steps at the same time. So `run_training` hands the whole job
+to `train_ps`, which calls `parameter_server.run` with the GPT, the corpus and the config's
+optimizer, and writes the run folder as the other strategies do (config.yaml, checkpoint.pt,
+metrics.jsonl, loss.png, sample.txt) plus `metrics.png` (staleness histogram, rates per worker).
+
+"The same way" as the other strategies: worker w's batch of its step-th update is the w-th of W
+slices of the global batch of that step, so under BSP one clock is one synchronous data-parallel
+step of `batch_size` sequences. `steps` is the number of updates of each worker. The learning rate
+follows the config's schedule by the server's clock; under ASP and SSP each gradient is applied
+alone, as 1/W of a clock: SGD gets the gradient scaled by 1/W (the runtime's update rule), AdamW,
+whose step does not shrink with its gradient, gets lr/W. Not applied: `grad_clip` (a worker would
+clip its own slice's gradient, which is not the clipping of the mean; said in the config's help).
+
+Checkpoints: the servers write their shards to `RUN/servers/` every `checkpoint_every` clocks
+(under ASP/SSP every `checkpoint_every` x W applied gradients) and at the end; `checkpoint.pt`
+records the run (tokenizer, config, the step reached and, at the end, the assembled weights).
+`--resume RUN` restarts from the newest shard version every server holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.data import CharTokenizer, LMBatches, load_corpus
+from tessera.errors import ConfigError
+from tessera.models import GPT, GPTConfig
+from tessera.parameter_server.api import run
+from tessera.parameter_server.checkpoint import latest_common_version
+from tessera.parameter_server.metrics import staleness_histogram, write_metrics
+from tessera.parameter_server.policy import SSP, ConsistencyPolicy, aggregates, resolve_policy
+from tessera.parameter_server.result import PSResult
+
+__all__ = ["SERVERS_FOLDER", "parse_slow_workers", "ps_policy", "train_ps"]
+
+SERVERS_FOLDER = "servers"
+"""Sub-folder of the run folder holding the servers' shard checkpoints."""
+
+CHECKPOINT_NAME = "checkpoint.pt"
+"""The run's own state file (tokenizer, config, final weights), one per run folder: the single-file
+layout that `tessera.train.checkpoint_series` still reads, so `--resume` finds it; the training
+state itself lives in the servers' shard checkpoints."""
+
+
+def ps_policy(consistency: str, staleness: int) -> ConsistencyPolicy:
+    """The policy of `--consistency` (`--staleness K` applies to ssp only)."""
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ConfigError(f"staleness must be an integer >= 0, got {staleness!r}")
+    if isinstance(consistency, str) and consistency.strip().lower() == "ssp":
+        return SSP(staleness=staleness)
+    return resolve_policy(consistency)
+
+
+def parse_slow_workers(text: str | None, num_workers: int) -> dict[int, float]:
+    """`"W:F[,W:F...]"` -> `{worker: factor}`; worker numbers are 0..num_workers-1."""
+    slow: dict[int, float] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        worker, sep, factor = item.partition(":")
+        try:
+            key, value = int(worker), float(factor)
+        except ValueError:
+            key, value = -1, math.nan
+        if not sep or not 0 <= key < num_workers or not (math.isfinite(value) and value >= 1):
+            raise ConfigError(
+                f"slow_worker {item!r}: expected WORKER:FACTOR with WORKER in 0..{num_workers - 1}"
+                " and FACTOR >= 1, e.g. 1:3"
+            )
+        slow[key] = value
+    return slow
+
+
+def check_ps_config(config: Any, world_size: int | None) -> None:
+    """What `TrainConfig` refuses for ps before anything starts; `world_size` under torchrun."""
+    for name in ("servers", "workers"):
+        value = getattr(config, name)
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1 for strategy ps, got {value}")
+    ps_policy(config.consistency, config.staleness)
+    parse_slow_workers(config.slow_worker, config.workers)
+    if world_size is not None and world_size != config.servers + config.workers:
+        raise ConfigError(
+            f"servers + workers = {config.servers} + {config.workers} must equal the "
+            f"{world_size} processes tessera run / torchrun started"
+        )
+    if config.batch_size % config.workers:
+        raise ConfigError(
+            f"batch_size ({config.batch_size}) must be divisible by workers ({config.workers})"
+        )
+
+
+# --- what every process builds (module-level, so the spawned processes can unpickle them) -------
+def _gpt(model_config: GPTConfig, seed: int) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(model_config)
+
+
+@functools.lru_cache(maxsize=2)
+def _batches(
+    corpus: str, corpus_bytes: int, block_size: int, batch_size: int, seed: int
+) -> LMBatches:
+    """The run's batch stream, built once per process."""
+    text = load_corpus(corpus, max_bytes=corpus_bytes)
+    tokens = CharTokenizer.from_text(text).encode_tensor(text)
+    return LMBatches(tokens, block_size=block_size, global_batch_size=batch_size, seed=seed)
+
+
+def _worker_batch(
+    source: tuple, num_workers: int, worker: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _batches(*source).batch(step, worker, num_workers)
+
+
+def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _server_optimizer(config: Any, per_gradient: bool, params: list[torch.Tensor]) -> Any:
+    """The config's optimizer over one shard, its lr set before each step from the schedule.
+
+    The count of steps lives in the param group, so it is saved and restored with the
+    optimizer's state_dict (a resumed server continues the schedule where it stopped).
+    """
+    from tessera.train.loop import lr_at, make_optimizer
+
+    optimizer = make_optimizer(config, params)
+    workers = config.workers
+    lr_scale = 1 / workers if per_gradient and config.optimizer == "adamw" else 1.0
+    for group in optimizer.param_groups:
+        group["ps_steps"] = 0
+
+    def schedule(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in opt.param_groups:
+            clock = group["ps_steps"] // workers if per_gradient else group["ps_steps"]
+            group["lr"] = lr_at(clock, config) * lr_scale
+            group["ps_steps"] += 1
+
+    optimizer.register_step_pre_hook(schedule)
+    return optimizer
+
+
+# --- the job ---------------------------------------------------------------------------------
+def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
+    """Train as `config` says with a parameter server; the summary (on every rank)."""
+    from tessera.train.checkpoint import save_checkpoint
+    from tessera.train.config import config_to_dict
+    from tessera.train.loop import _sample
+
+    out = Path(run_dir)
+    main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank gets here
+    servers_dir = out / SERVERS_FOLDER
+    if (
+        not resume
+        and servers_dir.exists()
+        and latest_common_version(servers_dir, config.servers) is not None
+    ):
+        raise ConfigError(
+            f"{servers_dir} holds the server checkpoints of an earlier run; "
+            f"continue it with --resume {out} or choose another --out"
+        )
+    policy = ps_policy(config.consistency, config.staleness)
+    text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    tokenizer = CharTokenizer.from_text(text)
+    model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
+    source = (
+        config.corpus,
+        config.corpus_bytes,
+        config.model.block_size,
+        config.batch_size,
+        config.seed,
+    )
+    record = {
+        "tokenizer": tokenizer.to_dict(),
+        "config": config_to_dict(config),
+        "parameter_server": SERVERS_FOLDER,
+    }
+    started = time.perf_counter()
+    if main and not resume:  # a crash from here on can be resumed from the server checkpoints
+        save_checkpoint(out / CHECKPOINT_NAME, {"step": 0, "engine": None, **record})
+    result = run(
+        functools.partial(_gpt, model_config, config.seed),
+        _next_token_loss,
+        functools.partial(_worker_batch, source, config.workers),
+        optimizer_fn=functools.partial(_server_optimizer, config, not aggregates(policy)),
+        num_servers=config.servers,
+        num_workers=config.workers,
+        consistency=policy,
+        steps=config.steps,
+        slow_workers=parse_slow_workers(config.slow_worker, config.workers),
+        timeout_s=config.timeout_s,
+        checkpoint_dir=servers_dir,
+        checkpoint_every=config.checkpoint_every,
+    )
+    wall_s = time.perf_counter() - started
+    if not main:
+        return _summary(out, config, result, result.log, wall_s, "")
+    log = _merge_earlier_log(out / "metrics.jsonl", result.log) if resume else result.log
+    full = PSResult(**{**result.__dict__, "log": log})
+    write_metrics(full, out)
+    _plot_loss(
+        full,
+        out / "loss.png",
+        f"ps: {config.servers} server(s), {config.workers} workers, {config.consistency}",
+    )
+    weights = _full_state_dict(_gpt(model_config, config.seed), result.state_dict)
+    step = _completed_clock(log, config.workers, result.dropped_workers)
+    save_checkpoint(out / CHECKPOINT_NAME, {"step": step, "engine": {"model": weights}, **record})
+    sample = _sample(weights, model_config, tokenizer, config)
+    (out / "sample.txt").write_text(sample)
+    return _summary(out, config, result, log, wall_s, sample)
+
+
+def _full_state_dict(
+    model: torch.nn.Module, parameters: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The model's state dict from the servers' parameters: a tied weight (the GPT's lm_head is
+    its embedding) is served once, under its first name, and appears here under both."""
+    missing, unexpected = model.load_state_dict(parameters, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(parameters)
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(
+            f"the servers' parameters do not fit the model: missing "
+            f"{sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}
+
+
+def _completed_clock(log: list[dict[str, Any]], workers: int, dropped: list[int]) -> int:
+    """Updates completed by every live worker."""
+    done = [
+        1 + max((r["clock"] for r in log if r["worker"] == w), default=-1)
+        for w in range(workers)
+        if w not in dropped
+    ]
+    return min(done, default=0)
+
+
+def _merge_earlier_log(path: Path, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A resumed run's log preceded by the earlier run's gradients it did not redo."""
+    from tessera.train.metrics import read_metrics
+
+    redone = {(r["worker"], r["clock"]) for r in log}
+    earlier = [
+        {k: v for k, v in r.items() if k != "kind"}
+        for r in read_metrics(path)
+        if r.get("kind") == "gradient" and (r["worker"], r["clock"]) not in redone
+    ]
+    return sorted(earlier, key=lambda r: r["time"]) + log
+
+
+def _plot_loss(result: PSResult, path: Path, title: str) -> None:
+    """Each worker's mini-batch loss against wall time since the first applied gradient."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    start = min((r["time"] for r in result.log), default=0.0)
+    for worker in sorted({r["worker"] for r in result.log}):
+        mine = [r for r in result.log if r["worker"] == worker]
+        ax.plot(
+            [r["time"] - start for r in mine],
+            [r["loss"] for r in mine],
+            lw=1,
+            label=f"worker {worker}",
+        )
+    ax.set(xlabel="wall time (s)", ylabel="loss (nats per character)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _summary(
+    out: Path, config: Any, result: PSResult, log: list[dict[str, Any]], wall_s: float, sample: str
+) -> dict[str, Any]:
+    window = max(1, config.workers)  # the first and last clock's worth of gradients
+    losses = [r["loss"] for r in log]
+    rates = [r for r in result.updates_per_s if not math.isnan(r)]
+    histogram = staleness_histogram(result)
+    policy = ps_policy(config.consistency, config.staleness)
+    summary = {
+        "run_dir": str(out),
+        "strategy": "ps",
+        "world_size": config.servers + config.workers,
+        "steps": config.steps,
+        "first_loss": statistics.fmean(losses[:window]),
+        "final_loss": statistics.fmean(losses[-window:]),
+        "updates_per_s": sum(rates),
+        "worker_updates_per_s": result.updates_per_s,
+        "worker_wait_s": result.wait_s,
+        "staleness_histogram": histogram,
+        "dropped_workers": result.dropped_workers,
+        "wall_s": wall_s,
+        "sample": sample,
+    }
+    per_worker = ", ".join(
+        "dropped" if math.isnan(u) else f"{u:.1f}/s, waited {w:.1f} s"
+        for u, w in zip(result.updates_per_s, result.wait_s)
+    )
+    summary["rows"] = [
+        (
+            "servers / workers / consistency",
+            f"{config.servers} / {config.workers} / {policy}",
+        ),
+        ("updates per worker", str(config.steps)),
+        (
+            "loss (first -> last clock)",
+            f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}",
+        ),
+        ("total updates/s", f"{summary['updates_per_s']:.1f}"),
+        ("per worker", per_worker),
+        ("staleness (value: gradients)", ", ".join(f"{k}: {v}" for k, v in histogram.items())),
+        ("wall time", f"{wall_s:.1f} s"),
+        ("run folder", str(out)),
+    ]
+    return summary
