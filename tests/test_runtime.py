@@ -175,3 +175,16 @@ def test_every_module_takes_its_timeout_from_one_source(monkeypatch):
         if re.search(r"environ[^\n]*TESSERA_TIMEOUT_S", path.read_text())
     ]
     assert readers == ["runtime/context.py"]
+
+
+def test_ranks_are_spawned_when_variables_read_at_process_start_changed(monkeypatch):
+    # A forked rank cannot take MALLOC_* / OMP_* / LD_PRELOAD from its environment any more:
+    # glibc, OpenMP and the loader read them when the process started. Such a launch spawns.
+    import importlib
+
+    launch_module = importlib.import_module("tessera.runtime.launch")  # the module, not launch()
+    monkeypatch.setattr(launch_module, "_server_environment", launch_module._start_variables())
+    assert launch_module.process_context().get_start_method() == "forkserver"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert launch_module.process_context().get_start_method() == "spawn"
+    assert launch_module.process_context("fork").get_start_method() == "fork"

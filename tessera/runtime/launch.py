@@ -145,21 +145,41 @@ def launch(
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
+_READ_AT_PROCESS_START = ("MALLOC_", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_")
+"""Prefixes of environment variables that the C library, the interpreter, OpenMP or torch read
+when a process starts or imports torch: setting them in a forked rank is too late."""
+
+_server_environment: dict[str, str] | None = None
+"""Those variables as they were when this process's fork server started (None: not started)."""
+
+
+def _start_variables() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_PROCESS_START)}
+
+
 def process_context(start_method: str = "forkserver") -> Any:
     """The multiprocessing context; a forkserver preloads torch and tessera for its children.
 
     One preload list for every process tessera starts (ranks, parameter servers and workers):
-    the server is started once per process, with the list set when it starts.
+    the server is started once per process, with the list set when it starts. Ranks get the
+    caller's current environment, but variables read at process start (`MALLOC_*`,
+    `OMP_NUM_THREADS`, `LD_PRELOAD`, ...) take effect only in a new interpreter: when they differ
+    from the server's, this launch spawns instead.
     """
-    if start_method == "forkserver":
-        if "forkserver" not in mp.get_all_start_methods():
-            return mp.get_context("spawn")
-        context = mp.get_context("forkserver")
-        # Takes effect when the server starts (the first forkserver launch of this process).
-        # "__main__" keeps functions of the caller's script importable in the ranks.
-        context.set_forkserver_preload(["__main__", "tessera.runtime._preload"])
-        return context
-    return mp.get_context(start_method)
+    global _server_environment
+    if start_method != "forkserver":
+        return mp.get_context(start_method)
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    if _server_environment is None:
+        _server_environment = _start_variables()
+    elif _server_environment != _start_variables():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    # Takes effect when the server starts (the first forkserver launch of this process).
+    # "__main__" keeps functions of the caller's script importable in the ranks.
+    context.set_forkserver_preload(["__main__", "tessera.runtime._preload"])
+    return context
 
 
 def _collect(processes: list[mp.Process], results: mp.Queue, timeout_s: float | None) -> list[Any]:
