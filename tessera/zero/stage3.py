@@ -163,7 +163,7 @@ class ZeroStage3(ZeroOptimizer):
             storage = flat.flat_param.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-            self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index], flat.lo)
+            self._all_gather_into(flat.flat_param, self._shards[flat.bucket.index])
 
     def _request(self, unit: int | None) -> Future | None:
         """Queue the gather of a unit unless it is gathered or on its way; its future."""
