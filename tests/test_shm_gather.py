@@ -92,14 +92,14 @@ def _check_equivalence(world: int, rank: int) -> int:
 
 
 def _hold_back_rank_one(rank: int) -> None:
-    """Rank 1 reads the segment 0.3 s after each barrier; rank 0 goes straight on."""
+    """Rank 1 reads the segment 0.1 s after each barrier; rank 0 goes straight on."""
     if rank != 1:
         return
     group = shm_group(group_info(None))
     check = group._check
 
     def late_check(mine, at=0):
-        time.sleep(0.3)
+        time.sleep(0.1)
         check(mine, at)
 
     group._check = late_check
@@ -118,11 +118,12 @@ def _check_reuse(world: int, rank: int) -> None:
         got = comm.reduce_scatter(x, "sum", algorithm="shm")
         want = sum(10.0 * call + q for q in range(world))
         assert torch.all(got == want), f"reduce_scatter call {call}: {got.tolist()} != {want}"
-    # all_reduce right after an all_gather: it writes into its peers' slots of its own segment
-    comm.all_gather(torch.full((4,), float(rank)), algorithm="shm")
-    y = torch.full((4,), float(rank + 1))
-    comm.all_reduce(y, algorithm="shm")
-    assert torch.all(y == world * (world + 1) / 2), y.tolist()
+    for _ in range(2):  # all_reduce right after an all_gather, on either half of the segment
+        got = comm.all_gather(torch.full((4,), float(rank)), algorithm="shm")
+        assert torch.equal(got, torch.arange(world).repeat_interleave(4).float()), got.tolist()
+        y = torch.full((4,), float(rank + 1))
+        comm.all_reduce(y, algorithm="shm")  # writes into its peers' slots (its own segment)
+        assert torch.all(y == world * (world + 1) / 2), y.tolist()
     group = shm_group(group_info(None))
     group.__dict__.pop("_check", None)
 
@@ -144,7 +145,7 @@ def _check_absent(rank: int) -> str:
     if rank != dist.get_world_size() - 1:
         start = time.monotonic()
         try:
-            comm.all_gather(torch.ones(3), algorithm="shm", timeout=2)
+            comm.all_gather(torch.ones(3), algorithm="shm", timeout=1)
         except CollectiveTimeout as exc:
             message = f"{exc} after {time.monotonic() - start:.1f} s"
     dist.barrier()
