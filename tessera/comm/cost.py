@@ -115,9 +115,9 @@ def _predict_half(algorithm: str, n: float, p: int, c: CostParams, kind: str) ->
     """all_gather / reduce_scatter: one half of a ring all-reduce, or one shm exchange.
 
     Ring (Thakur, Rabenseifner & Gropp 2005): (p-1)α + n(p-1)/p·β, plus n(p-1)/p·γ reduced
-    for reduce_scatter; native is gloo's ring with its own α. shm (`shm_gather`): one barrier,
-    a copy of n/p (all_gather) or n (reduce_scatter) in, then the gathered n copied out, or this
-    rank's n/p reduced from p slots; ranks beyond the cores take turns.
+    for reduce_scatter; native is gloo's ring with its own α. shm (`shm_gather`): one barrier;
+    all_gather copies n/p in and the gathered n out, reduce_scatter copies the n(p-1)/p that
+    peers read in and reduces this rank's n/p from p copies; ranks beyond the cores take turns.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -129,7 +129,8 @@ def _predict_half(algorithm: str, n: float, p: int, c: CostParams, kind: str) ->
         return (p - 1) * c.alpha_native + n * frac * c.beta + reduced
     if algorithm == "shm":
         crowd = max(1.0, p / c.cores)
-        return c.sigma + crowd * (n * (1 + 1 / p) * c.mu + reduced)
+        copied = n * (1 + 1 / p) if kind == "all_gather" else n  # reduce_scatter: n(p-1)/p + n/p
+        return c.sigma + crowd * (copied * c.mu + reduced)
     raise ValueError(f"{kind} has no algorithm {algorithm!r} (ring, native, shm)")
 
 

@@ -7,7 +7,7 @@ all_gather (output p·n bytes):
   2. barrier;
   3. copy half h of every slot to its place in the output.
 reduce_scatter (output: chunk r of the input's `tensor_split` rows, reduced):
-  1. copy the input into half h of slot r;
+  1. copy the input, except chunk r that only this rank reads, into half h of slot r;
   2. barrier;
   3. reduce chunk r of half h over the p slots, in rank order, into the output.
 
@@ -20,8 +20,8 @@ all_reduce's. all_reduce and broadcast keep their own segment ("scratch" in `Shm
 all_reduce writes into its peers' slots, which would race the readers of an earlier all_gather.
 
 Memory traffic per rank, against all_reduce's (5 + 1/p)·n that ZeRO used before on one host:
-all_gather reads and writes n + p·n (the copy out is the bound); reduce_scatter reads n and
-writes n copying in, reads n and writes n/p reducing. Cost model: `cost.predict(..., kind=...)`.
+all_gather reads and writes n + p·n (the copy out is the bound); reduce_scatter reads and
+writes n(p-1)/p copying in, reads n and writes n/p reducing. Cost model: `cost.predict(kind=)`.
 Every rank reduces its own chunk, so each element is reduced by one rank in one order (0, 1, ...
 p-1): the result does not depend on timing, and with two ranks it equals any other order's.
 """
@@ -60,14 +60,20 @@ def _exchange(
     seq: int,
     timeout_s: float,
     words: list[int] | None,
+    keep: tuple[int, int] = (0, 0),
 ) -> list[torch.Tensor]:
-    """Steps 1 and 2 of both collectives: every rank's `flat`, as views of the staging slots."""
+    """Steps 1 and 2 of both collectives: every rank's `flat`, as views of the staging slots.
+
+    Elements `keep` = [lo, hi) of this rank's `flat` are not copied in (only it reads them).
+    """
     segment, offset, parity = _stage(group, flat.numel() * flat.element_size(), timeout_s)
     slots, _ = group._plan(segment, offset, flat.numel(), flat.dtype)
-    slots[group.info.rank].copy_(flat)
-    mine = group._publish(words, DESCRIPTOR_AT[parity])
+    mine, (lo, hi) = slots[group.info.rank], keep
+    mine[:lo].copy_(flat[:lo])
+    mine[hi:].copy_(flat[hi:])
+    published = group._publish(words, DESCRIPTOR_AT[parity])
     group.barrier(kind, seq, timeout_s)
-    group._check(mine, DESCRIPTOR_AT[parity])
+    group._check(published, DESCRIPTOR_AT[parity])
     return slots
 
 
@@ -99,9 +105,11 @@ def reduce_scatter(
 
     `out` has `hi - lo` elements in the accumulation dtype; "mean" is left as a sum.
     """
-    slots = _exchange(group, "reduce_scatter", flat, seq, timeout_s, words)
-    lo, hi = bounds[group.info.rank]
+    r = group.info.rank
+    lo, hi = bounds[r]
+    parts = list(_exchange(group, "reduce_scatter", flat, seq, timeout_s, words, keep=(lo, hi)))
+    parts[r] = flat  # this rank's own chunk is read where it is: it was not copied in
     step = max(1, _BLOCK // out.element_size())
     for start in range(lo, hi, step):
         stop = min(start + step, hi)
-        reduce_many([slot[start:stop] for slot in slots], out[start - lo : stop - lo], op)
+        reduce_many([part[start:stop] for part in parts], out[start - lo : stop - lo], op)
