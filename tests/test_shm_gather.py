@@ -182,6 +182,8 @@ def test_all_gather_and_reduce_scatter_equal_torch(run_ranks, world, monkeypatch
 
 def test_cost_model_prefers_shm_on_one_host_and_knows_each_kind():
     params = cost.DEFAULT_PARAMS
+    assert comm.GATHER_ALGORITHMS == ("ring", "shm", "native")
+    assert cost.KINDS == ("all_reduce", "all_gather", "reduce_scatter")
     for kind in ("all_gather", "reduce_scatter"):
         for nbytes in (64 << 10, 1 << 20, 64 << 20):
             for world in (2, 3, 4):
