@@ -63,7 +63,7 @@ def _bench_rank(sizes: list[int], repeats: int) -> list[dict] | None:
 
     ctx = tessera.init()
     world = ctx.world_size
-    calibrate()
+    params = calibrate()
     info = group_info(None)
     rows = []
     for kind in KINDS:
@@ -98,6 +98,7 @@ def _bench_rank(sizes: list[int], repeats: int) -> list[dict] | None:
                         "time_s": medians[i],
                         "ratio_to_native": medians[0] / medians[i],
                         "auto_picks": choice,
+                        "beta_over_mu": params.beta / params.mu,
                     }
                 )
     return rows if ctx.rank == 0 else None
@@ -129,7 +130,9 @@ def markdown(results: dict) -> str:
     """One table per kind: native ms, each variant's ratio to native, the target at 1-64 MB."""
     machine = results["machine"]
     lines = [
-        "### All-gather and reduce-scatter (float32): time ratio to native (above 1: faster)",
+        "## comm_gather: all-gather and reduce-scatter against gloo's",
+        "",
+        "### float32, time ratio to native (above 1: tessera faster)",
         "",
         f"Machine: {machine['platform']}, {machine['cpus']} CPUs, torch {machine['torch']}; "
         f"load average at the start {machine['load_average'][0]:.1f} (other jobs running); "
@@ -158,7 +161,13 @@ def markdown(results: dict) -> str:
                     + f" | {cell['auto']['auto_picks']} | {target} |"
                 )
         lines.append("")
-    return "\n".join(lines)
+    for world in sorted({r["world"] for r in results["rows"]}):
+        ratio = next(r["beta_over_mu"] for r in results["rows"] if r["world"] == world)
+        lines.append(
+            f"{world} ranks: calibrated beta / mu = {ratio:.1f} (`auto` takes shm over gloo's "
+            "ring for large tensors when a byte sent costs more than about 3 bytes copied)."
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
