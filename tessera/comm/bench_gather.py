@@ -165,7 +165,7 @@ def markdown(results: dict) -> str:
         ratio = next(r["beta_over_mu"] for r in results["rows"] if r["world"] == world)
         lines.append(
             f"{world} ranks: calibrated beta / mu = {ratio:.1f} (`auto` takes shm over gloo's "
-            "ring for large tensors when a byte sent costs more than 2-3 bytes copied: `cost.predict`)."
+            "ring for large tensors when a byte sent costs over 2-3 bytes copied: `cost.predict`)."
         )
     return "\n".join(lines) + "\n"
 
