@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
             print("\n".join(_timeline_lines(row)), flush=True)
     result = {
         "benchmark": "ddp",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"load average {os.getloadavg()[0]:.0f} at the end (other jobs share the cores)",
         "ranks": 2,
         "algorithm": args.algorithm,
         "rows": rows,

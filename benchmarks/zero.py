@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     steps, rounds = (2, 2) if args.quick else (3, 8)
     result = tessera.launch(_compare, 2, steps, rounds, timeout_s=1200)[0]
-    result["machine"] = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    result["machine"] = (
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"load average {os.getloadavg()[0]:.0f} at the end (other jobs share the cores)"
+    )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "zero.json").write_text(json.dumps(result, indent=2) + "\n")
     markdown = _markdown(result, steps, rounds)
