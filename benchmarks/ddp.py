@@ -7,7 +7,12 @@ faster). Exposed communication is the time the end of backward waited for gradie
 (tessera measures it directly; for torch it is measured the same way from outside, see
 `tessera.train.TorchDDPEngine`).
 
-    python benchmarks/ddp.py [--quick]
+    python benchmarks/ddp.py [--quick] [--timeline]
+
+`--timeline` also records, for tessera's engine on the communication-bound model, when each
+bucket's last gradient arrived (its launch), when the communication thread started and finished
+its all-reduce, and when backward ended, relative to the start of backward (medians over steps):
+where the step's communication time goes.
 
 Writes benchmarks/results/ddp.json and benchmarks/results/ddp.md.
 """
@@ -31,6 +36,8 @@ from tessera.data_parallel import DataParallel
 from tessera.models import GPT, GPTConfig
 
 RESULTS = Path(__file__).parent / "results"
+TARGETS = {"compute-bound": "-", "communication-bound": ">= 1.3"}
+"""Issue 11's target for the ratio (communication-bound: every bucket size)."""
 SIZES = {
     # name: (GPT shape, batch per rank, tokens per sequence)
     "compute-bound": (dict(n_layer=4, n_embd=320, n_head=5), 4, 64),
@@ -70,7 +77,72 @@ def _torch_ddp(model: nn.Module, bucket_cap_mb: float) -> nn.Module:
     return ddp
 
 
-def _compare(size: str, bucket_cap_mb: float, steps: int, rounds: int, algorithm: str) -> dict:
+def _timeline(ours: DataParallel, optimizer, x, y, steps: int) -> list[dict]:
+    """Per-bucket launch / start / end of the reduction, ms from the start of backward."""
+    reducer = ours.reducer
+    events: dict[str, dict[int, float]] = {"launch": {}, "start": {}, "end": {}}
+    submit, reduce_bucket, wait = reducer.submit, reducer._reduce_bucket, reducer.wait
+
+    def timed_submit(fn, *args, item=-1):
+        events["launch"][item] = time.perf_counter()
+        return submit(fn, *args, item=item)
+
+    def timed_reduce(bucket):
+        events["start"][bucket.index] = time.perf_counter()
+        reduce_bucket(bucket)
+        events["end"][bucket.index] = time.perf_counter()
+
+    def timed_wait():
+        events["backward_end"] = {0: time.perf_counter()}
+        wait()
+
+    reducer.submit, reducer._reduce_bucket, reducer.wait = timed_submit, timed_reduce, timed_wait
+    per_step = []
+    for _ in range(steps):
+        loss = F.cross_entropy(ours(x).flatten(0, 1), y.flatten())
+        began = time.perf_counter()
+        loss.backward()
+        ended = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        per_step.append(
+            {
+                "backward_end": 1e3 * (events["backward_end"][0] - began),
+                "wait_end": 1e3 * (ended - began),
+                "buckets": [
+                    {k: 1e3 * (events[k][b.index] - began) for k in ("launch", "start", "end")}
+                    for b in reducer.buckets
+                ],
+            }
+        )
+    del reducer.submit, reducer._reduce_bucket, reducer.wait  # back to the class's methods
+    reducer._reduce_bucket = reduce_bucket
+    median = statistics.median
+    rows = []
+    for i, bucket in enumerate(reducer.buckets):
+        rows.append(
+            {
+                "bucket": i,
+                "MB": bucket.offsets[-1] * 4 / 2**20,
+                **{
+                    k: median(s["buckets"][i][k] for s in per_step)
+                    for k in ("launch", "start", "end")
+                },
+            }
+        )
+    rows.append(
+        {
+            "bucket": "backward",
+            "backward_end": median(s["backward_end"] for s in per_step),
+            "wait_end": median(s["wait_end"] for s in per_step),
+        }
+    )
+    return rows
+
+
+def _compare(
+    size: str, bucket_cap_mb: float, steps: int, rounds: int, algorithm: str, timeline: bool = False
+) -> dict:
     ctx = tessera.init()
     shape, batch, tokens = SIZES[size]
     ours_model, theirs_model = _model(shape), _model(shape)
@@ -93,6 +165,8 @@ def _compare(size: str, bucket_cap_mb: float, steps: int, rounds: int, algorithm
                 total, waited = _step(wrapped, opt, x, y)
                 times[name].append(total)
                 exposed[name].append(waited)
+    if timeline:
+        result_timeline = _timeline(ours, engines["tessera"][1], x, y, steps * rounds)
     ours.reducer.remove_hooks()
     params = sum(p.numel() for p in ours_model.parameters())
     result = {
@@ -111,30 +185,65 @@ def _compare(size: str, bucket_cap_mb: float, steps: int, rounds: int, algorithm
         tokens=tokens,
         buckets=len(ours.buckets),
     )
+    if timeline:
+        result["timeline"] = result_timeline
     return result
+
+
+def _timeline_lines(row: dict) -> list[str]:
+    """The per-bucket timeline of one run as a markdown table (ms from the start of backward)."""
+    *buckets, end = row["timeline"]
+    lines = [
+        f"Timeline, tessera, communication-bound, bucket cap {row['bucket_cap_mb']:.0f} MB "
+        "(ms from the start of backward, medians):",
+        "",
+        "| bucket | MB | last gradient (launch) | comm thread starts | reduced | reduce ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in buckets:
+        lines.append(
+            f"| {b['bucket']} | {b['MB']:.1f} | {b['launch']:.1f} | {b['start']:.1f} "
+            f"| {b['end']:.1f} | {b['end'] - b['start']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Backward's last gradient hook done at {end['backward_end']:.1f} ms; backward returned "
+        f"(all buckets reduced) at {end['wait_end']:.1f} ms.",
+        "",
+    ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, no bucket sweep")
     parser.add_argument("--algorithm", default="auto", help="tessera's all-reduce algorithm")
+    parser.add_argument("--timeline", action="store_true", help="per-bucket timeline (tessera)")
+    parser.add_argument("--sizes", nargs="+", default=None, help="only these runs, e.g. 25 1")
     args = parser.parse_args(argv)
     steps, rounds = (2, 2) if args.quick else (3, 4)
     runs = [(size, 25.0) for size in SIZES]
     if not args.quick:
         runs += [("communication-bound", cap) for cap in (1.0, 5.0, 100.0)]
+    if args.sizes:
+        runs = [("communication-bound", float(cap)) for cap in args.sizes]
     rows = []
     for size, cap in runs:
-        rows.append(tessera.launch(_compare, 2, size, cap, steps, rounds, args.algorithm)[0])
+        timeline = args.timeline and size == "communication-bound"
+        launched = tessera.launch(_compare, 2, size, cap, steps, rounds, args.algorithm, timeline)
+        rows.append(launched[0])
         row = rows[-1]
         print(
             f"{size:<20} cap {cap:>5.0f} MB  tessera {row['tessera']['step_ms']:7.1f} ms  "
             f"torch {row['torch']['step_ms']:7.1f} ms  ratio {row['ratio']:.2f}",
             flush=True,
         )
+        if "timeline" in row:
+            print("\n".join(_timeline_lines(row)), flush=True)
     result = {
         "benchmark": "ddp",
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"load average {os.getloadavg()[0]:.0f} at the end (other jobs share the cores)",
         "ranks": 2,
         "algorithm": args.algorithm,
         "rows": rows,
@@ -149,16 +258,19 @@ def main(argv: list[str] | None = None) -> dict:
         "Ratio = torch step time / tessera step time (above 1: tessera faster).",
         "",
         "| model | params | batch/rank | bucket MB | buckets | tessera ms | torch ms | ratio "
-        "| exposed comm tessera ms | exposed comm torch ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| target | exposed comm tessera ms | exposed comm torch ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['size']} | {row['params'] / 1e6:.1f}M | {row['batch']}x{row['tokens']} "
             f"| {row['bucket_cap_mb']:.0f} | {row['buckets']} | {row['tessera']['step_ms']:.1f} "
-            f"| {row['torch']['step_ms']:.1f} | **{row['ratio']:.2f}** "
+            f"| {row['torch']['step_ms']:.1f} | **{row['ratio']:.2f}** | {TARGETS[row['size']]} "
             f"| {row['tessera']['exposed_comm_ms']:.1f} | {row['torch']['exposed_comm_ms']:.1f} |"
         )
+    for row in rows:
+        if "timeline" in row:
+            lines += ["", *_timeline_lines(row)]
     (RESULTS / "ddp.md").write_text("\n".join(lines) + "\n")
     return result
 

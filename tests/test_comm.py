@@ -242,7 +242,7 @@ def _check_others(world: int, group=None) -> int:
                     continue
                 x = _values(case_id, rank, max(1, n) * (3 if len(shape) == 2 else 1), dtype, "sum")
                 x = x[: torch.Size(shape).numel()].reshape(shape)
-                got = comm.all_gather(x, group=group)
+                got = comm.all_gather(x, algorithm="ring", group=group)
                 parts = _gather(x.reshape(-1, *shape[1:]) if shape else x.reshape(1), world, group)
                 assert torch.equal(got, torch.cat(parts)), f"all_gather {dtype} {shape}"
                 count += 1
@@ -250,7 +250,7 @@ def _check_others(world: int, group=None) -> int:
                 op = ("sum", "mean", "max")[rows % 3]
                 x = _values(case_id + rows, rank, rows * 2, dtype, op).reshape(rows, 2)
                 full, bound, _ = _reference(x, op, world, group)
-                got = comm.reduce_scatter(x, op, group=group)
+                got = comm.reduce_scatter(x, op, algorithm="ring", group=group)
                 mine, mine_bound = full.tensor_split(world)[rank], bound.tensor_split(world)[rank]
                 _assert_within(got, mine, mine_bound, f"reduce_scatter {op} {dtype} rows={rows}")
                 count += 1

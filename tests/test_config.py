@@ -21,6 +21,9 @@ def test_flags_override_the_file_which_overrides_defaults(tmp_path):
     config = build_config(load_yaml(path), {"steps": 9, "model": {"n_embd": 32}})
     assert (config.steps, config.lr, config.model.n_layer, config.model.n_embd) == (9, 0.1, 2, 32)
     assert config.batch_size == 32 and config.model.n_head == 4  # defaults kept
+    # the demo (`make demo`: `tessera train` with its defaults) runs tessera's own engine;
+    # PyTorch's DDP stays the anchor under --strategy torch-ddp (issue 11)
+    assert config.strategy == "ddp"
 
 
 @pytest.mark.parametrize(

@@ -370,22 +370,24 @@ def test_gradients_sgd_steps_unused_branch_and_local_sgd_match_plain_loops(run_r
         assert ours == expected
 
 
-def test_buckets_group_parameters_in_reverse_under_the_cap():
-    params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate((4, 4, 10, 2))]
-    buckets = assign_buckets(params, cap_bytes=8 * 4)  # 8 float32 per bucket
+def test_buckets_group_parameters_in_reverse_until_the_cap():
+    params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate((4, 4, 10, 2, 1))]
+    buckets = assign_buckets(params, cap_bytes=8 * 4)  # a bucket closes at 8 float32
     assert all(isinstance(b, Bucket) for b in buckets)
-    # launch order is backward's: the last parameters first; p2 (10 > 8) gets its own bucket
-    assert [b.names for b in buckets] == [["p3"], ["p2"], ["p1", "p0"]]
-    assert [b.index for b in buckets] == [0, 1, 2]
-    assert buckets[2].offsets == [0, 4, 8] and buckets[2].nbytes == 32
-    view = buckets[2].view(1)  # p0's slice of the shared buffer
+    # launch order is backward's: the last parameters first; a bucket takes parameters while it
+    # holds less than the cap (torch DDP's rule): p4 and p3 (3 < 8) join p2 (10 > 8), not
+    # three buckets; p1 and p0 then fill the next one exactly
+    assert [b.names for b in buckets] == [["p4", "p3", "p2"], ["p1", "p0"]]
+    assert [b.index for b in buckets] == [0, 1]
+    assert buckets[1].offsets == [0, 4, 8] and buckets[1].nbytes == 32
+    view = buckets[1].view(1)  # p0's slice of the shared buffer
     view.fill_(3.0)
-    assert buckets[2].buffer.tolist() == [0.0] * 4 + [3.0] * 4
-    buckets[2].reset()
-    assert buckets[2].pending == 2 and buckets[2].ready == [False, False]
+    assert buckets[1].buffer.tolist() == [0.0] * 4 + [3.0] * 4
+    buckets[1].reset()
+    assert buckets[1].pending == 2 and buckets[1].ready == [False, False]
     # units never share a bucket
-    by_unit = assign_buckets(params, cap_bytes=10**6, units=[0, 0, 1, 1])
-    assert [b.names for b in by_unit] == [["p3", "p2"], ["p1", "p0"]]
+    by_unit = assign_buckets(params, cap_bytes=10**6, units=[0, 0, 1, 1, 1])
+    assert [b.names for b in by_unit] == [["p4", "p3", "p2"], ["p1", "p0"]]
     with pytest.raises(ValueError, match="bucket capacity must be positive"):
         assign_buckets(params, cap_bytes=0)
 

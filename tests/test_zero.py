@@ -275,8 +275,26 @@ TWO_RANK_CASES = [(k, s, None) for s in (1, 2, 3) for k in ("gpt_bias", "mlp_odd
 TWO_RANK_CASES += [("gpt", 0, None)] + [("gpt_bias", s, "bf16") for s in (1, 2, 3)]
 
 
+def _collectives_issued() -> dict[int, list[tuple[str, str]]]:
+    """(kind, algorithm) of every collective one step of each stage issued (issue 11)."""
+    from tessera import comm
+
+    ctx = tessera.init()
+    issued = {}
+    for stage in (1, 2, 3):
+        model, opt = initialize(_model("mlp_odd"), torch.optim.SGD, stage=stage, lr=0.1)
+        last = comm.history()[-1].seq  # the history keeps 64 records: select by number
+        x, y = (t.tensor_split(ctx.world_size)[ctx.rank] for t in _batch("mlp_odd", 0))
+        _loss(model(x), y).backward()
+        opt.step()
+        opt.remove_hooks()
+        issued[stage] = sorted({(r.kind, r.algorithm) for r in comm.history() if r.seq > last})
+    return issued
+
+
 def _two_ranks() -> dict:
     found = {"states": _equivalence(TWO_RANK_CASES), "memory": _memory(), "bad": _bad_inputs()}
+    found["issued"] = _collectives_issued()
     return {**found, "features": _features(), "huggingface": _huggingface_gpt2_stage3()}
 
 
@@ -302,6 +320,12 @@ def test_zero_stages_equal_one_process_on_the_whole_batch(run_ranks, world):
                 # Not rounding: bytes. Padding to a multiple of the world size and Adam's
                 # step counters are what the paper's formula leaves out, under 5% here.
                 assert measured[key] == pytest.approx(estimate[key], rel=0.05), (stage, key)
+        # one host: all-gathers (every stage) and reduce-scatters (2, 3) through shared memory;
+        # stage 1 all-reduces its gradients in place (tessera/zero/optimizer.py says why)
+        issued = found["issued"]
+        assert issued[1] == [("all_gather", "shm"), ("all_reduce", "shm")], issued
+        for stage in (2, 3):
+            assert issued[stage] == [("all_gather", "shm"), ("reduce_scatter", "shm")], issued
         bad = found["bad"]
         assert "stage must be 0, 1, 2 or 3, got 4" in bad[0]
         assert "must be a torch.optim.Optimizer subclass" in bad[1]

@@ -1,12 +1,14 @@
 """Collectives written over point-to-point messages and shared memory, with a cost model.
 
 `all_reduce(tensor, op, algorithm=...)` runs one of `ALGORITHMS` (ring, tree, butterfly,
-all_to_all, master_worker, round_robin, shm, native) or "auto", the cost model's fastest.
+all_to_all, master_worker, round_robin, shm, native) or "auto", the cost model's fastest;
+`all_gather` and `reduce_scatter` one of `GATHER_ALGORITHMS` (ring, shm, native) or "auto".
 """
 
 from tessera.comm.api import (
     ALGORITHMS,
     BROADCAST_ALGORITHMS,
+    GATHER_ALGORITHMS,
     all_gather,
     all_reduce,
     broadcast,
@@ -23,6 +25,7 @@ __all__ = [
     "ALGORITHMS",
     "BROADCAST_ALGORITHMS",
     "CostParams",
+    "GATHER_ALGORITHMS",
     "all_gather",
     "all_reduce",
     "broadcast",

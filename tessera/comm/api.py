@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tessera.comm import cost, diagnostics
+from tessera.comm import cost, diagnostics, shm_gather
 from tessera.comm._ops import ALGORITHMS, accumulate_dtype, check_op, finish_mean, native_op
 from tessera.comm._p2p import Comm, GroupInfo, group_info, next_seq
 from tessera.comm.all_to_all import all_reduce_all_to_all
@@ -28,8 +28,12 @@ from tessera.comm.shm import shm_group
 from tessera.comm.tree import all_reduce_tree, broadcast_tree, reduce_tree
 from tessera.runtime.context import default_timeout_s
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single; older torch has only the first.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = [
     "ALGORITHMS",
+    "GATHER_ALGORITHMS",
     "all_gather",
     "all_reduce",
     "broadcast",
@@ -268,52 +272,140 @@ def broadcast(
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+GATHER_ALGORITHMS = ("ring", "shm", "native")
+"""The algorithms `all_gather` and `reduce_scatter` accept, besides "auto"."""
+
+
+def _auto_half(kind: str, nbytes: int, info: GroupInfo) -> str:
+    """The cost model's all_gather / reduce_scatter algorithm (the same on every rank)."""
+    candidates = ("ring", "native", "shm") if _same_host(info) else ("ring", "native")
+    params = cost.params_for(info.key)
+    key = (kind, info.key, nbytes, params)
+    choice = _choices.get(key)
+    if choice is None:
+        choice = cost.choose(nbytes, info.size, params, candidates=candidates, kind=kind)
+        _choices[key] = choice
+    return choice
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a_end = a.data_ptr() + a.numel() * a.element_size()
+    b_end = b.data_ptr() + b.numel() * b.element_size()
+    return a.numel() > 0 and b.numel() > 0 and a.data_ptr() < b_end and b.data_ptr() < a_end
+
+
+def all_gather(
+    tensor: torch.Tensor,
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    timeout: float | None = None,
+) -> torch.Tensor:
     """The group's tensors (same shape on every rank) concatenated along dim 0 in rank order.
 
-    Ring all-gather: (p-1)α + n(p-1)/p·β for n bytes of output. A 0-d tensor counts as shape (1,).
+    `algorithm`: one of `GATHER_ALGORITHMS` or "auto" (the cost model's fastest: shm on one
+    host for all but tiny tensors). Ring: (p-1)α + n(p-1)/p·β for n bytes of output; shm: one
+    barrier and n(1 + 1/p) bytes copied (`shm_gather`). A 0-d tensor counts as shape (1,).
+    `out`: a contiguous tensor of the result's shape and dtype to write into (it may hold
+    `tensor` itself, as ZeRO's flat buffers do); else a new one is returned.
     """
+    _check_algorithm(algorithm, GATHER_ALGORITHMS)
     info = group_info(group)
-    timeout_s = _timeout(None)
+    timeout_s = _timeout(timeout)
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    seq, descriptor = _start("all_gather", rows, "", "ring", info)
-    out = torch.empty((info.size * rows.shape[0], *rows.shape[1:]), dtype=tensor.dtype)
-    flat = out.view(-1)
-    bounds = split_bounds(flat.numel(), info.size)
-    lo, hi = bounds[info.rank]
-    flat[lo:hi].copy_(rows.reshape(-1))
-    if info.size > 1:
-        comm = Comm(info, seq, "all_gather", timeout_s, descriptor)
+    shape = (info.size * rows.shape[0], *rows.shape[1:])
+    if out is None:
+        out = torch.empty(shape, dtype=tensor.dtype)
+    elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"all_gather: out must be a contiguous {tensor.dtype} tensor of shape {shape}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    flat, src = out.view(-1), rows.reshape(-1)
+    if info.size == 1:
+        _start("all_gather", rows, "", "native" if algorithm == "auto" else algorithm, info)
+        if src.data_ptr() != flat.data_ptr():
+            flat.copy_(src)
+        return out
+    if algorithm == "auto":
+        algorithm = _auto_half("all_gather", flat.numel() * flat.element_size(), info)
+    if algorithm == "shm" and not shm_group(info).same_host:
+        algorithm = "native"  # no shared memory (see `same_host`): every rank falls back alike
+    if algorithm != "shm" and _overlaps(src, flat):
+        src = src.clone()  # ring and native write `out` while still sending from `tensor`
+    seq, descriptor = _start("all_gather", rows, "", algorithm, info)
+    if algorithm == "shm":
+        shm_gather.all_gather(shm_group(info), src, flat, seq, timeout_s, descriptor)
+        return out
+    comm = Comm(info, seq, "all_gather", timeout_s, descriptor)
+    if algorithm == "native":
+        comm.verify()  # gloo aborts the process on mismatched sizes: check first
+        comm.wait_native(_all_gather_single(flat, src, group=group, async_op=True))
+    else:
+        bounds = split_bounds(flat.numel(), info.size)
+        lo, hi = bounds[info.rank]
+        flat[lo:hi].copy_(src)
         all_gather_ring(flat, bounds, comm)
-        comm.finish()
+    comm.finish()
     return out
 
 
 def reduce_scatter(
-    tensor: torch.Tensor, op: str = "sum", *, group: dist.ProcessGroup | None = None
+    tensor: torch.Tensor,
+    op: str = "sum",
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """Rank r's share of the reduced `tensor`: the reduction of `tensor.tensor_split(p)[r]`.
 
-    Ring reduce-scatter, (p-1)α + n(p-1)/p·(β + γ); uneven splits follow `tensor_split` (the
-    first `len % p` ranks get one more row). Returns a new tensor; the input is not modified.
+    Uneven splits follow `tensor_split` (the first `len % p` ranks get one more row). Returns a
+    new tensor; the input is not modified. `algorithm`: one of `GATHER_ALGORITHMS` or "auto".
+    Ring: (p-1)α + n(p-1)/p·(β + γ); shm: one barrier, n bytes copied in and this rank's n/p
+    reduced from every rank's copy, in rank order (`shm_gather`). bf16/fp16 accumulate in
+    float32 and are rounded once.
     """
     check_op(op, tensor.dtype)
+    _check_algorithm(algorithm, GATHER_ALGORITHMS)
     if tensor.dim() == 0:
         raise ValueError("reduce_scatter needs a tensor with at least one dimension")
     info = group_info(group)
-    timeout_s = _timeout(None)
-    seq, descriptor = _start("reduce_scatter", tensor, op, "ring", info)
+    timeout_s = _timeout(timeout)
+    p, r = info.size, info.rank
     unit = tensor[0].numel() if tensor.shape[0] else 0
-    bounds = split_bounds(tensor.numel(), info.size, unit) if unit else [(0, 0)] * info.size
-    buf = _work_buffer(tensor, copy=True)
-    if info.size > 1:
+    bounds = split_bounds(tensor.numel(), p, unit) if unit else [(0, 0)] * p
+    lo, hi = bounds[r]
+    rows = (hi - lo) // unit if unit else tensor.tensor_split(p)[r].shape[0]
+    if p == 1:
+        _start("reduce_scatter", tensor, op, "native" if algorithm == "auto" else algorithm, info)
+        return tensor.clone()
+    if algorithm == "auto":
+        algorithm = _auto_half("reduce_scatter", tensor.numel() * tensor.element_size(), info)
+    if algorithm == "shm" and not shm_group(info).same_host:
+        algorithm = "native"  # no shared memory: every rank falls back alike
+    seq, descriptor = _start("reduce_scatter", tensor, op, algorithm, info)
+    if algorithm == "shm":
+        mine = torch.empty(hi - lo, dtype=accumulate_dtype(tensor.dtype))
+        flat = tensor.reshape(-1)
+        group_shm = shm_group(info)
+        shm_gather.reduce_scatter(group_shm, flat, bounds, op, mine, seq, timeout_s, descriptor)
+    else:
+        buf = _work_buffer(tensor, copy=True)
         comm = Comm(info, seq, "reduce_scatter", timeout_s, descriptor)
-        reduce_scatter_ring(buf, bounds, op, comm)
+        if algorithm == "native":
+            comm.verify()
+            mine = torch.empty(hi - lo, dtype=buf.dtype)
+            parts = [buf[a:b] for a, b in bounds]
+            comm.wait_native(
+                dist.reduce_scatter(mine, parts, op=native_op(op), group=group, async_op=True)
+            )
+        else:
+            reduce_scatter_ring(buf, bounds, op, comm)
+            mine = buf[lo:hi]
         comm.finish()
-    lo, hi = bounds[info.rank]
-    mine = buf[lo:hi]
-    finish_mean(mine, op, info.size)
-    rows = (hi - lo) // unit if unit else tensor.tensor_split(info.size)[info.rank].shape[0]
+    finish_mean(mine, op, p)
     return mine.to(tensor.dtype).view(rows, *tensor.shape[1:])
 
 

@@ -16,7 +16,18 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.distributed as dist
 
-__all__ = ["CostParams", "DEFAULT_PARAMS", "calibrate", "choose", "params_for", "predict"]
+__all__ = [
+    "CostParams",
+    "DEFAULT_PARAMS",
+    "KINDS",
+    "calibrate",
+    "choose",
+    "params_for",
+    "predict",
+]
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+"""The collectives `predict` models; all_gather and reduce_scatter know ring, native and shm."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -56,15 +67,20 @@ def predict(
     params: CostParams | None = None,
     *,
     shared: bool = False,
+    kind: str = "all_reduce",
 ) -> float:
-    """Predicted seconds of an allreduce of `nbytes` per rank over `world` ranks.
+    """Predicted seconds of a collective `kind` of `nbytes` per rank over `world` ranks.
 
-    `shared`: the tensor comes from `shared_buffer` (shm skips the copies in and out).
+    `nbytes`: the tensor reduced (all_reduce), the gathered output (all_gather) or the input
+    scattered (reduce_scatter). `shared`: the tensor comes from `shared_buffer` (all_reduce by
+    shm skips the copies in and out).
     """
     c = params or DEFAULT_PARAMS
     p, n = world, float(nbytes)
     if p <= 1:
         return 0.0
+    if kind != "all_reduce":
+        return _predict_half(algorithm, n, p, c, kind)
     a, b, g = c.alpha, c.beta, c.gamma
     lg = math.ceil(math.log2(p))
     frac = (p - 1) / p
@@ -95,6 +111,29 @@ def predict(
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
+def _predict_half(algorithm: str, n: float, p: int, c: CostParams, kind: str) -> float:
+    """all_gather / reduce_scatter: one half of a ring all-reduce, or one shm exchange.
+
+    Ring (Thakur, Rabenseifner & Gropp 2005): (p-1)α + n(p-1)/p·β, plus n(p-1)/p·γ reduced
+    for reduce_scatter; native is gloo's ring with its own α. shm (`shm_gather`): one barrier;
+    all_gather copies n/p in and the gathered n out, reduce_scatter copies the n(p-1)/p that
+    peers read in and reduces this rank's n/p from p copies; ranks beyond the cores take turns.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    frac = (p - 1) / p
+    reduced = n * frac * c.gamma if kind == "reduce_scatter" else 0.0
+    if algorithm == "ring":
+        return (p - 1) * c.alpha + n * frac * c.beta + reduced
+    if algorithm == "native":
+        return (p - 1) * c.alpha_native + n * frac * c.beta + reduced
+    if algorithm == "shm":
+        crowd = max(1.0, p / c.cores)
+        copied = n * (1 + 1 / p) if kind == "all_gather" else n  # reduce_scatter: n(p-1)/p + n/p
+        return c.sigma + crowd * (copied * c.mu + reduced)
+    raise ValueError(f"{kind} has no algorithm {algorithm!r} (ring, native, shm)")
+
+
 def choose(
     nbytes: float,
     world: int,
@@ -102,9 +141,13 @@ def choose(
     *,
     candidates: tuple[str, ...] = ("ring", "tree", "butterfly", "native", "shm"),
     shared: bool = False,
+    kind: str = "all_reduce",
 ) -> str:
     """The candidate with the smallest predicted time (ties: the earlier candidate)."""
-    return min(candidates, key=lambda name: predict(name, nbytes, world, params, shared=shared))
+    return min(
+        candidates,
+        key=lambda name: predict(name, nbytes, world, params, shared=shared, kind=kind),
+    )
 
 
 _calibrated: dict[str, CostParams] = {}

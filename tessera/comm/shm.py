@@ -86,8 +86,9 @@ class ShmGroup:
         self._poll.register(self._inbox, select.POLLIN)
         self._spin = info.size <= (os.cpu_count() or 1)
         self._count = 0  # barriers passed: the same on every rank
-        self._scratch: Segment | None = None
+        self._segments: dict[str, Segment] = {}  # "scratch", "staging": grown by doubling
         self._shared: list[Segment] = []
+        self.turns = 0  # double-buffered collectives done (`shm_gather`): the same on every rank
 
     # --------------------------------------------------------------------------- barrier
     def _arrived(self, count: int) -> bool:
@@ -139,20 +140,22 @@ class ShmGroup:
         )
 
     # --------------------------------------------------------------------------- checks
-    def _publish(self, words: list[int] | None) -> bytes | None:
+    def _publish(self, words: list[int] | None, at: int = 0) -> bytes | None:
+        """Write this rank's descriptor at byte `at` of its control slot (see `_check`)."""
         if words is None:
             return None
         mine = struct.pack(f"{_DESC}q", *words)
-        start = self.info.rank * PAGE
+        start = self.info.rank * PAGE + at
         self._control.map[start : start + len(mine)] = mine
         return mine
 
-    def _check(self, mine: bytes | None) -> None:
-        """After the first barrier: every rank's descriptor must equal ours."""
+    def _check(self, mine: bytes | None, at: int = 0) -> None:
+        """After the first barrier: every rank's descriptor (at byte `at`) must equal ours."""
         if mine is None:
             return
         for q in self._peers:
-            theirs = self._control.map[q * PAGE : q * PAGE + len(mine)]
+            start = q * PAGE + at
+            theirs = self._control.map[start : start + len(mine)]
             if theirs != mine:
                 diagnostics.compare(
                     list(struct.unpack(f"{_DESC}q", mine)),
@@ -188,13 +191,18 @@ class ShmGroup:
         self.barrier("shm segment", -1, timeout_s)
         return segment
 
-    def scratch(self, nbytes: int, timeout_s: float) -> Segment:
-        """The copy-in segment, grown (by doubling, alike on every rank) to `nbytes` per slot."""
-        if self._scratch is None or self._scratch.slot_bytes < nbytes:
-            old = self._scratch.slot_bytes if self._scratch is not None else 0
-            self._scratch = None  # the old map goes once its last view dies
-            self._scratch = self._new_segment(max(nbytes, 2 * old), timeout_s)
-        return self._scratch
+    def scratch(self, nbytes: int, timeout_s: float, purpose: str = "scratch") -> Segment:
+        """The copy-in segment of `purpose`, grown (by doubling, alike on every rank) to `nbytes`
+        per slot. "scratch" serves all_reduce and broadcast; "staging" the double-buffered
+        all_gather and reduce_scatter (`shm_gather`), whose slots others may still be reading
+        when this rank starts its next call, so they must not share a segment with all_reduce.
+        """
+        segment = self._segments.get(purpose)
+        if segment is None or segment.slot_bytes < nbytes:
+            old = segment.slot_bytes if segment is not None else 0
+            segment = self._segments.pop(purpose, None)  # the old map goes when its views die
+            segment = self._segments[purpose] = self._new_segment(max(nbytes, 2 * old), timeout_s)
+        return segment
 
     def shared_buffer(self, numel: int, dtype: torch.dtype, timeout_s: float) -> torch.Tensor:
         """A new (numel,) tensor living in this rank's slot of a dedicated segment."""

@@ -70,12 +70,16 @@ def assign_buckets(
     *,
     units: Sequence[int] | None = None,
 ) -> list[Bucket]:
-    """Group parameters, in reverse order, into buckets of at most `cap_bytes` each.
+    """Group parameters, in reverse order, into buckets that close once they reach `cap_bytes`.
 
-    A bucket holds one dtype and device (a flat buffer cannot mix them); a parameter larger than
-    the cap gets a bucket of its own. `units[i]`, if given, is a group id of parameter i: a
-    bucket never mixes two units (ZeRO-3 makes one bucket per submodule). Returns buckets in
-    launch order.
+    A parameter joins the open bucket while that holds less than the cap, so a bucket may end
+    one parameter past it; this is torch DDP's rule (`compute_bucket_assignment_by_size`), and
+    it matters: with a cap smaller than the weight matrices, "at most the cap" would give every
+    matrix a bucket of its own and every run of biases and norms between them another one,
+    twice the collectives (measured: 57 buckets instead of 29 for a 22M-parameter GPT at 1 MB,
+    each paying a collective's fixed cost). A bucket holds one dtype and device (a flat buffer
+    cannot mix them). `units[i]`, if given, is a group id of parameter i: a bucket never mixes
+    two units (ZeRO-3 makes one bucket per submodule). Returns buckets in launch order.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket capacity must be positive, got {cap_bytes} bytes")
@@ -88,7 +92,7 @@ def assign_buckets(
     for (name, param), unit in zip(reversed(named_params), reversed(unit_ids)):
         nbytes = param.numel() * param.element_size()
         current = groups[-1] if groups else None
-        fits = current is not None and size + nbytes <= cap_bytes
+        fits = current is not None and size < cap_bytes  # still open
         same_kind = current is not None and (
             current[0][1].dtype == param.dtype and current[0][1].device == param.device
         )

@@ -69,7 +69,9 @@ class ModelSettings:
 class TrainConfig:
     """One training run of `tessera train`."""
 
-    strategy: str = _option("torch-ddp", "How training is split over ranks.")
+    strategy: str = _option(
+        "ddp", "How training is split over ranks (torch-ddp: PyTorch's DDP, the anchor)."
+    )
     nproc: int = _option(
         2,
         "Processes on this machine. Under tessera run / torchrun they are started already: "

@@ -17,11 +17,12 @@ for compute and communication and the masters are fp32 copies (the paper's K = 1
 All collectives run on the group's one communication stream (`tessera.comm.stream`), shared with
 any other engine on the group, so every rank issues them in the same order.
 
-Transport: across hosts, a reduce-scatter and an all-gather are tessera's ring collectives, the
-paper's Ψ elements each. When the whole group is on one host, both run instead as tessera's
-shared-memory all-reduce (`comm.all_reduce`, algorithm "auto"), in place on the flat buffer: it
-moves twice the bytes of a reduce-scatter through memory, yet on a 2-core machine it is about
-1.7x faster than the point-to-point ring (benchmarks/zero.py); the result is the same slice.
+Transport: a reduce-scatter and an all-gather (the paper's Ψ elements each) through
+`tessera.comm` with the cost model's choice: on one host its shared-memory collectives
+(`comm.shm_gather`: one barrier each, the reduce-scatter moving about a third of the bytes of an
+all-reduce), across hosts the ring or gloo's own. Stage 1 on one host reduces gradients with the
+in-place all-reduce instead: its buffers keep the group mean between backwards, which gradient
+accumulation needs without a separate shard (see `stage1`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class ZeroOptimizer:
         stream = stream_for(group)  # construction's collectives, in order with other engines'
         stream.run(_check_same_model, module, group, what=f"ZeRO-{self.stage} model check")
         self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
-        """Every rank of the group on this host: collectives go through shared memory."""
+        """Every rank of the group on this host: stage 1 then all-reduces gradients in place."""
         everything = list(module.parameters()) + list(module.buffers())
         if self.world > 1:  # (a one-rank group has nothing to copy; the flat copy costs a model)
             stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
@@ -266,21 +267,18 @@ class ZeroOptimizer:
 
     def _reduce_scatter_mean(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it)."""
-        if self.one_host:
+        if self.one_host and not self.release_gradients:  # stage 1: see the module docstring
             comm.all_reduce(buffer, "mean", group=self.group)
             return buffer[lo:hi]
         return comm.reduce_scatter(buffer, "mean", group=self.group)
 
     @torch.no_grad()
-    def _all_gather_into(self, full: torch.Tensor, shard: torch.Tensor, lo: int) -> None:
-        """Fill `full` with every rank's `shard` (rank r's at `[r * len, (r + 1) * len)`)."""
-        if self.one_host:
-            mine = shard.to(full.dtype, copy=True)  # `shard` may be a view of `full`
-            full.zero_()
-            full[lo : lo + mine.numel()].copy_(mine)
-            comm.all_reduce(full, "sum", group=self.group)  # x + 0 + ... + 0 = x: exact
-        else:
-            full.copy_(comm.all_gather(shard.to(full.dtype), group=self.group))
+    def _all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Fill `full` with every rank's `shard` (rank r's at `[r * len, (r + 1) * len)`).
+
+        `shard` may be a view of `full` (`comm.all_gather` allows that).
+        """
+        comm.all_gather(shard.to(full.dtype), group=self.group, out=full)
 
     # -- the optimizer interface ---------------------------------------------------------------
     @property

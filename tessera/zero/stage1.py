@@ -54,4 +54,4 @@ class ZeroStage1(ZeroOptimizer):
     def _publish(self) -> None:
         for index, flat in enumerate(self.flats):
             master = self._publish_source(flat)
-            self._collective(self._all_gather_into, flat.flat_param, master, flat.lo, item=index)
+            self._collective(self._all_gather_into, flat.flat_param, master, item=index)

@@ -179,7 +179,7 @@ class ZeroStage3(ZeroOptimizer):
             storage = flat.flat_param.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-            self._all_gather_into(flat.flat_param, self._shard_value(flat), flat.lo)
+            self._all_gather_into(flat.flat_param, self._shard_value(flat))
 
     def _shard_value(self, flat: FlatShard) -> torch.Tensor:
         """This rank's slice of a flat in the compute dtype (from disk under offload_params)."""
