@@ -233,7 +233,8 @@ class Endpoint:
         nbytes = tensor.numel() * tensor.element_size()
         if self._data is None or _HEADER + nbytes > self._data.slot_bytes:
             # a new segment: only once the consumer has read every message of the old one
-            self._wait(lambda: words.load(out + _TAIL) == self._head, out + _PRODUCER_SLEEPING, what)
+            drained = self._head
+            self._wait(lambda: words.load(out + _TAIL) == drained, out + _PRODUCER_SLEEPING, what)
             self._grow(_HEADER + nbytes)
         head = self._head
         self._wait(

@@ -75,7 +75,7 @@ class Links:
                 self.channels[stage] = endpoint
 
     def transport(self, stage: int) -> str:
-        """"shm" or "gloo": how messages to and from `stage` travel."""
+        """ "shm" or "gloo": how messages to and from `stage` travel."""
         return "shm" if stage in self.channels else "gloo"
 
     def close(self) -> None:

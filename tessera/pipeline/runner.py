@@ -34,10 +34,10 @@ from torch import nn
 
 from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.pipeline.deferred import WeightGradDeferral
+from tessera.pipeline.links import Links, Posted
 from tessera.pipeline.partition import balance_by_cost, check_balance, parameter_costs, stage_bounds
 from tessera.pipeline.schedule import Action, _check
 from tessera.pipeline.schedule import schedule as make_schedule
-from tessera.pipeline.links import Links, Posted
 from tessera.pipeline.stage import (
     decode_meta,
     encode_meta,
