@@ -6,9 +6,10 @@ executes this stage's actions (`schedule.schedule`): `F i` receives micro-batch 
 the previous stage (stage 0 reads the input), runs the layers and posts the output to the next
 stage (the last stage computes the loss instead); `B i` receives the output's gradient from the
 next stage (the last stage starts from its loss), back-propagates and posts the input's gradient
-to the previous stage. Sends never block (isend); receives wait with a deadline. Gradients of the
-micro-batches accumulate, each loss weighted by its share of the batch, so the step equals one
-process on the whole batch for a mean-reduced loss.
+to the previous stage. Sends never wait for the receiver (a copy into a shared-memory ring when
+both stages share a host, else a gloo isend: `links.py`); receives wait with a deadline.
+Gradients of the micro-batches accumulate, each loss weighted by its share of the batch, so the
+step equals one process on the whole batch for a mean-reduced loss.
 
 With `defer_weight_grads` (the default when m > 1) each stage's backward computes only input
 gradients during the schedule and the weight gradients of its linear layers in one W pass at the
