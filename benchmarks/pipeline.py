@@ -303,6 +303,68 @@ def _breakdown(results: list[dict]) -> list[str]:
     return lines
 
 
+def _links(sizes: list[int], rounds: int, block: int = 25) -> list[dict]:
+    """2 ranks: round trips of one message over a stage link, shared memory vs gloo,
+    interleaved in blocks of `block`; medians of the sender's send call and of the round trip."""
+    from tessera.pipeline.links import Links
+
+    ctx = tessera.init()
+    peer = 1 - ctx.rank
+    links = {
+        "shm": Links(None, 60.0, shm_with=(peer,), slots=4),
+        "gloo": Links(None, 60.0),
+    }
+    assert links["shm"].transport(peer) == "shm" and links["gloo"].transport(peer) == "gloo"
+    rows = []
+    for nbytes in sizes:
+        x = torch.randn(nbytes // 4)
+        send_s = {name: [] for name in links}
+        trip_s = {name: [] for name in links}
+        for _ in range(rounds):
+            for name, link in links.items():
+                dist.barrier()
+                for tag in range(block):
+                    if ctx.rank == 0:
+                        began = time.perf_counter()
+                        work = link.send(x, peer, tag)
+                        sent = time.perf_counter()
+                        link.recv(x.shape, x.dtype, peer, tag)
+                        trip_s[name].append(time.perf_counter() - began)
+                        send_s[name].append(sent - began)
+                        link.wait(work, "link benchmark send")
+                    else:
+                        got = link.recv(x.shape, x.dtype, peer, tag)
+                        link.wait(link.send(got, peer, tag), "link benchmark send")
+        for name in links:
+            rows.append(
+                {
+                    "bytes": nbytes,
+                    "transport": name,
+                    "send_call_us": statistics.median(send_s[name] or [0.0]) * 1e6,
+                    "round_trip_us": statistics.median(trip_s[name] or [0.0]) * 1e6,
+                }
+            )
+    return rows
+
+
+def _links_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| message | transport | send call µs (median) | round trip µs (median) |"
+        " round trip gloo / shm |",
+        "|---|---|---|---|---|",
+    ]
+    trips = {(r["bytes"], r["transport"]): r["round_trip_us"] for r in rows}
+    for r in rows:
+        ratio = ""
+        if r["transport"] == "shm":
+            ratio = f"**{trips[(r['bytes'], 'gloo')] / r['round_trip_us']:.2f}**"
+        lines.append(
+            f"| {r['bytes'] // 1024} KB | {r['transport']} | {r['send_call_us']:.0f} | "
+            f"{r['round_trip_us']:.0f} | {ratio} |"
+        )
+    return lines
+
+
 def _wavefront(hidden: int, steps: int) -> list:
     """A 4-layer LSTM split one layer per rank: forward and backward timeline of one call."""
     from tessera.pipeline import wavefront
@@ -363,11 +425,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     breakdown = _breakdown(results)
     print("\n".join(breakdown))
+    # the link alone: an 8-row and a 32-row activation of this model (m = 8 and m = 2)
+    link_rows = tessera.launch(_links, 2, [16 << 10, 64 << 10, 1 << 20], 8, timeout_s=600)[0]
+    link_lines = _links_table(link_rows)
+    print("\n".join(link_lines))
     for result in results:
         result.pop("breakdown")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pipeline.json").write_text(
-        json.dumps({"machine": machine, "results": results}, indent=2) + "\n"
+        json.dumps({"machine": machine, "results": results, "links": link_rows}, indent=2) + "\n"
     )
     header = [
         "## pipeline: tessera GPipe / 1F1B / naive vs torch.distributed.pipelining",
@@ -411,6 +477,12 @@ def main(argv: list[str] | None = None) -> None:
         "recv wait).",
         "",
         *breakdown,
+        "",
+        "One stage link alone, 2 ranks: a message sent to the peer and sent back (round trip), "
+        "shared-memory ring vs gloo, interleaved in blocks of 25; send call = time until the "
+        "sender's send returns (ring: the copy into a slot; gloo: posting the isend).",
+        "",
+        *link_lines,
     ]
     (RESULTS / "pipeline.md").write_text("\n".join(header + lines + footer) + "\n")
 
