@@ -13,6 +13,7 @@ __all__ = [
     "CollectiveTimeout",
     "ConfigError",
     "LaunchTimeout",
+    "PeerLostError",
     "RankFailedError",
     "TesseraError",
 ]
@@ -66,6 +67,19 @@ class CollectiveTimeout(TesseraError, TimeoutError):
         self.timeout_s = timeout_s
         text = f"rank {rank}: {op} did not complete within {timeout_s:g} s"
         super().__init__(f"{text}; {detail}" if detail else text)
+
+
+class PeerLostError(TesseraError, ConnectionError):
+    """The process at the other end of a link exited or died while this rank waited on it."""
+
+    def __init__(self, rank: int, peer: int, op: str) -> None:
+        self.rank = rank
+        self.peer = peer
+        self.op = op
+        super().__init__(
+            f"rank {rank}: {op}: rank {peer} closed the shared-memory link (it exited or died; "
+            f"see rank {peer}'s own error)"
+        )
 
 
 class CollectiveMismatch(TesseraError):

@@ -6,9 +6,10 @@ executes this stage's actions (`schedule.schedule`): `F i` receives micro-batch 
 the previous stage (stage 0 reads the input), runs the layers and posts the output to the next
 stage (the last stage computes the loss instead); `B i` receives the output's gradient from the
 next stage (the last stage starts from its loss), back-propagates and posts the input's gradient
-to the previous stage. Sends never block (isend); receives wait with a deadline. Gradients of the
-micro-batches accumulate, each loss weighted by its share of the batch, so the step equals one
-process on the whole batch for a mean-reduced loss.
+to the previous stage. Sends never wait for the receiver (a copy into a shared-memory ring when
+both stages share a host, else a gloo isend: `links.py`); receives wait with a deadline.
+Gradients of the micro-batches accumulate, each loss weighted by its share of the batch, so the
+step equals one process on the whole batch for a mean-reduced loss.
 
 With `defer_weight_grads` (the default when m > 1) each stage's backward computes only input
 gradients during the schedule and the weight gradients of its linear layers in one W pass at the
@@ -34,11 +35,11 @@ from torch import nn
 
 from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.pipeline.deferred import WeightGradDeferral
+from tessera.pipeline.links import Links, Posted
 from tessera.pipeline.partition import balance_by_cost, check_balance, parameter_costs, stage_bounds
 from tessera.pipeline.schedule import Action, _check
 from tessera.pipeline.schedule import schedule as make_schedule
 from tessera.pipeline.stage import (
-    Links,
     decode_meta,
     encode_meta,
     meta_length,
@@ -66,8 +67,8 @@ class _Step:
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     stage_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # received, need grads
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # until their backward
-    outbox: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # sends in flight
-    inbox: dict[int, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # tag -> recv
+    outbox: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # gloo sends
+    inbox: dict[int, Posted] = field(default_factory=dict)  # tag -> receive posted ahead
     position: int = 0  # index of the current action
     in_dtype: torch.dtype | None = None
     in_shape: list[int] = field(default_factory=list)  # received activation shape without dim 0
@@ -85,6 +86,8 @@ class Pipeline:
     `defer_weight_grads` computes the linear layers' weight gradients in one W pass per step
     (faster; keeps each linear's input and output gradient until then, see `deferred.py`);
     None (the default) defers when there is more than one micro-batch.
+    `shm_links` sends to a neighbouring stage through shared memory when both are on one host
+    (probed per link, `links.py`); False: always gloo.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class Pipeline:
         balance: Sequence[int] | None = None,
         timeout_s: float | None = None,
         defer_weight_grads: bool | None = None,
+        shm_links: bool = True,
     ) -> None:
         if not isinstance(model, nn.Sequential):
             raise ValueError(f"Pipeline needs an nn.Sequential, got {type(model).__name__}")
@@ -139,7 +143,18 @@ class Pipeline:
                 p for p in self.module.parameters() if id(p) not in self._tied_ids
             )
         timeout_s = timeout_s or default_timeout_s()
-        self.links = Links(group, timeout_s) if num_stages > 1 else None
+        self.links: Links | None = None
+        """Messages to the neighbouring stages (`links.transport(stage)`: "shm" or "gloo")."""
+        if num_stages > 1:
+            neighbours = (self.stage_index - 1, self.stage_index + 1)
+            # a link's ring must hold what one step may leave unread: metadata, m messages,
+            # the tied gradients; then a send never waits for the receiver
+            self.links = Links(
+                group,
+                timeout_s,
+                shm_with=tuple(s for s in neighbours if 0 <= s < num_stages) if shm_links else (),
+                slots=num_microbatches + 2 + len(self._tied),
+            )
         self.group = group
         self.timeline: list[Event] = []
         """This stage's measured events of the last step (`gather_timeline` collects all)."""
@@ -209,7 +224,9 @@ class Pipeline:
             self._record("W", -1, began)
 
     def _send(self, step: _Step, tensor: torch.Tensor, stage: int, tag: int) -> None:
-        step.outbox.append((self.links.send(tensor, stage, tag), tensor))
+        work = self.links.send(tensor, stage, tag)
+        if work is not None:  # gloo reads the tensor until the send completes
+            step.outbox.append((work, tensor))
 
     def _expected(self, step: _Step, action: Action) -> tuple[int, tuple, torch.dtype] | None:
         """`(tag, shape, dtype)` of the message `action` waits for; None: none or unknown yet."""
@@ -232,9 +249,8 @@ class Pipeline:
                 step.inbox[message[0]] = self.links.post_recv(
                     message[1], message[2], peer, message[0]
                 )
-        work, buffer = step.inbox.pop(tag)
-        self.links.wait(work, f"pipeline recv of {self.actions[step.position]}")
-        return buffer
+        posted = step.inbox.pop(tag)
+        return self.links.take(posted, f"pipeline recv of {self.actions[step.position]}")
 
     def _forward(self, step: _Step, i: int) -> None:
         """F i: receive (or read) the input, run the layers, send the output (or the loss)."""
@@ -318,7 +334,7 @@ class Pipeline:
             parts = {self.stage_index: grad}
             for s in others:
                 parts[s] = self.links.recv(grad.shape, grad.dtype, s, tag)
-            for work in sends:
+            for work in sends:  # (None: already copied into a shared-memory ring)
                 self.links.wait(work, "pipeline tied-gradient send")
             total = parts[stages[0]].clone()
             for s in stages[1:]:  # the same order on every holder: identical sums

@@ -6,22 +6,18 @@ several stages (a language model's embedding tied to its output head) exists onc
 stages holding it add their gradients after backward, as Megatron-LM does for the word embedding
 (Shoeybi et al. 2019), so every copy takes the same step and the model equals the unsplit one.
 
-Links are point-to-point messages over the pipeline's group: `isend` returns at once (its `Work` is
-waited for at the end of the step), `recv` blocks with a deadline. Only the runner calls them.
+The links between stages are in `links.py`; this module also encodes the metadata message
+(shapes and micro-batch sizes) that the first activation of a step follows.
 """
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from tessera.errors import CollectiveTimeout
-
-__all__ = ["Links", "StageSlice", "shared_parameters", "slice_stage"]
+__all__ = ["StageSlice", "shared_parameters", "slice_stage"]
 
 
 @dataclass
@@ -62,45 +58,6 @@ def shared_parameters(
     return sorted(
         (order[pid], sorted(stages)) for pid, stages in stages_of.items() if len(stages) > 1
     )
-
-
-class Links:
-    """Point-to-point messages between the stages of one pipeline group, with deadlines."""
-
-    def __init__(self, group: dist.ProcessGroup | None, timeout_s: float) -> None:
-        self.group = group
-        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.timeout_s = timeout_s
-        self.bytes_sent = 0
-
-    def send(self, tensor: torch.Tensor, stage: int, tag: int) -> dist.Work:
-        """Post `tensor` to `stage` without waiting; wait on the returned `Work` later."""
-        tensor = tensor.contiguous()
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        return dist.isend(tensor, dst=self.ranks[stage], group=self.group, tag=tag)
-
-    def post_recv(
-        self, shape: torch.Size, dtype: torch.dtype, stage: int, tag: int
-    ) -> tuple[dist.Work, torch.Tensor]:
-        """Post a receive of `shape`/`dtype` from `stage` without waiting: `(work, buffer)`."""
-        buffer = torch.empty(shape, dtype=dtype)
-        return dist.irecv(buffer, src=self.ranks[stage], group=self.group, tag=tag), buffer
-
-    def recv(self, shape: torch.Size, dtype: torch.dtype, stage: int, tag: int) -> torch.Tensor:
-        """Receive `shape`/`dtype` from `stage`; CollectiveTimeout past the deadline."""
-        work, buffer = self.post_recv(shape, dtype, stage, tag)
-        self.wait(work, f"pipeline recv from stage {stage} (tag {tag})")
-        return buffer
-
-    def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for `work` at most the deadline."""
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as exc:
-            raise CollectiveTimeout(
-                dist.get_rank(), what, self.timeout_s, "a neighbouring stage stopped or diverged"
-            ) from exc
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]

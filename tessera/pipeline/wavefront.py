@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from tessera.pipeline.stage import Links
+from tessera.pipeline.links import Links
 from tessera.pipeline.timeline import Event
 from tessera.runtime.context import default_timeout_s
 
