@@ -211,6 +211,9 @@ def _nvme_ranks(nvme_dir: str) -> dict:
     torch.set_num_threads(1)
     mine = Path(nvme_dir) / f"rank{ctx.rank}"
     mine.mkdir()
+    # A first run maps the shared-memory segments of ZeRO's collectives (they live as long as
+    # the group): otherwise the first measured run would count them and the second not.
+    _rss_run(None, str(mine))
     out: dict = {"rss": {mode: _rss_run(mode, str(mine)) for mode in ("nvme", None)}}
     out["left after rss"] = sorted(p.name for p in mine.iterdir())
     for stage, mixed, offload_params in RUNS:

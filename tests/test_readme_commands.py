@@ -178,7 +178,7 @@ def test_two_nodes_on_loopback_as_the_readme_starts_them(tmp_path):
                     other.kill()
         assert process.returncode == 0, err
         outputs.append(out)
-    assert sum("torch-ddp on 2 ranks" in out for out in outputs) == 1  # one world of two
+    assert sum("ddp on 2 ranks" in out for out in outputs) == 1  # one world of two
     assert len(read_metrics(tmp_path / "runs/torchrun-tessera/metrics.jsonl")) == 3
 
 

@@ -150,19 +150,16 @@ def test_fork_start_method_runs_functions_defined_anywhere():
 
 
 def test_every_module_takes_its_timeout_from_one_source(monkeypatch):
-    import datetime
     import re
     from pathlib import Path
 
     from tessera.comm.api import _timeout as comm_timeout
     from tessera.runtime.context import DEFAULT_TIMEOUT_S, default_timeout_s
-    from tessera.tensor_parallel._comm import _timeout as tensor_parallel_timeout
 
     monkeypatch.delenv("TESSERA_TIMEOUT_S", raising=False)
     assert default_timeout_s() == DEFAULT_TIMEOUT_S == 300.0
     monkeypatch.setenv("TESSERA_TIMEOUT_S", "7.5")
     assert default_timeout_s() == comm_timeout(None) == 7.5
-    assert tensor_parallel_timeout() == datetime.timedelta(seconds=7.5)
     for bad in ("abc", "0", "-3", "nan", "inf"):  # once read as 300 s, a crash, or no bound
         monkeypatch.setenv("TESSERA_TIMEOUT_S", bad)
         with pytest.raises(ValueError, match=f"TESSERA_TIMEOUT_S='{bad}' is not a positive"):
