@@ -1,6 +1,6 @@
 """Fault tolerance of `tessera train`: a demo run with a fault of each kind, against a clean run.
 
-The demo job (`tessera train` defaults: torch-ddp, 2 ranks, the 4-layer GPT) shortened to
+The demo job (`tessera train` defaults: tessera's ddp, 2 ranks, the 4-layer GPT) shortened to
 `--steps` (default 30 instead of 450) with a checkpoint every `--every` steps (default 6 instead
 of 50), so that the benchmark takes a few minutes on a shared 2-core machine. One run is
 fault-free; the other gets, in turn, a `kill`, a `raise`, a `checkpoint` (death half-way through
@@ -160,7 +160,7 @@ def _markdown(result: dict[str, Any]) -> str:
         "## faults: restarts after injected faults (`tessera train --max-restarts`)",
         "",
         f"{result['machine']}, load average {result['load_average']:.1f} during the run (the "
-        f"machine was shared). The demo job (torch-ddp, 2 ranks, 4-layer GPT) shortened to "
+        f"machine was shared). The demo job (ddp, 2 ranks, 4-layer GPT) shortened to "
         f"{result['steps']} steps (demo: 450), checkpoint every {result['checkpoint_every']} "
         f"(demo: 50), `--timeout-s {result['timeout_s']:g}`; one clean run and one with "
         f"`TESSERA_FAULT={result['faults']}` and `--max-restarts 4`, one repeat each. "
