@@ -21,10 +21,10 @@ counters for up to `SPIN_S` (TESSERA_SHM_SPIN_US, 100 µs by default), calling s
 between looks, then sleeps in poll() on a named pipe that the arriving rank writes one byte to.
 Why both: a kernel wake-up costs ~50-115 µs on this 2-vCPU VM (the sleeping vCPU halts and must
 be woken), twice per call; on a 1 MB allreduce, 2 ranks, spin and no spin alternating in one
-run (load 1.8), a call went from 227 µs to 132 µs (4 ranks: 747 to 650 µs). A pure busy spin is a trap when ranks share cores with
-other work (measured under load 4: 500 µs became 660-1180 µs, as the spinner holds the core
-its peer needs); yielding between looks hands the core to any runnable process, so the spin
-costs nothing then (and helps 4 ranks on 2 cores too). Past `SPIN_S` the rank sleeps, so an
+run (load 1.8), a call went from 227 µs to 132 µs (4 ranks: 747 to 650 µs). A pure busy spin
+is a trap when ranks share cores with other work (under load 4: 500 µs became 660-1180 µs, as
+the spinner holds the core its peer needs); yielding between looks hands the core to any
+runnable process (and helps 4 ranks on 2 cores too). Past `SPIN_S` the rank sleeps, so an
 idle wait never burns a core. The counters are read and written with sequentially consistent
 atomics (`_atomics`): a release/acquire pair orders each slot's data before the counter that
 announces it, on any CPU.
