@@ -6,7 +6,15 @@ calls to last ~50 ms; a sample's time is the slowest rank's. Reported: the media
 S/t and busbw = algbw·2(p-1)/p (nccl-tests' definitions, S bytes per rank), the ratio of busbw to
 `native` (torch.distributed.all_reduce on gloo), the cost model's prediction after `calibrate`,
 and the machine's memory-bandwidth limit (a 64 MB `copy_` on every rank at once) with shm's busbw
-as a fraction of it. Writes benchmarks/results/comm.json, comm.md and comm.png.
+as a fraction of it.
+
+The traffic bound of shm on an ordinary tensor (issue 11): copy in (read n, write n), reduce
+this rank's n/p (read n, write n/p), copy out (read n, write n) is (5 + 1/p)·n bytes per rank.
+At the copy bandwidth every rank reaches at that size when all copy at once (a `copy_` of n
+bytes on every rank, timed in the same interleaved rounds, moving 2n bytes) it takes
+(5 + 1/p)/2 times that copy: `bound_s`; `share` = bound_s / shm's time. The table shows it
+beside the targets (`SHARE_TARGETS`, and ring >= `RING_TARGET` x gloo at 16 MB).
+Writes benchmarks/results/comm.json, comm.md and comm.png.
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ VARIANTS = ("native", *(a for a in ALGORITHMS if a != "native"), "shm_shared", "
 """Columns of the benchmark: `shm_shared` is shm on a tensor from `shared_buffer` (no copy in
 or out); `auto` is the cost model's choice."""
 _SAMPLE_S = 0.05
+SHARE_TARGETS = {(2, 1 << 20): 0.3, (4, 1 << 20): 0.3, (2, 16 << 20): 0.8, (4, 16 << 20): 0.5}
+"""(ranks, bytes) -> the share of the traffic bound shm must reach there (issue 11)."""
+RING_TARGET = 0.9
+"""ring's speed as a multiple of gloo's (native) at 16 MB (issue 11)."""
 
 
 def _label(nbytes: int) -> str:
@@ -69,10 +81,14 @@ def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
         numel = nbytes // 4
         plain = torch.zeros(numel)
         shared = comm.shared_buffer(numel)
+        copies = (torch.ones(numel), torch.zeros(numel))
         choice = api._auto_all_reduce(plain, info)
+        measured = (*VARIANTS, "copy")  # "copy": one `copy_` of n bytes, for the traffic bound
 
-        def call(variant: str, plain=plain, shared=shared) -> None:
-            if variant == "shm_shared":
+        def call(variant: str, plain=plain, shared=shared, copies=copies) -> None:
+            if variant == "copy":
+                copies[1].copy_(copies[0])
+            elif variant == "shm_shared":
                 comm.all_reduce(shared, algorithm="shm")
             elif variant == "native":  # the anchor: torch.distributed itself, no tessera layer
                 dist.all_reduce(plain)
@@ -80,17 +96,17 @@ def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
                 comm.all_reduce(plain, algorithm=variant)
 
         # warm-up, and how many calls make one ~20 ms sample (the same count on every rank)
-        counts = torch.zeros(len(VARIANTS), dtype=torch.float64)
-        for i, variant in enumerate(VARIANTS):
+        counts = torch.zeros(len(measured), dtype=torch.float64)
+        for i, variant in enumerate(measured):
             dist.barrier()
             start = time.perf_counter()
             call(variant)
             counts[i] = time.perf_counter() - start
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
         calls = [max(1, min(200, int(_SAMPLE_S / max(t, 1e-6)))) for t in counts.tolist()]
-        samples = torch.zeros(repeats, len(VARIANTS), dtype=torch.float64)
+        samples = torch.zeros(repeats, len(measured), dtype=torch.float64)
         for r in range(repeats):
-            for i, variant in enumerate(VARIANTS):
+            for i, variant in enumerate(measured):
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(calls[i]):
@@ -98,7 +114,8 @@ def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
                 samples[r, i] = (time.perf_counter() - start) / calls[i]
         dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # a sample lasts as long as its slowest rank
         medians = samples.median(dim=0).values.tolist()
-        native_s = medians[0]
+        native_s, copy_s = medians[0], medians[-1]
+        bound_s = (5 + 1 / world) / 2 * copy_s  # (5 + 1/p) n bytes at 2n bytes per copy_ of n
         for i, variant in enumerate(VARIANTS):
             algorithm = {"shm_shared": "shm", "auto": choice}.get(variant, variant)
             predicted = cost.predict(
@@ -117,9 +134,12 @@ def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
                     "ratio_to_native": native_s / medians[i],
                     "predicted_s": predicted,
                     "calls_per_sample": calls[i],
+                    "copy_s": copy_s,
+                    "bound_s": bound_s,
+                    "share_of_bound": bound_s / medians[i],
                 }
             )
-        del shared
+        del shared, copies
     if ctx.rank != 0:
         return None
     return {
@@ -199,6 +219,7 @@ def markdown(results: dict) -> str:
                 f"{min(shm_frac):.2f} .. {max(shm_frac):.2f}"
             )
             lines.append("")
+    lines += _bound_table(results)
     lines += [
         "### Cost model: predicted / measured time (median over sizes, [min, max])",
         "",
@@ -238,6 +259,39 @@ def markdown(results: dict) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _bound_table(results: dict) -> list[str]:
+    """shm against its traffic bound, and ring against gloo, with issue 11's targets beside."""
+    lines = [
+        "### shm on ordinary tensors against its traffic bound; ring against gloo",
+        "",
+        "bound = (5 + 1/p)·n bytes per rank at the copy bandwidth every rank reaches when all copy "
+        "n bytes at once, timed in the same rounds: (5 + 1/p)/2 x `copy ms`. share = bound / shm "
+        "time. ring / gloo: native's time over ring's (above 1: ring faster).",
+        "",
+        "| ranks | size | copy ms | bound ms | shm ms | share | target | ring ms | gloo ms "
+        "| ring / gloo | target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results["worlds"]:
+        world = result["world"]
+        for nbytes in results["sizes"]:
+            shm, ring = _row(result, "shm", nbytes), _row(result, "ring", nbytes)
+            native = _row(result, "native", nbytes)
+            share_target = SHARE_TARGETS.get((world, nbytes))
+            ring_target = RING_TARGET if nbytes == 16 << 20 else None
+            lines.append(
+                f"| {world} | {_label(nbytes)} | {shm['copy_s'] * 1e3:.3f} "
+                f"| {shm['bound_s'] * 1e3:.3f} | {shm['time_s'] * 1e3:.3f} "
+                f"| {shm['share_of_bound']:.0%} "
+                f"| {f'>= {share_target:.0%}' if share_target else ''} "
+                f"| {ring['time_s'] * 1e3:.3f} | {native['time_s'] * 1e3:.3f} "
+                f"| {ring['ratio_to_native']:.2f}x "
+                f"| {f'>= {ring_target}x' if ring_target else ''} |"
+            )
+    lines.append("")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:

@@ -13,6 +13,8 @@ term is optimal: some rank must send at least 2n(p-1)/p bytes (Patarasuk & Yuan 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from tessera.comm._ops import combine
@@ -37,6 +39,24 @@ def split_bounds(numel: int, parts: int, unit: int = 1) -> list[tuple[int, int]]
     return bounds
 
 
+_local = threading.local()  # per thread: a collective on the comm stream runs beside the main one
+
+
+def _receive_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A (numel,) buffer for incoming chunks, kept between calls (grown by doubling).
+
+    A fresh `torch.empty` of a multi-MB chunk is a fresh mmap whose pages fault in on first
+    touch, on every call: ~1 ms of page faults per 8 MB here, against ~16 ms for the whole 16 MB
+    allreduce. The buffer lives as long as the thread, at most the largest chunk (n/p bytes).
+    """
+    buffers = _local.__dict__.setdefault("buffers", {})
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        grown = max(numel, 2 * buf.numel()) if buf is not None else numel
+        buf = buffers[dtype] = torch.empty(grown, dtype=dtype)
+    return buf[:numel]
+
+
 def _segments(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
     step = max(1, SEGMENT_BYTES // itemsize)
     return [(s, min(s + step, hi)) for s in range(lo, hi, step)]
@@ -49,7 +69,7 @@ def reduce_scatter_ring(
     p, r = comm.size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     largest = max(hi - lo for lo, hi in bounds)
-    scratch = torch.empty(largest, dtype=buf.dtype)
+    scratch = _receive_buffer(largest, buf.dtype)
     for step in range(p - 1):
         send_lo, send_hi = bounds[(r - step - 1) % p]
         recv_lo, recv_hi = bounds[(r - step - 2) % p]

@@ -16,12 +16,19 @@ Why it is fast: no socket copies, no allocation per call (segments are cached pe
 grow by doubling), one copy-in segment whose slots are only written by others between the two
 barriers (so step 5 needs no third barrier; a double-buffered variant that left each result in
 the reducer's slot wrote less but doubled the working set and was no faster here), and
-the barrier is a counter per rank in a shared control page. A waiting rank sleeps in poll() on
-a named pipe that the arriving rank writes one byte to: a kernel wakeup (~50 µs on this VM)
-instead of a gloo barrier (~500 µs), without burning a core. Spinning on the counters first
-(`SPIN_S`, TESSERA_SHM_SPIN_US) was measured on this 2-vCPU VM: no faster in collectives (and
-slower for spins over ~50 µs), so it is off by default; sleeping with timed naps instead of the
-pipe was no faster either. The counters are read and written with sequentially consistent
+the barrier is a counter per rank in a shared control page. A waiting rank first polls the
+counters for up to `SPIN_S` (TESSERA_SHM_SPIN_US, 100 µs by default), calling sched_yield()
+between looks, then sleeps in poll() on a named pipe that the arriving rank writes one byte to.
+Why both: a kernel wake-up costs ~50-115 µs on this 2-vCPU VM (the sleeping vCPU halts and must
+be woken), twice per call; on a 1 MB allreduce, 2 ranks, spin and no spin alternating in one
+run (load 1.8), a call went from 227 µs to 132 µs (4 ranks: 747 to 650 µs). A pure busy spin
+is a trap when ranks share cores with other work (under load 4: 500 µs became 660-1180 µs, as
+the spinner holds the core its peer needs); yielding between looks hands the core to any
+runnable process (and helps 4 ranks on 2 cores too). Only the main thread spins: on a side
+thread while the main thread computes (DDP's comm stream), a 1 MB call went from 381 µs to
+2247 µs with the spin (the spinner holds the GIL and yields its core to the compute thread for
+a time slice), so there the rank sleeps at once. Past `SPIN_S` the rank sleeps, so an
+idle wait never burns a core. The counters are read and written with sequentially consistent
 atomics (`_atomics`): a release/acquire pair orders each slot's data before the counter that
 announces it, on any CPU.
 
@@ -37,6 +44,7 @@ from __future__ import annotations
 import os
 import select
 import struct
+import threading
 import time
 
 import torch
@@ -49,9 +57,9 @@ from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
 
-SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 0)) * 1e-6
-"""How long a barrier spins before sleeping (only when the group has no more ranks than cores);
-0 by default: see the module docstring."""
+SPIN_S = float(os.environ.get("TESSERA_SHM_SPIN_US", 100)) * 1e-6
+"""How long a barrier polls the counters (yielding the core between looks) before sleeping;
+see the module docstring."""
 
 _ALIGN = 64  # slice boundaries on cache lines, so two ranks never write the same line
 _BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back hits in cache
@@ -84,7 +92,6 @@ class ShmGroup:
         self._peers = [q for q in range(info.size) if q != info.rank]
         self._poll = select.poll()
         self._poll.register(self._inbox, select.POLLIN)
-        self._spin = info.size <= (os.cpu_count() or 1)
         self._count = 0  # barriers passed: the same on every rank
         self._segments: dict[str, Segment] = {}  # "scratch", "staging": grown by doubling
         self._shared: list[Segment] = []
@@ -96,19 +103,22 @@ class ShmGroup:
         return all(load(q * stride + _COUNTER) >= count for q in self._peers)
 
     def barrier(self, op: str, seq: int, timeout_s: float) -> None:
-        """Block until every rank of the group reached this barrier (spin, then sleep)."""
+        """Block until every rank of the group reached this barrier (yielding spin, then sleep)."""
         self._count += 1
         count, words, stride, me = self._count, self._words, self._slot_words, self.info.rank
         words.store(me * stride + _COUNTER, count)  # releases this rank's writes to the slots
         for q in self._peers:  # wake the ranks that sleep waiting for us
             if words.load(q * stride + _SLEEPING):
                 os.write(self._outboxes[q], b"x")
-        if self._spin:
-            stop = time.perf_counter() + SPIN_S
-            while time.perf_counter() < stop:
-                if self._arrived(count):
-                    return
         deadline = time.monotonic() + timeout_s
+        # Spin on the main thread only: a comm thread beside compute (DDP's stream) would hold
+        # the GIL and yield its core to the compute thread for a whole time slice.
+        spin_s = SPIN_S if threading.current_thread() is threading.main_thread() else 0.0
+        stop = min(deadline, time.monotonic() + spin_s)  # the spin never outlasts the timeout
+        while time.monotonic() < stop:  # polite spin: yield the core to whoever needs it
+            if self._arrived(count):
+                return
+            os.sched_yield()
         while True:
             # Raise the flag, then look: an arriving rank stores its counter, then looks at the
             # flag. Sequential consistency lets at most one of the two looks miss the other.
