@@ -25,7 +25,10 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +67,36 @@ def _memory_bandwidth(nbytes: int = 64 << 20, repeats: int = 5) -> float:
     return nbytes / statistics.median(times)
 
 
+def interleaved_medians(
+    calls: list[Callable[[], Any]], repeats: int
+) -> tuple[list[float], list[int]]:
+    """Median seconds per call of each of `calls`, timed interleaved on every rank (collective),
+    and the calls per sample of each.
+
+    A warm-up call sets how many calls make one ~`_SAMPLE_S` sample (the same count on every
+    rank); each of `repeats` rounds then times one sample of every call in turn, after a barrier.
+    A sample lasts as long as its slowest rank, so the ranks' samples are reduced by max.
+    """
+    counts = torch.zeros(len(calls), dtype=torch.float64)
+    for i, call in enumerate(calls):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        counts[i] = time.perf_counter() - start
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    per_sample = [max(1, min(200, int(_SAMPLE_S / max(t, 1e-6)))) for t in counts.tolist()]
+    samples = torch.zeros(repeats, len(calls), dtype=torch.float64)
+    for r in range(repeats):
+        for i, call in enumerate(calls):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(per_sample[i]):
+                call()
+            samples[r, i] = (time.perf_counter() - start) / per_sample[i]
+    dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+    return samples.median(dim=0).values.tolist(), per_sample
+
+
 def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
     import tessera
     from tessera import comm
@@ -95,25 +128,7 @@ def _bench_rank(sizes: list[int], repeats: int) -> dict | None:
             else:
                 comm.all_reduce(plain, algorithm=variant)
 
-        # warm-up, and how many calls make one ~20 ms sample (the same count on every rank)
-        counts = torch.zeros(len(measured), dtype=torch.float64)
-        for i, variant in enumerate(measured):
-            dist.barrier()
-            start = time.perf_counter()
-            call(variant)
-            counts[i] = time.perf_counter() - start
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        calls = [max(1, min(200, int(_SAMPLE_S / max(t, 1e-6)))) for t in counts.tolist()]
-        samples = torch.zeros(repeats, len(measured), dtype=torch.float64)
-        for r in range(repeats):
-            for i, variant in enumerate(measured):
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(calls[i]):
-                    call(variant)
-                samples[r, i] = (time.perf_counter() - start) / calls[i]
-        dist.all_reduce(samples, op=dist.ReduceOp.MAX)  # a sample lasts as long as its slowest rank
-        medians = samples.median(dim=0).values.tolist()
+        medians, calls = interleaved_medians([partial(call, v) for v in measured], repeats)
         native_s, copy_s = medians[0], medians[-1]
         bound_s = (5 + 1 / world) / 2 * copy_s  # (5 + 1/p) n bytes at 2n bytes per copy_ of n
         for i, variant in enumerate(VARIANTS):

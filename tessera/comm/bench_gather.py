@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +28,6 @@ VARIANTS = ("native", "ring", "shm", "auto")
 KINDS = ("all_gather", "reduce_scatter")
 TARGET = 2.0
 """shm's time ratio to native that issue 11 asks for at 1-64 MB."""
-_SAMPLE_S = 0.05
 
 
 def _label(nbytes: int) -> str:
@@ -60,6 +58,7 @@ def _bench_rank(sizes: list[int], repeats: int) -> list[dict] | None:
     import tessera
     from tessera.comm import api, calibrate
     from tessera.comm._p2p import group_info
+    from tessera.comm.bench import interleaved_medians
 
     ctx = tessera.init()
     world = ctx.world_size
@@ -69,24 +68,7 @@ def _bench_rank(sizes: list[int], repeats: int) -> list[dict] | None:
     for kind in KINDS:
         for nbytes in sizes:
             calls = _calls(kind, nbytes, world)
-            counts = torch.zeros(len(VARIANTS), dtype=torch.float64)
-            for i, variant in enumerate(VARIANTS):  # warm-up, and calls per ~50 ms sample
-                dist.barrier()
-                start = time.perf_counter()
-                calls[variant]()
-                counts[i] = time.perf_counter() - start
-            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-            per_sample = [max(1, min(200, int(_SAMPLE_S / max(t, 1e-6)))) for t in counts.tolist()]
-            samples = torch.zeros(repeats, len(VARIANTS), dtype=torch.float64)
-            for r in range(repeats):
-                for i, variant in enumerate(VARIANTS):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    for _ in range(per_sample[i]):
-                        calls[variant]()
-                    samples[r, i] = (time.perf_counter() - start) / per_sample[i]
-            dist.all_reduce(samples, op=dist.ReduceOp.MAX)
-            medians = samples.median(dim=0).values.tolist()
+            medians, _ = interleaved_medians([calls[v] for v in VARIANTS], repeats)
             choice = api._auto_half(kind, nbytes // 4 // world * world * 4, info)
             for i, variant in enumerate(VARIANTS):
                 rows.append(
