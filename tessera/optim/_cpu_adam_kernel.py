@@ -37,6 +37,9 @@ KERNEL_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 // bfloat16 <-> float32 by bits: bf16 is the top half of an fp32; rounding to nearest-even.
 static inline float bf16_to_float(uint16_t value) {
@@ -125,6 +128,23 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
 #undef TESSERA_ADAM_RANGE
   }
 }
+
+// Ask Linux to back [ptr, ptr + bytes) with 2 MiB transparent huge pages (the whole 2 MiB pages
+// inside it), before its first touch. Returns 0 when advised, -1 when not (other OS, madvise
+// refused, or no whole huge page inside): advice only, the memory works the same either way.
+extern "C" int tessera_advise_huge_pages(void* ptr, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = uintptr_t(1) << 21;
+  const uintptr_t begin = (uintptr_t(ptr) + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (uintptr_t(ptr) + uintptr_t(bytes)) & ~(huge - 1);
+  if (end <= begin) return -1;
+  return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0 ? 0 : -1;
+#else
+  (void)ptr;
+  (void)bytes;
+  return -1;
+#endif
+}
 """
 
 # AVX-512 instructions, but 256-bit vectors: measured here (Nov 2026, 50M parameters, 1 thread)
@@ -173,6 +193,26 @@ class AdamKernel:
             [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int] * 3
         )
         self._function = function
+        advise = ctypes.CDLL(library_path).tessera_advise_huge_pages
+        advise.restype = ctypes.c_int
+        advise.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self._advise_huge_pages = advise
+
+    def zeros(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros shaped like `like`, on transparent huge pages where Linux grants them.
+
+        Why: the step streams 7 arrays; with 4 KiB pages the hardware prefetchers stop at every
+        page boundary and the TLB misses every 4 KiB of each stream. Measured here (Nov 2026, 50M
+        parameters, interleaved): the same step with the two moments on 2 MiB pages ran 8-13%
+        faster than on 4 KiB pages. The advice must come before the first touch, so the tensor
+        is allocated empty (untouched), advised, then zeroed. Small tensors (< 4 MiB) hold no
+        whole huge page worth the split of the mapping and are left alone.
+        """
+        tensor = torch.empty(like.shape, dtype=dtype)
+        num_bytes = tensor.numel() * tensor.element_size()
+        if num_bytes >= 4 << 20:
+            self._advise_huge_pages(tensor.data_ptr(), num_bytes)
+        return tensor.zero_()
 
     def __call__(
         self,
