@@ -369,6 +369,41 @@ def test_bf16_moments_first_step_is_the_rounded_fp32_moment(native):
         assert torch.equal(state["exp_avg_sq"], expected_v)
 
 
+def test_bf16_moments_round_subnormals_and_nans_like_torch(native):
+    """Each 16-lane vector holds one special lane: a subnormal second moment (g = 1e-19), a
+    subnormal first moment (g = 3e-38), a subnormal parameter copied out, a NaN gradient of
+    either sign. Rounding must stay torch's nearest-even, bit for bit, on every other lane and
+    the special ones (NaN: any NaN). On CPUs with AVX512_BF16 the kernel rounds in hardware,
+    which flushes subnormals to zero: such vectors must take the portable rounding."""
+    generator = torch.Generator().manual_seed(12)
+    grad = torch.randn(64, generator=generator)
+    grad[3], grad[17], grad[40], grad[55] = 1e-19, 3e-38, float("nan"), -float("nan")
+    values = torch.randn(64, generator=generator)
+    values[29] = 1e-40
+    param = values.clone().requires_grad_()
+    param.grad = grad
+    out = torch.empty(64, dtype=torch.bfloat16)
+    hyper = dict(HYPER, lr=0.0, weight_decay=0.0)
+    optimizer = CPUAdam([param], bf16_moments=True, **hyper)
+    optimizer.step(bf16_out=[out])
+    beta1, beta2 = HYPER["betas"]
+    state = optimizer.state[param]
+    expected = {
+        "exp_avg": (grad * torch.tensor(1 - beta1)).to(torch.bfloat16),
+        "exp_avg_sq": ((grad * grad) * torch.tensor(1 - beta2)).to(torch.bfloat16),
+        "out": param.detach().to(torch.bfloat16),
+    }
+    assert expected["exp_avg_sq"][3] != 0 and expected["exp_avg"][17] != 0  # really subnormal
+    assert expected["out"][29] != 0
+    for name, got in (("exp_avg", state["exp_avg"]), ("exp_avg_sq", state["exp_avg_sq"])) + (
+        ("out", out),
+    ):
+        want = expected[name]
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan), name
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), name
+
+
 def test_bf16_moments_stay_within_their_rounding_of_fp32(native):
     """6 steps with bf16 moments against fp32 CPUAdam, within a bound derived from bf16 rounding.
 

@@ -104,19 +104,92 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
 // is faster at 256 bits (2.7 against 2.35); at the memory bound the compute headroom is what a
 // loaded core lacks. noinline: inlined into its caller, the loop would take the caller's width.
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define TESSERA_RANGE_PARAMS                                                                    \
+  float *__restrict__ param, const float *__restrict__ grad, uint16_t *__restrict__ exp_avg,    \
+      uint16_t *__restrict__ exp_avg_sq, uint16_t *__restrict__ bf16_out, int64_t begin,        \
+      int64_t end, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,      \
+      float eps, float weight_decay, float decay, float step_size, float inv_bias2_sqrt
+#define TESSERA_RANGE_ARGS                                                                      \
+  param, grad, exp_avg, exp_avg_sq, bf16_out, begin, end, beta1, beta2, one_minus_beta1,        \
+      one_minus_beta2, eps, weight_decay, decay, step_size, inv_bias2_sqrt
+
+// CPUs with AVX512_BF16 (Zen 4, Sapphire Rapids) round fp32 to bf16 in one instruction, where
+// the portable rounding takes about six integer ops per vector: measured here (Nov 2026, 50M, 2
+// threads, all arrays on huge pages) 84.8 instead of 78.5 GB/s, the bandwidth of a copy with
+// the same traffic being 92. The instruction flushes subnormals to zero and keeps a NaN's
+// payload, so a vector holding either goes through float_to_bf16 instead: bit for bit the same
+// results on every CPU.
+__attribute__((target("avx512bf16"))) static inline __m256i round_to_bf16(__m512 values) {
+  const int kNanOrSubnormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, subnormal, signalling
+  if (_mm512_fpclass_ps_mask(values, kNanOrSubnormal) == 0) {
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values));
+  }
+  alignas(64) float lanes[16];
+  alignas(32) uint16_t rounded[16];
+  _mm512_store_ps(lanes, values);
+  for (int lane = 0; lane < 16; ++lane) rounded[lane] = float_to_bf16(lanes[lane]);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(rounded));
+}
+__attribute__((target("avx512bf16"))) static inline __m512 widen_bf16(const uint16_t* source) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+// The adam_range loop written with 16-lane intrinsics (same operations, FMAs where g++
+// contracts the portable loop), the tail left to adam_range.
+template <bool kAdamW, bool kCopyOut>
+__attribute__((noinline, target("avx512bf16"))) static void adam_range_bf16_instructions(
+    TESSERA_RANGE_PARAMS) {
+  const __m512 vbeta1 = _mm512_set1_ps(beta1), vbeta2 = _mm512_set1_ps(beta2);
+  const __m512 vone_minus_beta1 = _mm512_set1_ps(one_minus_beta1);
+  const __m512 vone_minus_beta2 = _mm512_set1_ps(one_minus_beta2);
+  const __m512 veps = _mm512_set1_ps(eps), vweight_decay = _mm512_set1_ps(weight_decay);
+  const __m512 vdecay = _mm512_set1_ps(decay), vstep_size = _mm512_set1_ps(step_size);
+  const __m512 vinv_bias2_sqrt = _mm512_set1_ps(inv_bias2_sqrt);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    __m512 p = _mm512_loadu_ps(param + i);
+    __m512 g = _mm512_loadu_ps(grad + i);
+    if (kAdamW) {
+      p = _mm512_mul_ps(p, vdecay);
+    } else {
+      g = _mm512_fmadd_ps(vweight_decay, p, g);
+    }
+    const __m512 m =
+        _mm512_fmadd_ps(vbeta1, widen_bf16(exp_avg + i), _mm512_mul_ps(vone_minus_beta1, g));
+    const __m512 v = _mm512_fmadd_ps(vbeta2, widen_bf16(exp_avg_sq + i),
+                                     _mm512_mul_ps(vone_minus_beta2, _mm512_mul_ps(g, g)));
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), vinv_bias2_sqrt, veps);
+    p = _mm512_fnmadd_ps(vstep_size, _mm512_div_ps(m, denom), p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg + i), round_to_bf16(m));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg_sq + i), round_to_bf16(v));
+    _mm512_storeu_ps(param + i, p);
+    if (kCopyOut) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16_out + i), round_to_bf16(p));
+  }
+  begin = i;
+  adam_range<kAdamW, kCopyOut, uint16_t>(TESSERA_RANGE_ARGS);
+}
+static bool cpu_has_avx512_bf16() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return has;
+}
+
 #pragma GCC push_options
 #pragma GCC target("prefer-vector-width=512")
 template <bool kAdamW, bool kCopyOut>
-__attribute__((noinline)) static void adam_range_bf16_moments(
-    float* __restrict__ param, const float* __restrict__ grad, uint16_t* __restrict__ exp_avg,
-    uint16_t* __restrict__ exp_avg_sq, uint16_t* __restrict__ bf16_out, int64_t begin,
-    int64_t end, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,
-    float eps, float weight_decay, float decay, float step_size, float inv_bias2_sqrt) {
-  adam_range<kAdamW, kCopyOut, uint16_t>(param, grad, exp_avg, exp_avg_sq, bf16_out, begin, end,
-                                         beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
-                                         weight_decay, decay, step_size, inv_bias2_sqrt);
+__attribute__((noinline)) static void adam_range_bf16_moments(TESSERA_RANGE_PARAMS) {
+  if (cpu_has_avx512_bf16()) {
+    adam_range_bf16_instructions<kAdamW, kCopyOut>(TESSERA_RANGE_ARGS);
+  } else {
+    adam_range<kAdamW, kCopyOut, uint16_t>(TESSERA_RANGE_ARGS);
+  }
 }
 #pragma GCC pop_options
+#undef TESSERA_RANGE_PARAMS
+#undef TESSERA_RANGE_ARGS
 #define TESSERA_BF16_RANGE(ADAMW, COPY_OUT) adam_range_bf16_moments<ADAMW, COPY_OUT>
 #else
 #define TESSERA_BF16_RANGE(ADAMW, COPY_OUT) adam_range<ADAMW, COPY_OUT, uint16_t>
