@@ -90,8 +90,24 @@ def optimizers(
     return contenders
 
 
-def measure(num_params: int, rounds: int, with_foreach: bool) -> dict[str, dict[str, float]]:
-    """Median step seconds and params/s of each contender at `num_params`, interleaved."""
+def huge_page_mb() -> float:
+    """MB of this process's memory on transparent huge pages now (Linux), else NaN: says whether
+    the kernel granted the huge pages asked for (a fragmented host may not)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def measure(
+    num_params: int, rounds: int, with_foreach: bool
+) -> tuple[dict[str, dict[str, float]], float]:
+    """Median step seconds and params/s of each contender at `num_params`, interleaved; and the
+    MB on huge pages while all of them are alive."""
     contenders = optimizers(with_foreach)
     states = {}
     grad = torch.randn(num_params) * 1e-2
@@ -112,10 +128,11 @@ def measure(num_params: int, rounds: int, with_foreach: bool) -> dict[str, dict[
             start = time.perf_counter()
             optimizer.step()
             times[name].append(time.perf_counter() - start)
-    return {
+    figures = {
         name: {"median_s": statistics.median(t), "params_per_s": num_params / statistics.median(t)}
         for name, t in times.items()
     }
+    return figures, huge_page_mb()
 
 
 def _bytes_per_param(name: str) -> int:
@@ -129,11 +146,13 @@ def main() -> None:
     parser.add_argument("--foreach-max-millions", type=int, default=50)
     args = parser.parse_args()
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "") not in ("", "0")
-    rows, loads = [], {}
+    rows, loads, huge_mb = [], {}, {}
     for millions in args.sizes:
         num_params = millions * 1_000_000
         load_before = os.getloadavg()[0]
-        figures = measure(num_params, args.rounds, millions <= args.foreach_max_millions)
+        figures, huge_mb[num_params] = measure(
+            num_params, args.rounds, millions <= args.foreach_max_millions
+        )
         loads[num_params] = (load_before, os.getloadavg()[0])
         bandwidth = 12 * num_params / figures.pop(YARDSTICK)["median_s"]
         anchor = min(figures[name]["median_s"] for name in BASELINES if name in figures)
@@ -160,6 +179,8 @@ def main() -> None:
         f"Ratio against the faster of {anchors} at each size. 1-min load average before -> after "
         "each size: "
         + ", ".join(f"{n / 1e6:.0f}M {a:.1f} -> {b:.1f}" for n, (a, b) in loads.items())
+        + ". Memory on huge pages during each size: "
+        + ", ".join(f"{n / 1e6:.0f}M {mb:.0f} MB" for n, mb in huge_mb.items())
         + ".",
         "",
         "| params | optimizer | median step (ms) | Gparam/s | vs faster anchor | target |"
@@ -184,6 +205,7 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "huge_pages_everywhere": thp,
+        "huge_page_mb": {str(n): mb for n, mb in huge_mb.items()},
         "rows": rows,
     }
     (RESULTS / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
