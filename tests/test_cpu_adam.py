@@ -404,6 +404,32 @@ def test_bf16_moments_round_subnormals_and_nans_like_torch(native):
         assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), name
 
 
+@pytest.mark.parametrize("bf16_moments", [True, False])
+@pytest.mark.parametrize("adamw", [True, False])
+def test_vector_loop_and_tail_give_the_same_bits(native, adamw, bf16_moments):
+    """An element gets the same bits whether a 16-lane vector loop (intrinsics on AVX512_BF16
+    CPUs for bf16 moments) or the scalar tail updates it: 48 elements as one tensor against 48
+    one-element tensors, 4 steps. (Otherwise results would depend on tensor sizes and chunking:
+    NVMeAdam's chunks, a resharded ZeRO partition.)"""
+    generator = torch.Generator().manual_seed(13)
+    values = torch.randn(48, generator=generator)
+    whole = values.clone().requires_grad_()
+    singles = [values[i : i + 1].clone().requires_grad_() for i in range(48)]
+    kwargs = dict(HYPER, adamw=adamw, bf16_moments=bf16_moments)
+    whole_opt, singles_opt = CPUAdam([whole], **kwargs), CPUAdam(singles, **kwargs)
+    for _ in range(4):
+        grad = torch.randn(48, generator=generator)
+        whole.grad = grad.clone()
+        for i, param in enumerate(singles):
+            param.grad = grad[i : i + 1].clone()
+        whole_opt.step()
+        singles_opt.step()
+    assert torch.equal(whole.detach(), torch.cat([p.detach() for p in singles]))
+    for name in ("exp_avg", "exp_avg_sq"):
+        joined = torch.cat([singles_opt.state[p][name] for p in singles])
+        assert torch.equal(whole_opt.state[whole][name], joined), name
+
+
 def test_bf16_moments_stay_within_their_rounding_of_fp32(native):
     """6 steps with bf16 moments against fp32 CPUAdam, within a bound derived from bf16 rounding.
 

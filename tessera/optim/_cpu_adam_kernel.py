@@ -63,6 +63,15 @@ static inline void store_moment(uint16_t* moments, int64_t i, float value) {
   moments[i] = float_to_bf16(value);
 }
 
+// Which products are fused into an add is spelled out, not left to the compiler's contraction:
+// the AVX512_BF16 loop below is written with intrinsics, and an element must get the same bits
+// whichever loop (or loop tail) updates it. Without hardware FMA, plain multiply and add.
+#if defined(FP_FAST_FMAF)
+#define TESSERA_FMA(a, b, c) std::fma((a), (b), (c))
+#else
+#define TESSERA_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
 // One Adam(W) step over n contiguous float32 elements, in one pass over memory.
 // step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t) and 1 - beta come from
 // the caller, computed in double and rounded once: 1.0f - float(0.999) would be 1.3e-5 off
@@ -85,12 +94,12 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
     if (kAdamW) {
       p = p * decay;
     } else {
-      g = g + weight_decay * p;
+      g = TESSERA_FMA(weight_decay, p, g);
     }
-    const float m = beta1 * load_moment(exp_avg, i) + one_minus_beta1 * g;
-    const float v = beta2 * load_moment(exp_avg_sq, i) + one_minus_beta2 * (g * g);
-    const float denom = std::sqrt(v) * inv_bias2_sqrt + eps;
-    p = p - step_size * (m / denom);
+    const float m = TESSERA_FMA(beta1, load_moment(exp_avg, i), one_minus_beta1 * g);
+    const float v = TESSERA_FMA(beta2, load_moment(exp_avg_sq, i), one_minus_beta2 * (g * g));
+    const float denom = TESSERA_FMA(std::sqrt(v), inv_bias2_sqrt, eps);
+    p = TESSERA_FMA(-step_size, m / denom, p);
     store_moment(exp_avg, i, m);
     store_moment(exp_avg_sq, i, v);
     param[i] = p;
@@ -135,8 +144,8 @@ __attribute__((target("avx512bf16"))) static inline __m512 widen_bf16(const uint
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-// The adam_range loop written with 16-lane intrinsics (same operations, FMAs where g++
-// contracts the portable loop), the tail left to adam_range.
+// The adam_range loop written with 16-lane intrinsics, the same operations and the same FMAs
+// (bit-identical results), the tail left to adam_range.
 template <bool kAdamW, bool kCopyOut>
 __attribute__((noinline, target("avx512bf16"))) static void adam_range_bf16_instructions(
     TESSERA_RANGE_PARAMS) {
@@ -225,6 +234,7 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
   }
 }
 #undef TESSERA_BF16_RANGE
+#undef TESSERA_FMA
 
 // Ask Linux to back [ptr, ptr + bytes) with 2 MiB transparent huge pages (the whole 2 MiB pages
 // inside it), before its first touch. Returns 0 when advised, -1 when not (other OS, madvise
