@@ -37,6 +37,9 @@ KERNEL_SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 // bfloat16 <-> float32 by bits: bf16 is the top half of an fp32; rounding to nearest-even.
 static inline float bf16_to_float(uint16_t value) {
@@ -60,6 +63,15 @@ static inline void store_moment(uint16_t* moments, int64_t i, float value) {
   moments[i] = float_to_bf16(value);
 }
 
+// Which products are fused into an add is spelled out, not left to the compiler's contraction:
+// the AVX512_BF16 loop below is written with intrinsics, and an element must get the same bits
+// whichever loop (or loop tail) updates it. Without hardware FMA, plain multiply and add.
+#if defined(FP_FAST_FMAF)
+#define TESSERA_FMA(a, b, c) std::fma((a), (b), (c))
+#else
+#define TESSERA_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
 // One Adam(W) step over n contiguous float32 elements, in one pass over memory.
 // step_size = lr / (1 - beta1^t), inv_bias2_sqrt = 1 / sqrt(1 - beta2^t) and 1 - beta come from
 // the caller, computed in double and rounded once: 1.0f - float(0.999) would be 1.3e-5 off
@@ -82,18 +94,115 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
     if (kAdamW) {
       p = p * decay;
     } else {
-      g = g + weight_decay * p;
+      g = TESSERA_FMA(weight_decay, p, g);
     }
-    const float m = beta1 * load_moment(exp_avg, i) + one_minus_beta1 * g;
-    const float v = beta2 * load_moment(exp_avg_sq, i) + one_minus_beta2 * (g * g);
-    const float denom = std::sqrt(v) * inv_bias2_sqrt + eps;
-    p = p - step_size * (m / denom);
+    const float m = TESSERA_FMA(beta1, load_moment(exp_avg, i), one_minus_beta1 * g);
+    const float v = TESSERA_FMA(beta2, load_moment(exp_avg_sq, i), one_minus_beta2 * (g * g));
+    const float denom = TESSERA_FMA(std::sqrt(v), inv_bias2_sqrt, eps);
+    p = TESSERA_FMA(-step_size, m / denom, p);
     store_moment(exp_avg, i, m);
     store_moment(exp_avg_sq, i, v);
     param[i] = p;
     if (kCopyOut) bf16_out[i] = float_to_bf16(p);
   }
 }
+
+// bf16 moments on AVX-512 with GCC: the same loop with 512-bit vectors. There the widening and
+// rounding of the moments add about 20 integer ops per vector, and 512 bits halve their count:
+// measured here (Nov 2026, in cache, 1 thread) 2.45 instead of 2.0 Gparam/s, where the fp32 loop
+// is faster at 256 bits (2.7 against 2.35); at the memory bound the compute headroom is what a
+// loaded core lacks. noinline: inlined into its caller, the loop would take the caller's width.
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define TESSERA_RANGE_PARAMS                                                                    \
+  float *__restrict__ param, const float *__restrict__ grad, uint16_t *__restrict__ exp_avg,    \
+      uint16_t *__restrict__ exp_avg_sq, uint16_t *__restrict__ bf16_out, int64_t begin,        \
+      int64_t end, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,      \
+      float eps, float weight_decay, float decay, float step_size, float inv_bias2_sqrt
+#define TESSERA_RANGE_ARGS                                                                      \
+  param, grad, exp_avg, exp_avg_sq, bf16_out, begin, end, beta1, beta2, one_minus_beta1,        \
+      one_minus_beta2, eps, weight_decay, decay, step_size, inv_bias2_sqrt
+
+// CPUs with AVX512_BF16 (Zen 4, Sapphire Rapids) round fp32 to bf16 in one instruction, where
+// the portable rounding takes about six integer ops per vector: measured here (Nov 2026, 50M, 2
+// threads, all arrays on huge pages) 84.8 instead of 78.5 GB/s, the bandwidth of a copy with
+// the same traffic being 92. The instruction flushes subnormals to zero and keeps a NaN's
+// payload, so a vector holding either goes through float_to_bf16 instead: bit for bit the same
+// results on every CPU.
+__attribute__((target("avx512bf16"))) static inline __m256i round_to_bf16(__m512 values) {
+  const int kNanOrSubnormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, subnormal, signalling
+  if (_mm512_fpclass_ps_mask(values, kNanOrSubnormal) == 0) {
+    return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(values));
+  }
+  alignas(64) float lanes[16];
+  alignas(32) uint16_t rounded[16];
+  _mm512_store_ps(lanes, values);
+  for (int lane = 0; lane < 16; ++lane) rounded[lane] = float_to_bf16(lanes[lane]);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(rounded));
+}
+__attribute__((target("avx512bf16"))) static inline __m512 widen_bf16(const uint16_t* source) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+// The adam_range loop written with 16-lane intrinsics, the same operations and the same FMAs
+// (bit-identical results), the tail left to adam_range.
+template <bool kAdamW, bool kCopyOut>
+__attribute__((noinline, target("avx512bf16"))) static void adam_range_bf16_instructions(
+    TESSERA_RANGE_PARAMS) {
+  const __m512 vbeta1 = _mm512_set1_ps(beta1), vbeta2 = _mm512_set1_ps(beta2);
+  const __m512 vone_minus_beta1 = _mm512_set1_ps(one_minus_beta1);
+  const __m512 vone_minus_beta2 = _mm512_set1_ps(one_minus_beta2);
+  const __m512 veps = _mm512_set1_ps(eps), vweight_decay = _mm512_set1_ps(weight_decay);
+  const __m512 vdecay = _mm512_set1_ps(decay), vstep_size = _mm512_set1_ps(step_size);
+  const __m512 vinv_bias2_sqrt = _mm512_set1_ps(inv_bias2_sqrt);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    __m512 p = _mm512_loadu_ps(param + i);
+    __m512 g = _mm512_loadu_ps(grad + i);
+    if (kAdamW) {
+      p = _mm512_mul_ps(p, vdecay);
+    } else {
+      g = _mm512_fmadd_ps(vweight_decay, p, g);
+    }
+    const __m512 m =
+        _mm512_fmadd_ps(vbeta1, widen_bf16(exp_avg + i), _mm512_mul_ps(vone_minus_beta1, g));
+    const __m512 v = _mm512_fmadd_ps(vbeta2, widen_bf16(exp_avg_sq + i),
+                                     _mm512_mul_ps(vone_minus_beta2, _mm512_mul_ps(g, g)));
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), vinv_bias2_sqrt, veps);
+    p = _mm512_fnmadd_ps(vstep_size, _mm512_div_ps(m, denom), p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg + i), round_to_bf16(m));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg_sq + i), round_to_bf16(v));
+    _mm512_storeu_ps(param + i, p);
+    if (kCopyOut) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16_out + i), round_to_bf16(p));
+  }
+  begin = i;
+  adam_range<kAdamW, kCopyOut, uint16_t>(TESSERA_RANGE_ARGS);
+}
+static bool cpu_has_avx512_bf16() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return has;
+}
+
+#pragma GCC push_options
+#pragma GCC target("prefer-vector-width=512")
+template <bool kAdamW, bool kCopyOut>
+__attribute__((noinline)) static void adam_range_bf16_moments(TESSERA_RANGE_PARAMS) {
+  if (cpu_has_avx512_bf16()) {
+    adam_range_bf16_instructions<kAdamW, kCopyOut>(TESSERA_RANGE_ARGS);
+  } else {
+    adam_range<kAdamW, kCopyOut, uint16_t>(TESSERA_RANGE_ARGS);
+  }
+}
+#pragma GCC pop_options
+#undef TESSERA_RANGE_PARAMS
+#undef TESSERA_RANGE_ARGS
+#define TESSERA_BF16_RANGE(ADAMW, COPY_OUT) adam_range_bf16_moments<ADAMW, COPY_OUT>
+#else
+#define TESSERA_BF16_RANGE(ADAMW, COPY_OUT) adam_range<ADAMW, COPY_OUT, uint16_t>
+#endif
 
 extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
                                  void* exp_avg_sq, uint16_t* bf16_out, int64_t n,
@@ -109,14 +218,13 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t begin = c * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
-#define TESSERA_ADAM_RANGE(ADAMW, COPY_OUT, MOMENT)                                        \
-  adam_range<ADAMW, COPY_OUT, MOMENT>(param, grad, static_cast<MOMENT*>(exp_avg),            \
-                                      static_cast<MOMENT*>(exp_avg_sq), bf16_out, begin, end, \
-                                      beta1, beta2, one_minus_beta1, one_minus_beta2, eps,    \
-                                      weight_decay, decay, step_size, inv_bias2_sqrt)
+#define TESSERA_ADAM_RANGE(FUNCTION, MOMENT)                                                 \
+  FUNCTION(param, grad, static_cast<MOMENT*>(exp_avg), static_cast<MOMENT*>(exp_avg_sq),     \
+           bf16_out, begin, end, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,        \
+           weight_decay, decay, step_size, inv_bias2_sqrt)
 #define TESSERA_ADAM_MOMENTS(ADAMW, COPY_OUT)                                                \
-  if (bf16_moments) TESSERA_ADAM_RANGE(ADAMW, COPY_OUT, uint16_t);                           \
-  else TESSERA_ADAM_RANGE(ADAMW, COPY_OUT, float)
+  if (bf16_moments) TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT)), uint16_t);     \
+  else TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, float>), float)
     if (adamw && bf16_out) { TESSERA_ADAM_MOMENTS(true, true); }
     else if (adamw) { TESSERA_ADAM_MOMENTS(true, false); }
     else if (bf16_out) { TESSERA_ADAM_MOMENTS(false, true); }
@@ -124,6 +232,25 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
 #undef TESSERA_ADAM_MOMENTS
 #undef TESSERA_ADAM_RANGE
   }
+}
+#undef TESSERA_BF16_RANGE
+#undef TESSERA_FMA
+
+// Ask Linux to back [ptr, ptr + bytes) with 2 MiB transparent huge pages (the whole 2 MiB pages
+// inside it), before its first touch. Returns 0 when advised, -1 when not (other OS, madvise
+// refused, or no whole huge page inside): advice only, the memory works the same either way.
+extern "C" int tessera_advise_huge_pages(void* ptr, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = uintptr_t(1) << 21;
+  const uintptr_t begin = (uintptr_t(ptr) + huge - 1) & ~(huge - 1);
+  const uintptr_t end = (uintptr_t(ptr) + uintptr_t(bytes)) & ~(huge - 1);
+  if (end <= begin) return -1;
+  return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0 ? 0 : -1;
+#else
+  (void)ptr;
+  (void)bytes;
+  return -1;
+#endif
 }
 """
 
@@ -173,6 +300,26 @@ class AdamKernel:
             [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int] * 3
         )
         self._function = function
+        advise = ctypes.CDLL(library_path).tessera_advise_huge_pages
+        advise.restype = ctypes.c_int
+        advise.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self._advise_huge_pages = advise
+
+    def zeros(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros shaped like `like`, on transparent huge pages where Linux grants them.
+
+        Why: the step streams 7 arrays; with 4 KiB pages the hardware prefetchers stop at every
+        page boundary and the TLB misses every 4 KiB of each stream. Measured here (Nov 2026, 50M
+        parameters, interleaved): the same step with the two moments on 2 MiB pages ran 8-13%
+        faster than on 4 KiB pages. The advice must come before the first touch, so the tensor
+        is allocated empty (untouched), advised, then zeroed. Small tensors (< 4 MiB) hold no
+        whole huge page worth the split of the mapping and are left alone.
+        """
+        tensor = torch.empty(like.shape, dtype=dtype)
+        num_bytes = tensor.numel() * tensor.element_size()
+        if num_bytes >= 4 << 20:
+            self._advise_huge_pages(tensor.data_ptr(), num_bytes)
+        return tensor.zero_()
 
     def __call__(
         self,

@@ -42,6 +42,10 @@ def native_kernel_available() -> bool:
 _warned_fallback = False
 
 
+def _plain_zeros(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(like.shape, dtype=dtype)
+
+
 def _kernel_or_warn() -> AdamKernel | None:
     """The native kernel, or None after warning once per process why it is not used."""
     global _warned_fallback
@@ -130,8 +134,9 @@ class CPUAdam(torch.optim.Optimizer):
         dtype = torch.bfloat16 if group["bf16_moments"] else torch.float32
         if not state:  # lazily, as torch does, so a loaded state dict is used as is
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, dtype=dtype)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=dtype)
+            zeros = self._kernel.zeros if self._kernel is not None else _plain_zeros
+            state["exp_avg"] = zeros(param, dtype)
+            state["exp_avg_sq"] = zeros(param, dtype)
         for name in ("exp_avg", "exp_avg_sq"):
             # load_state_dict casts moments to the parameter's dtype: bf16 values in fp32 go
             # back losslessly; fp32 moments into a bf16_moments optimizer are rounded once.
