@@ -31,7 +31,7 @@ from tessera.parameter_server.train import (
     parse_slow_workers,
     ps_policy,
 )
-from tessera.train import build_config, load_checkpoint
+from tessera.train import build_config, load_checkpoint, run_training
 from tessera.train.registry import OWN_ENTRY_POINTS, own_entry_point, strategy_names
 
 STEPS, SPLIT, WORKERS, SERVERS = 4, 2, 2, 1
@@ -230,6 +230,9 @@ def test_ps_options_are_checked_before_anything_starts(monkeypatch):
     ]:
         with pytest.raises(ConfigError, match=message):
             config(**values)
+    # The supervisor restarts engines' ranks; ps has its servers' checkpoints and --resume.
+    with pytest.raises(ConfigError, match="--max-restarts and --min-nproc are not supported"):
+        run_training(config(), max_restarts=1)
     monkeypatch.setenv("WORLD_SIZE", "5")  # under tessera run / torchrun
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
     with pytest.raises(ConfigError, match=r"1 \+ 2 must equal the 5 processes"):
