@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.models import GPT, GPTConfig
 from tessera.optim import CPUAdam
 from tessera.train import build_config
-from tessera.train.loop import lr_at, next_token_loss
+from tessera.train.config import config_to_dict
+from tessera.train.loop import corpus_batches, lr_at, next_token_loss
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -32,17 +32,9 @@ RESULTS = Path(__file__).parent / "results"
 def _train(bf16_moments: bool, steps: int) -> dict:
     """One single-process run of the demo model; the losses per step and on held-out batches."""
     config = build_config({"nproc": 1, "strategy": "single", "steps": steps})
-    text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
-    tokenizer = CharTokenizer.from_text(text)
-    batches = LMBatches(
-        tokenizer.encode_tensor(text),
-        block_size=config.model.block_size,
-        global_batch_size=config.batch_size,
-        seed=config.seed,
-    )
+    tokenizer, batches = corpus_batches(config)
     torch.manual_seed(config.seed)
-    model_options = {k: getattr(config.model, k) for k in config.model.__dataclass_fields__}
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **model_options))
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"]))
     optimizer = CPUAdam(
         model.parameters(),
         lr=config.lr,

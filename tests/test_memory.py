@@ -93,6 +93,25 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+def _same_gradients_saved_bytes(plain, wrapped, loss) -> tuple[int, int]:
+    """Bytes autograd saves in the training forward of each model (`loss(model, seed)`), after
+    checking that losses and gradients are bit-identical with a no_grad forward of the
+    checkpointed model between its training forward and its backward (which changes nothing).
+
+    Recompute runs the same CPU kernels in the same order, dropout with the stashed RNG state:
+    bit-identical, so exact equality (no tolerance)."""
+    plain_bytes, plain_loss = _saved_bytes(lambda: loss(plain, 1))
+    wrapped_bytes, wrapped_loss = _saved_bytes(lambda: loss(wrapped, 1))
+    with torch.no_grad():
+        loss(wrapped, 2)
+    plain_loss.backward()
+    wrapped_loss.backward()
+    assert torch.equal(plain_loss, wrapped_loss)
+    for name, grad in _grads(plain).items():
+        assert torch.equal(_grads(wrapped)[name], grad), name
+    return plain_bytes, wrapped_bytes
+
+
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_gpt_checkpointing_same_gradients_fewer_saved_bytes(offload):
     torch.manual_seed(0)
@@ -100,18 +119,7 @@ def test_gpt_checkpointing_same_gradients_fewer_saved_bytes(offload):
     wrapped = checkpoint_activations(copy.deepcopy(plain), offload=offload)
     assert checkpointed_blocks(wrapped) == list(wrapped.blocks)
     assert wrapped.state_dict().keys() == plain.state_dict().keys()
-    plain_bytes, plain_loss = _saved_bytes(lambda: _gpt_loss(plain, 1))
-    wrapped_bytes, wrapped_loss = _saved_bytes(lambda: _gpt_loss(wrapped, 1))
-    # A no_grad forward between the training forward and its backward changes nothing.
-    with torch.no_grad():
-        _gpt_loss(wrapped, 2)
-    plain_loss.backward()
-    wrapped_loss.backward()
-    # Recompute runs the same CPU kernels in the same order, dropout with the stashed RNG state:
-    # bit-identical, so exact equality (no tolerance).
-    assert torch.equal(plain_loss, wrapped_loss)
-    for name, grad in _grads(plain).items():
-        assert torch.equal(_grads(wrapped)[name], grad), name
+    plain_bytes, wrapped_bytes = _same_gradients_saved_bytes(plain, wrapped, _gpt_loss)
     # Each checkpoint keeps its block's input, a (B, T, C) fp32 tensor, outside autograd's saves.
     kept_inputs = GPT_SHAPE["n_layer"] * BATCH * TOKENS * GPT_SHAPE["n_embd"] * 4
     blocks_saved = plain_bytes - wrapped_bytes  # what the blocks no longer save
@@ -132,15 +140,7 @@ def test_module_dict_blocks_same_gradients(offload):
     }
     expected = {f"blocks.{i}.{child}" for i in range(3) for child in ("norm", "mlp", "mix")}
     assert wrapped_names == expected
-    plain_bytes, plain_loss = _saved_bytes(lambda: _dict_loss(plain, 1))
-    wrapped_bytes, wrapped_loss = _saved_bytes(lambda: _dict_loss(wrapped, 1))
-    with torch.no_grad():
-        _dict_loss(wrapped, 2)
-    plain_loss.backward()
-    wrapped_loss.backward()
-    assert torch.equal(plain_loss, wrapped_loss)
-    for name, grad in _grads(plain).items():
-        assert torch.equal(_grads(wrapped)[name], grad), name
+    plain_bytes, wrapped_bytes = _same_gradients_saved_bytes(plain, wrapped, _dict_loss)
     # The MLP's 4x-wide hidden (before and after GELU) is no longer saved: at least 2 x 4 = 8
     # (B, 7, 24) tensors per block, minus the inputs the 3 x 4 checkpoint calls keep.
     unit = BATCH * 7 * 24 * 4

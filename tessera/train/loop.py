@@ -184,9 +184,9 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         return _train(ctx, config, run_dir, resume)
 
 
-def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
-    config.check_world_size(ctx.world_size)
-    out = Path(run_dir)
+def corpus_batches(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
+    """The run's tokenizer and batch stream: the corpus the config names, cut into blocks; the
+    batch of a step is a pure function of (seed, step), which is what makes resume exact."""
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
     batches = LMBatches(
@@ -195,6 +195,13 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
         global_batch_size=config.batch_size,
         seed=config.seed,
     )
+    return tokenizer, batches
+
+
+def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
+    config.check_world_size(ctx.world_size)
+    out = Path(run_dir)
+    tokenizer, batches = corpus_batches(config)
     torch.manual_seed(config.seed)
     model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
     model = GPT(model_config).to(ctx.device)
