@@ -106,6 +106,14 @@ class TrainConfig:
     offload_params: bool = _option(
         False, "offload nvme with zero3: the parameter partitions go to nvme_dir too."
     )
+    delayed_update: bool = _option(
+        False,
+        "offload cpu: one-step delayed parameter update (ZeRO-Offload's DPU): each host step "
+        "runs beside the next forward/backward, which use the parameters of one step before.",
+    )
+    delayed_update_after: int = _option(
+        40, "delayed_update: steps run without delay first (the paper's 'few dozen')."
+    )
     activation_checkpointing: bool = _option(
         False,
         "Recompute each GPT block's activations in backward (single, ddp, torch-ddp, local-sgd, "
@@ -161,6 +169,7 @@ class TrainConfig:
             "tp",
             "microbatches",
             "keep_checkpoints",
+            "delayed_update_after",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -218,6 +227,11 @@ class TrainConfig:
             raise ConfigError("nvme_dir and offload_params need offload nvme")
         if self.offload_params and self.strategy != "zero3":
             raise ConfigError("offload_params moves ZeRO-3's parameter partitions: use zero3")
+        if self.delayed_update and self.offload != "cpu":  # as tessera.zero.delayed checks
+            raise ConfigError(
+                "delayed_update overlaps ZeRO-Offload's host step with the next forward/backward:"
+                f" it needs offload cpu, not offload {self.offload}"
+            )
         if self.offload == "nvme":
             from tessera.optim.swap_files import check_swap_dir
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
 from tessera.optim.offload import host_optimizer
+from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
@@ -58,6 +59,8 @@ def initialize(
     nvme_dir: str | None = None,
     nvme_buffer_mb: float = 64.0,
     offload_params: bool = False,
+    delayed_update: bool = False,
+    delayed_update_after: int = DEFAULT_WARMUP_STEPS,
     **optimizer_kwargs: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard `model`'s training state over `group` with ZeRO `stage` (0 = plain DDP).
@@ -76,10 +79,17 @@ def initialize(
     `offload="nvme"` (ZeRO-Infinity) keeps Adam's moments (and the fp32 masters under
     mixed precision; with `offload_params=True`, stage 3's parameter partitions) in files under
     `nvme_dir`, streamed through `nvme_buffer_mb` MB of buffers (`tessera.optim.nvme.NVMeAdam`).
+
+    `delayed_update=True` (with `offload="cpu"`) is ZeRO-Offload's one-step delayed parameter
+    update: after `delayed_update_after` steps in place, each host step runs in the background
+    while the next forward and backward run on the parameters from before it, so the update
+    applied at step t uses the gradient of step t-1's parameters (`tessera.zero.delayed`).
+    Call `optimizer.finish_step()` before evaluating the module at the end.
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_optimizer(optimizer_class, optimizer_kwargs)
+    check_delayed_update(delayed_update, delayed_update_after, offload=offload, stage=stage)
     if mixed_precision not in (None, "bf16"):
         raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
     optimizer_class, optimizer_kwargs = host_optimizer(
@@ -106,6 +116,9 @@ def initialize(
         extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
     if optimizer_kwargs.get("swap_params"):  # NVMeAdam keeps the masters: made straight there
         extra["swap_masters"] = True
+    if delayed_update:
+        extra["delayed_update"] = True
+        extra["delayed_update_after"] = delayed_update_after
     optimizer = STAGES[stage](
         model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
     )

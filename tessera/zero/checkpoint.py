@@ -10,6 +10,11 @@ A rank's shard is two files in the step's folder:
   (Adam's `step`: every flat keeps its own tensor) and the SHA-256 of the tensor file, which
   every reader verifies before trusting a byte of it.
 
+Under a one-step delayed update (`tessera.zero.delayed`) a save first waits for the step in
+flight: the masters and optimizer state saved are those after it, and the parameters forward
+sees, one step behind, are saved too (kind `stale`) with the step count, so that a resumed run
+continues exactly as one that never stopped.
+
 A save is atomic per checkpoint, not only per file: every rank writes into `.NAME.partial` and
 group rank 0 renames it to `NAME` once all shards are complete, so a folder never mixes the
 shards of two saves (or two world sizes).
@@ -126,11 +131,16 @@ def _replace_folder(new: Path, target: Path) -> None:
 
 def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
     """Write this rank's two files into `folder`; return the metadata file's name."""
+    delayed = getattr(optimizer, "delayed", None)
+    if delayed is not None:
+        optimizer.wait_for_step()  # the step in flight is part of the state saved
     params, extras = _parameter_keys(optimizer)
     tensors: dict[str, torch.Tensor] = {}
     flat_state = []
     for flat in optimizer.flats:
         sources = {"param": optimizer.master_value(flat)}
+        if delayed is not None and delayed.unpublished:  # what forward sees: one step behind
+            sources["stale"] = optimizer.visible_slice(flat)
         scalars: dict[str, Any] = {}
         for kind, value in _inner_state(optimizer.optimizer, flat.master).items():
             if isinstance(value, torch.Tensor) and value.shape == flat.master.shape:
@@ -167,6 +177,8 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
         "sha256": digest,
         **extra,
     }
+    if delayed is not None:
+        meta["delayed"] = {"steps": delayed.steps, "unpublished": delayed.unpublished}
     from tessera.train.checkpoint import save_checkpoint
 
     save_checkpoint(folder / name, meta)
@@ -277,7 +289,17 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
     folder = Path(folder)
     metas = load_shard_files(folder)
     _check_compatible(optimizer, metas[0])
+    saved_delay = metas[0].get("delayed") or {"steps": 0, "unpublished": False}
+    delayed = getattr(optimizer, "delayed", None)
+    if saved_delay["unpublished"] and delayed is None:
+        raise CheckpointError(
+            f"{folder} was saved with a delayed update (DPU) in flight: its parameters are one "
+            "step behind its masters; load it into an optimizer built with delayed_update=True"
+        )
+    if delayed is not None:
+        optimizer.wait_for_step()  # a step in flight would write over what is loaded
     slices, extras = _read_my_runs(optimizer, folder, metas)
+    stale: list[torch.Tensor] = []
     inner_state: dict[int, dict[str, Any]] = {}
     for index, (flat, kinds, saved) in enumerate(
         zip(optimizer.flats, slices, _flat_states(optimizer, metas[0]))
@@ -287,6 +309,8 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
         optimizer.set_master(flat, kinds.pop("param", torch.zeros(flat.master.numel())))
         for kind in saved["kinds"]:
             kinds.setdefault(kind, torch.zeros(flat.master.numel()))
+        if "stale" in kinds:
+            stale.append(kinds.pop("stale"))
         # Each flat gets its own scalar tensors: torch's load_state_dict keeps a `step` tensor
         # as given, so one shared tensor would be advanced once per flat by every step.
         scalars = {k: _own_copy(v) for k, v in saved["scalars"].items()}
@@ -298,6 +322,11 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
         group.update(saved)
     optimizer.optimizer.load_state_dict(inner)
     optimizer._publish()  # stages 1/2: all-gather the new slices; stage 3: refresh the shards
+    if delayed is not None:  # a checkpoint without DPU state (no DPU, or older): warm up anew
+        delayed.steps = saved_delay["steps"]
+        delayed.unpublished = saved_delay["unpublished"]
+        if delayed.unpublished:  # forward goes on with the parameters of one step before
+            optimizer.show_values(stale)
     plain = optimizer.module.state_dict(keep_vars=True)
     for key, value in extras.items():
         plain[key].data.copy_(value)

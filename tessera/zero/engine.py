@@ -60,11 +60,15 @@ class ZeroEngine(Engine):
                     kwargs["swap_masters"] = True
             if getattr(config, "offload_params", False):
                 kwargs["offload_params"] = True
+            if getattr(config, "delayed_update", False):  # ZeRO-Offload's DPU
+                kwargs["delayed_update"] = True
+                kwargs["delayed_update_after"] = config.delayed_update_after
         self.optimizer = STAGES[self.stage](module, make_optimizer, **kwargs)
         module._tessera_zero = self.optimizer
 
     def close(self) -> None:
         """Release what outlives training: an `offload="nvme"` optimizer's swap files."""
+        self.optimizer.wait_for_step()  # under DPU no step may outlive the engine
         close = getattr(self.optimizer.optimizer, "close", None)
         if close is not None:
             close()
@@ -74,6 +78,11 @@ class ZeroEngine(Engine):
         loss.backward()
         self.comm_seconds = self.optimizer.reducer.exposed_comm_s
 
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model, gathered from the shards (collective); under DPU the masters after
+        every step taken, the one in flight included."""
+        return full_state_dict(self.module)
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip by the global norm, summed over every rank's gradient shard."""
         return self.optimizer.clip_grad_norm(max_norm)
@@ -81,10 +90,6 @@ class ZeroEngine(Engine):
     def model_state_bytes(self) -> int:
         """Parameters, gradients and optimizer state held by this rank, counted from storages."""
         return self.optimizer.memory_usage()["total"]
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model, gathered from the shards (collective)."""
-        return full_state_dict(self.module)
 
     def state_dict(self) -> dict[str, Any]:
         """The full model only (collective); checkpoints go through `save_shards`."""

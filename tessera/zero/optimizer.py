@@ -16,6 +16,8 @@ slices instead of whole tensors. With `mixed_precision="bf16"` parameters and gr
 for compute and communication and the masters are fp32 copies (the paper's K = 12 for Adam).
 All collectives run on the group's one communication stream (`tessera.comm.stream`), shared with
 any other engine on the group, so every rank issues them in the same order.
+`delayed_update=True` runs the inner step in a background thread, overlapped with the next
+forward and backward (ZeRO-Offload's DPU, `tessera.zero.delayed`).
 
 Transport: a reduce-scatter and an all-gather (the paper's Ψ elements each) through
 `tessera.comm` with the cost model's choice: on one host its shared-memory collectives
@@ -44,6 +46,7 @@ from tessera.data_parallel.reducer import Reducer
 from tessera.errors import CollectiveTimeout
 from tessera.flat import flatten, unflatten_into
 from tessera.runtime.context import default_timeout_s
+from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
 
@@ -82,6 +85,8 @@ class ZeroOptimizer:
         mixed_precision: str | None = None,
         bucket_cap_mb: float = 25.0,
         swap_masters: bool = False,
+        delayed_update: bool = False,
+        delayed_update_after: int = DEFAULT_WARMUP_STEPS,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
@@ -93,6 +98,18 @@ class ZeroOptimizer:
         self.rank = dist.get_rank(group)
         self.timeout_s = default_timeout_s()
         self.mixed_precision = mixed_precision
+        # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
+        # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
+        check_delayed_update(delayed_update, delayed_update_after, offload="cpu")
+        if delayed_update and swap_masters:
+            raise ValueError(
+                "delayed_update cannot run with the masters in files (offload='nvme'): the "
+                "swapped step streams them through shared buffers on the training thread"
+            )
+        self.delayed: DelayedUpdate | None = None
+        """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
+        if delayed_update:
+            self.delayed = DelayedUpdate(delayed_update_after, self.rank, self.timeout_s)
         named, units = self._ordered_parameters()
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
@@ -169,7 +186,14 @@ class ZeroOptimizer:
         padded = padded_numel(layout.numel, self.world)
         lo, hi = shard_range(layout.numel, self.world, self.rank)
         first = bucket.params[0]
-        aliased = master is None and self.mixed_precision is None and self.stage < 3
+        # Under DPU the step writes the master while the next forward reads the flat buffer:
+        # they must not share memory.
+        aliased = (
+            master is None
+            and self.mixed_precision is None
+            and self.stage < 3
+            and self.delayed is None
+        )
         flat_param = torch.zeros(padded, dtype=first.dtype, device=first.device)
         master_full = None
         if not aliased:
@@ -234,6 +258,19 @@ class ZeroOptimizer:
             return flat.flat_param[flat.lo : flat.hi].detach()
         return flat.master.detach()
 
+    def visible_slice(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's slice of `flat` as forward sees it (stages 1/2: of the flat buffer)."""
+        return flat.flat_param[flat.lo : flat.hi].detach()
+
+    @torch.no_grad()
+    def show_values(self, values: list[torch.Tensor]) -> None:
+        """Make forward see `values` (this rank's slice of each flat), not the masters: a DPU
+        checkpoint's parameters, one step behind its masters. Collective on stages 1/2."""
+        for index, (flat, value) in enumerate(zip(self.flats, values)):
+            target = flat.flat_param[flat.lo : flat.hi]
+            target.copy_(value)
+            self._collective(self._all_gather_into, flat.flat_param, target.detach(), item=index)
+
     def master_value(self, flat: FlatShard) -> torch.Tensor:
         """This rank's fp32 master slice of `flat` (read back from disk if it is swapped)."""
         if self.swapped_masters:
@@ -283,8 +320,21 @@ class ZeroOptimizer:
     # -- the optimizer interface ---------------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's groups (set `lr` here, as with any optimizer)."""
+        """The inner optimizer's groups (set `lr` here, as with any optimizer).
+
+        Under DPU this first waits for the step in flight, which reads them: a new `lr` set for
+        the next step must not change the running one."""
+        self.wait_for_step()
         return self.optimizer.param_groups
+
+    def wait_for_step(self) -> None:
+        """Under DPU: block until the background step has finished (its result unpublished).
+
+        The master weights and the optimizer state are then those after every step taken; the
+        module's parameters still show the values of one step before, until the next `step`.
+        """
+        if self.delayed is not None:
+            self.delayed.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of the last backward."""
@@ -305,9 +355,16 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        """Step this rank's slices with the inner optimizer, then publish them."""
+        """Step this rank's slices with the inner optimizer, then publish them.
+
+        Under DPU (after the warm-up steps): publish the previous step's result, then launch
+        this one in the background; its result is published by the next call.
+        """
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
+        if self.delayed is not None:
+            self._delayed_step(self.delayed)
+            return
         if self.swapped_masters:  # gradients in their own dtype, converted chunk by chunk
             self.optimizer.step(
                 grads=self.gradient_slices(),
@@ -323,6 +380,51 @@ class ZeroOptimizer:
             flat.master.grad = None
         self._publish()
 
+    def _delayed_step(self, delayed: DelayedUpdate) -> None:
+        """DPU's step (`tessera.zero.delayed`); every branch is taken alike on every rank."""
+        delayed.wait()
+        if delayed.unpublished:  # the last step's result: all-gathered here, on this thread
+            self._publish()
+            delayed.unpublished = False
+        if not delayed.delaying:  # warm-up: in place, as without DPU
+            delayed.steps += 1
+            for flat in self.flats:
+                grad = self._gradient_slice(flat)
+                flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
+            self.optimizer.step()
+            for flat in self.flats:
+                flat.master.grad = None
+            self._publish()
+            return
+        # The step's own copy of the gradient partition: the next backward (and zero_grad)
+        # write the stage's buffers while the step reads this one.
+        grads = delayed.grad_buffers([flat.master for flat in self.flats])
+        for flat, grad in zip(self.flats, grads):
+            grad.copy_(self._gradient_slice(flat))
+            flat.master.grad = grad
+        delayed.steps += 1
+        delayed.launch(self._inner_step)
+
+    @torch.no_grad()
+    def finish_step(self) -> None:
+        """Under DPU: wait for the step in flight and publish it (collective on stages 1/2), so
+        the module's parameters show every step taken (before evaluating or exporting the
+        module). The next step then starts from fresh parameters: called mid-training, it
+        makes that one step not stale. Without DPU: nothing to do."""
+        if self.delayed is None:
+            return
+        self.delayed.wait()
+        if self.delayed.unpublished:
+            self._publish()
+            self.delayed.unpublished = False
+
+    def _inner_step(self) -> None:
+        """The background half of a delayed step: the inner optimizer on the masters only."""
+        with torch.no_grad():
+            self.optimizer.step()
+        for flat in self.flats:
+            flat.master.grad = None
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes of params, gradients and optimizer state held on this rank, from storages."""
         seen: set[int] = set()
@@ -333,6 +435,7 @@ class ZeroOptimizer:
             params += [f.master for f in self.flats]
         grads = [p.grad for p in self.module.parameters()]
         grads += [f.bucket.buffer for f in self.flats] + [f.grad_shard for f in self.flats]
+        grads += self.delayed.grads if self.delayed is not None else []
         states = [
             value
             for state in self.optimizer.state.values()
@@ -359,7 +462,10 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter, unsharded, in fp32 (collective: the masters are all-gathered)."""
+        """Every parameter, unsharded, in fp32 (collective: the masters are all-gathered).
+
+        Under DPU: the masters after every step taken, the one in flight included."""
+        self.wait_for_step()
         out: dict[str, torch.Tensor] = {}
         for index, flat in enumerate(self.flats):
             master = self.master_value(flat)
@@ -377,6 +483,7 @@ class ZeroOptimizer:
         are freed shards, so call `full_state_dict` first. An `offload="nvme"` optimizer's files
         are removed.
         """
+        self.wait_for_step()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

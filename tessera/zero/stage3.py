@@ -44,6 +44,7 @@ from torch import nn
 
 from tessera.data_parallel.bucket import Bucket
 from tessera.errors import CollectiveTimeout
+from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
 from tessera.zero.optimizer import FlatShard, ZeroOptimizer
 from tessera.zero.units import UnitSpec, find_units, parameter_owners, select_units
 
@@ -91,6 +92,8 @@ class ZeroStage3(ZeroOptimizer):
         units: Sequence[UnitSpec] | UnitSpec | None = None,
         offload_params: bool = False,
         swap_masters: bool = False,
+        delayed_update: bool = False,
+        delayed_update_after: int = DEFAULT_WARMUP_STEPS,
     ) -> None:
         self._units = select_units(module, units)
         self._offload_params = offload_params
@@ -99,6 +102,7 @@ class ZeroStage3(ZeroOptimizer):
         super().__init__(
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
             bucket_cap_mb=2**40, swap_masters=swap_masters or offload_params,
+            delayed_update=delayed_update, delayed_update_after=delayed_update_after,
         )  # fmt: skip
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
         self._unit_of_storage: dict[int, int] = {}
@@ -131,7 +135,8 @@ class ZeroStage3(ZeroOptimizer):
         """The base's flat, then this rank's shard kept and the full buffer freed at once (so
         set-up never holds the whole model twice)."""
         flat = super()._make_flat(bucket, sources, master)
-        if self.mixed_precision is None or self._offload_params:
+        # Under DPU the gathers read a copy: the background step writes the master meanwhile.
+        if (self.mixed_precision is None and self.delayed is None) or self._offload_params:
             # The fp32 master is the shard (with offload_params, in the optimizer's files:
             # `_shard_value` reads it, rounded to the compute dtype, for each gather).
             self._shards.append(flat.master.detach())
@@ -350,9 +355,21 @@ class ZeroStage3(ZeroOptimizer):
     @torch.no_grad()
     def _publish(self) -> None:
         self._release_unused()  # also after load_shards replaced the masters
-        if self.mixed_precision is not None and not self.swapped_masters:
+        copied = self.mixed_precision is not None or self.delayed is not None
+        if copied and not self.swapped_masters:
             for flat, shard in zip(self.flats, self._shards):
                 shard.copy_(flat.master)
+
+    def visible_slice(self, flat: FlatShard) -> torch.Tensor:
+        """This rank's shard as the gathers read it (a copy of the master under DPU)."""
+        return self._shards[flat.bucket.index].detach()
+
+    @torch.no_grad()
+    def show_values(self, values: list[torch.Tensor]) -> None:
+        """Gathers read `values` until the next step publishes the masters (a DPU checkpoint)."""
+        self._release_unused()
+        for shard, value in zip(self._shards, values):
+            shard.copy_(value)
 
     def _parameter_shards(self) -> list[torch.Tensor]:
         return list(self._shards)

@@ -1,0 +1,128 @@
+"""One-step delayed parameter update (DPU) of ZeRO-Offload: the host step runs beside the next
+forward and backward.
+
+Ren et al., "ZeRO-Offload: Democratizing Billion-Scale Model Training" (USENIX ATC 2021),
+section 5: with the step on the host, the CPU optimizer step is often the longest part of an
+iteration. DPU overlaps it with the next iteration's compute: the step of iteration t runs in a
+background thread while iteration t+1's forward and backward run on the parameters from before
+that step, and its result becomes visible when iteration t+1 reaches its own step. From then on
+the update applied at step t uses the gradient computed at the parameters of step t-1 (one step
+stale); the paper shows that convergence is unharmed once the first steps, when the gradients
+change fast, run without delay: `delayed_update_after` of them (default 40 here: the paper says
+"a few dozen"; tessera's own choice, not a figure from the paper).
+
+`ZeroOptimizer.step` drives this object; its rules keep the delayed step race free:
+
+* the step reads its own copy of the gradient partition (`grads`, fp32, filled on the training
+  thread at launch): the next backward writes the stage's gradient buffers meanwhile, so the
+  partition is double-buffered;
+* the master weights are never the parameters forward reads (under DPU a stage 1/2 fp32 master
+  is a copy, not a view of the flat buffer; a stage 3 shard is a copy of its master), so the
+  step writes memory that no forward touches;
+* the thread issues no collective: publishing (stages 1/2 all-gather the new slices, stage 3
+  copies them into the gathered shards) runs on the training thread at the start of the next
+  `step`, after that iteration's backward and before the next forward, in the same place on
+  every rank, through the group's ordered stream (`tessera.comm.stream`);
+* everything that reads the optimizer's state or hyper-parameters (`param_groups`, checkpoints,
+  `full_parameters`) first waits for the step in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+
+from tessera.errors import CollectiveTimeout
+
+__all__ = ["DEFAULT_WARMUP_STEPS", "DelayedUpdate", "check_delayed_update"]
+
+DEFAULT_WARMUP_STEPS = 40
+"""Steps without delay before DPU starts ("a few dozen" in the paper; this value is ours)."""
+
+
+def check_delayed_update(
+    delayed_update: bool, after: int, *, offload: str | None = "cpu", stage: int = 1
+) -> None:
+    """Refuse a DPU setting that cannot run, with one message (shared by initialize and config)."""
+    if not isinstance(delayed_update, bool):
+        raise ValueError(f"delayed_update must be True or False, got {delayed_update!r}")
+    if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+        raise ValueError(
+            f"delayed_update_after must be an integer >= 1 (the first step builds the optimizer "
+            f"state on the training thread), got {after!r}"
+        )
+    if not delayed_update:
+        return
+    if offload != "cpu":
+        raise ValueError(
+            f"delayed_update overlaps ZeRO-Offload's host step with the next forward/backward: "
+            f"it needs offload='cpu', not offload={offload!r}"
+        )
+    if stage not in (1, 2, 3):
+        raise ValueError(f"delayed_update needs ZeRO stage 1, 2 or 3, not stage {stage}")
+
+
+class DelayedUpdate:
+    """The background step of one `ZeroOptimizer`: one worker thread, one step in flight."""
+
+    def __init__(self, after: int, rank: int, timeout_s: float) -> None:
+        self.after = after
+        """Steps run without delay before the first delayed one."""
+        self.steps = 0
+        """Steps taken so far (launched ones included); the same on every rank."""
+        self.unpublished = False
+        """A step has run (or runs) whose result the module's parameters do not show yet."""
+        self.grads: list[torch.Tensor] = []
+        """The step's own copy of the gradient partition, one fp32 tensor per flat shard."""
+        self._rank = rank
+        self._timeout_s = timeout_s
+        self._future: Future | None = None
+
+    @property
+    def delaying(self) -> bool:
+        """Is the next step delayed (warm-up over)?"""
+        return self.steps >= self.after
+
+    def launch(self, step: Callable[[], None]) -> None:
+        """Run `step()` on a fresh daemon thread (one step at a time; the last one finished)."""
+        assert self._future is None, "a delayed step is still in flight"
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                step()
+            except BaseException as error:  # noqa: BLE001 - re-raised on the training thread
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+
+        self._future = future
+        self.unpublished = True
+        thread = threading.Thread(target=run, name=f"tessera-delayed-step-{self._rank}")
+        thread.daemon = True  # a rank that fails elsewhere must still exit
+        thread.start()
+
+    def wait(self) -> None:
+        """Block until the step in flight (if any) has finished; re-raise its error."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            future.result(timeout=self._timeout_s)
+        except FutureTimeout:
+            raise CollectiveTimeout(
+                self._rank,
+                "the delayed (background) optimizer step",
+                self._timeout_s,
+                "the host optimizer step did not finish; it may be stuck or far too slow",
+            ) from None
+
+    def grad_buffers(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's gradient copies, one like each master (made at the first delayed step)."""
+        if not self.grads:
+            self.grads = [torch.zeros_like(master, dtype=torch.float32) for master in masters]
+        return self.grads
