@@ -29,6 +29,7 @@ change fast, run without delay: `delayed_update_after` of them (default 40 here:
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -81,6 +82,9 @@ class DelayedUpdate:
         self._rank = rank
         self._timeout_s = timeout_s
         self._future: Future | None = None
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._threads = torch.get_num_threads()  # the training thread's setting, for the worker
 
     @property
     def delaying(self) -> bool:
@@ -88,23 +92,31 @@ class DelayedUpdate:
         return self.steps >= self.after
 
     def launch(self, step: Callable[[], None]) -> None:
-        """Run `step()` on a fresh daemon thread (one step at a time; the last one finished)."""
-        assert self._future is None, "a delayed step is still in flight"
-        future: Future = Future()
+        """Run `step()` on the worker thread (one step at a time: the last one has finished).
 
-        def run() -> None:
+        One long-lived worker, not a thread per step: its OpenMP team (CPUAdam's threads) is
+        made once, as the training thread's is."""
+        assert self._future is None, "a delayed step is still in flight"
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._work, name=f"tessera-delayed-step-{self._rank}"
+            )
+            self._thread.daemon = True  # a rank that fails elsewhere must still exit
+            self._thread.start()
+        self._future = Future()
+        self.unpublished = True
+        self._tasks.put((self._future, step))
+
+    def _work(self) -> None:
+        torch.set_num_threads(self._threads)
+        while True:
+            future, step = self._tasks.get()
             try:
                 step()
             except BaseException as error:  # noqa: BLE001 - re-raised on the training thread
                 future.set_exception(error)
             else:
                 future.set_result(None)
-
-        self._future = future
-        self.unpublished = True
-        thread = threading.Thread(target=run, name=f"tessera-delayed-step-{self._rank}")
-        thread.daemon = True  # a rank that fails elsewhere must still exit
-        thread.start()
 
     def wait(self) -> None:
         """Block until the step in flight (if any) has finished; re-raise its error."""
