@@ -10,7 +10,7 @@ the forward+backward alone, timed the same way. With the step hidden completely,
 max(forward+backward+reduction, Adam) instead of their sum, and only if a core is free for the
 Adam thread: on 2 cores with 2 ranks there is none.
 
-    flock /tmp/bench.lock python benchmarks/offload_dpu.py [--width 512] [--tokens 32]
+    flock /tmp/bench.lock python benchmarks/offload_dpu.py [--width 512] [--tokens 16 4]
 
 Writes benchmarks/results/offload_dpu.json and prints a Markdown table.
 """
@@ -108,18 +108,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=32, help="context per sequence")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[16, 4], help="contexts per sequence to run"
+    )
     parser.add_argument("--batch", type=int, default=2, help="global sequences per step")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     load_before = os.getloadavg()
     rows = []
-    for world in args.worlds:
-        result = tessera.launch(_rank, world, args, timeout_s=1800)[0]
-        rows.append({"ranks": world, **result})
+    for tokens in args.tokens:
+        for world in args.worlds:
+            shape = argparse.Namespace(**{**vars(args), "tokens": tokens})
+            result = tessera.launch(_rank, world, shape, timeout_s=1800)[0]
+            rows.append({"ranks": world, "tokens": tokens, **result})
     load_after = os.getloadavg()
     report = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
@@ -132,13 +136,16 @@ def main() -> None:
     (RESULTS / "offload_dpu.json").write_text(json.dumps(report, indent=2))
     print(
         f"GPT {args.layers} blocks x width {args.width}, {rows[0]['params'] / 1e6:.1f} M params, "
-        f"batch {args.batch} x {args.tokens} tokens; load {load_before} -> {load_after}"
+        f"batch {args.batch}; load average {load_before[0]:.1f} -> {load_after[0]:.1f}"
     )
-    print("| ranks | no DPU step | DPU step | ratio | fwd+bwd alone | CPU Adam alone |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| tokens/seq | ranks | no DPU step | DPU step | ratio | fwd+bwd alone | CPU Adam alone |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row['ranks']} | {row['plain_ms']:.1f} ms | {row['dpu_ms']:.1f} ms | "
+            f"| {row['tokens']} | {row['ranks']} | {row['plain_ms']:.1f} ms | "
+            f"{row['dpu_ms']:.1f} ms | "
             f"{row['plain_ms'] / row['dpu_ms']:.2f}x | {row['fb_ms']:.1f} ms | "
             f"{row['adam_ms']:.1f} ms |"
         )

@@ -228,33 +228,30 @@ def test_delayed_update_is_refused_where_it_cannot_run():
     assert config.delayed_update and config.delayed_update_after == 3
 
 
-DPU_RUN = {
-    "strategy": "zero2",
-    "bucket_cap_mb": 0.01,  # several flat shards
-    "offload": "cpu",
-    "delayed_update": True,
-    "delayed_update_after": 1,  # the checkpoint of step 2 holds a step in flight
-    "nproc": 2,
+DPU = {"offload": "cpu", "delayed_update": True, "delayed_update_after": 1, "nproc": 2}
+"""Step 0 in place, steps 1-3 delayed: the checkpoint of step 2 holds a step in flight."""
+DPU_RUNS = {
+    "zero2": {"strategy": "zero2", "bucket_cap_mb": 0.01, **DPU},  # several flat shards
+    "zero3-bf16": {"strategy": "zero3", "mixed_precision": "bf16", **DPU},
 }
 
 
-def _dpu_config(out: Path, steps: int) -> Any:
-    return build_config(TINY, DPU_RUN, {"steps": steps, "out": str(out)})
-
-
 def _resume_three_ways(root: str) -> None:
-    for name, steps, resume in (("straight", 4, False), ("split", 2, False), ("split", 4, True)):
-        folder = Path(root) / name
-        folder.mkdir(parents=True, exist_ok=True)
-        train_worker(_dpu_config(folder, steps), str(folder), resume)
+    for run, options in DPU_RUNS.items():
+        for name, steps, resume in (("straight", 4, 0), ("split", 2, 0), ("split", 4, 1)):
+            folder = Path(root) / run / name
+            folder.mkdir(parents=True, exist_ok=True)
+            config = build_config(TINY, options, {"steps": steps, "out": str(folder)})
+            train_worker(config, str(folder), bool(resume))
 
 
 def test_delayed_update_resumes_bit_for_bit_with_adamw(run_ranks, tmp_path):
     run_ranks(_resume_three_ways, 2, str(tmp_path))
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    assert _losses(split) == _losses(straight)
-    assert [step for step, _ in _losses(split)] == [1, 2, 3, 4]
-    state = _final_state(straight)
-    assert state["shards"][0]["meta"]["delayed"] == {"steps": 4, "unpublished": True}
-    assert any(key.startswith("stale|") for key in state["shards"][0])
-    assert_same(_final_state(split), state, "checkpoint")
+    for run in DPU_RUNS:
+        straight, split = tmp_path / run / "straight", tmp_path / run / "split"
+        assert _losses(split) == _losses(straight), run
+        assert [step for step, _ in _losses(split)] == [1, 2, 3, 4]
+        state = _final_state(straight)
+        assert state["shards"][0]["meta"]["delayed"] == {"steps": 4, "unpublished": True}
+        assert any(key.startswith("stale|") for key in state["shards"][0]), run
+        assert_same(_final_state(split), state, f"{run} checkpoint")

@@ -10,6 +10,10 @@ step with the moments in files under `nvme_dir` streamed through `nvme_buffer_mb
 The fp32 master weights are files too where they are a copy (`mixed_precision="bf16"`), and with
 `offload_params=True` (stage 3 only) ZeRO-3's parameter partition itself: gathers read it back.
 
+ZeRO-Offload's one-step delayed parameter update (`initialize(..., offload="cpu",
+delayed_update=True)`, the paper's section 5: the host step overlapped with the next forward and
+backward) lives with the ZeRO engine, in `tessera.zero.delayed`.
+
 What is not done yet: on CUDA, streaming gradients to pinned host buffers and the updated
 parameters back, overlapped with backward/forward: refused with a clear error.
 """
