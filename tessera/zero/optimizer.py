@@ -362,9 +362,8 @@ class ZeroOptimizer:
         """
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
-        if self.delayed is not None:
-            self._delayed_step(self.delayed)
-            return
+        if self.delayed is not None and self._launch_delayed(self.delayed):
+            return  # in the background; published by the next step
         if self.swapped_masters:  # gradients in their own dtype, converted chunk by chunk
             self.optimizer.step(
                 grads=self.gradient_slices(),
@@ -380,22 +379,17 @@ class ZeroOptimizer:
             flat.master.grad = None
         self._publish()
 
-    def _delayed_step(self, delayed: DelayedUpdate) -> None:
-        """DPU's step (`tessera.zero.delayed`); every branch is taken alike on every rank."""
+    def _launch_delayed(self, delayed: DelayedUpdate) -> bool:
+        """DPU (`tessera.zero.delayed`): publish the step in flight, then launch this one in
+        the background; False during the warm-up (the step runs in place, as without DPU).
+        Every branch is taken alike on every rank (the step count is the same everywhere)."""
         delayed.wait()
         if delayed.unpublished:  # the last step's result: all-gathered here, on this thread
             self._publish()
             delayed.unpublished = False
-        if not delayed.delaying:  # warm-up: in place, as without DPU
+        if not delayed.delaying:
             delayed.steps += 1
-            for flat in self.flats:
-                grad = self._gradient_slice(flat)
-                flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
-            self.optimizer.step()
-            for flat in self.flats:
-                flat.master.grad = None
-            self._publish()
-            return
+            return False
         # The step's own copy of the gradient partition: the next backward (and zero_grad)
         # write the stage's buffers while the step reads this one.
         grads = delayed.grad_buffers([flat.master for flat in self.flats])
@@ -404,6 +398,7 @@ class ZeroOptimizer:
             flat.master.grad = grad
         delayed.steps += 1
         delayed.launch(self._inner_step)
+        return True
 
     @torch.no_grad()
     def finish_step(self) -> None:
