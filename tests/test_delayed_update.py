@@ -35,6 +35,7 @@ from tessera.errors import ConfigError
 from tessera.train import build_config
 from tessera.train.loop import train_worker
 from tessera.zero import ZeroStage1, ZeroStage2, ZeroStage3, full_state_dict, initialize
+from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
 
 STEPS = 6
 AFTER = 2
@@ -226,6 +227,7 @@ def test_delayed_update_is_refused_where_it_cannot_run():
         {"strategy": "zero3", "offload": "cpu", "delayed_update": True, "delayed_update_after": 3}
     )
     assert config.delayed_update and config.delayed_update_after == 3
+    assert build_config({}).delayed_update_after == DEFAULT_WARMUP_STEPS  # one default, two APIs
 
 
 DPU = {"offload": "cpu", "delayed_update": True, "delayed_update_after": 1, "nproc": 2}
