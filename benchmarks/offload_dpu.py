@@ -8,9 +8,9 @@ so DPU is past its warm-up), medians of the per-step times (the slowest rank's),
 ranks. Beside them, what bounds the overlap: the CPU Adam step alone on this rank's partition and
 the forward+backward alone, timed the same way, and what DPU adds: the copy of the gradient
 partition the background step reads (and, on one rank, the copy of the masters into the
-parameters, which the all-gather of 2 ranks makes anyway). With the step hidden completely, a DPU step costs
-max(forward+backward+reduction, Adam) instead of their sum, and only if a core is free for the
-Adam thread: on 2 cores with 2 ranks there is none.
+parameters, which the all-gather of 2 ranks makes anyway). With the step hidden completely, a
+DPU step costs max(forward+backward+reduction, Adam) instead of their sum, and only if a core is
+free for the Adam thread: on 2 cores with 2 ranks there is none.
 
     flock /tmp/bench.lock python benchmarks/offload_dpu.py [--width 512] [--tokens 16 4]
 
