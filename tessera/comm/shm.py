@@ -50,7 +50,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tessera.comm import _shm_files, diagnostics
+from tessera.comm import _futex, _shm_files, diagnostics
 from tessera.comm._ops import accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
 from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
@@ -64,7 +64,9 @@ see the module docstring."""
 _ALIGN = 64  # slice boundaries on cache lines, so two ranks never write the same line
 _BLOCK = 256 << 10  # bytes reduced at a time on the shared path: the write-back hits in cache
 _COUNTER = 64  # int64 word of a rank's control slot holding its barrier count
-_SLEEPING = 80  # int64 word: 1 while the rank sleeps in poll() and wants a wake-up token
+_SLEEPING = 80  # int64 word: 1 while the rank sleeps (poll() or futex) and wants a wake-up
+_ARRIVALS_AT = 1024  # byte of the header page: the futex barrier's uint32 arrival counter
+_MASK32, _HALF32 = 0xFFFFFFFF, 1 << 31
 _DESC = diagnostics.DESCRIPTOR_LEN
 
 
@@ -89,6 +91,9 @@ class ShmGroup:
         self._inbox, self._outboxes = link.inbox, link.outboxes
         self._words, self._nap_ms = link.words, link.nap_ms
         self._slot_words = PAGE // 8
+        self._futex = link.futex
+        self._arrivals = info.size * PAGE + _ARRIVALS_AT  # byte of the futex barrier's counter
+        self._arrivals_address = self._words.address(self._arrivals)
         self._peers = [q for q in range(info.size) if q != info.rank]
         self._poll = select.poll()
         self._poll.register(self._inbox, select.POLLIN)
@@ -102,19 +107,29 @@ class ShmGroup:
         load, stride = self._words.load, self._slot_words
         return all(load(q * stride + _COUNTER) >= count for q in self._peers)
 
-    def barrier(self, op: str, seq: int, timeout_s: float) -> None:
-        """Block until every rank of the group reached this barrier (yielding spin, then sleep)."""
-        self._count += 1
-        count, words, stride, me = self._count, self._words, self._slot_words, self.info.rank
-        words.store(me * stride + _COUNTER, count)  # releases this rank's writes to the slots
-        for q in self._peers:  # wake the ranks that sleep waiting for us
-            if words.load(q * stride + _SLEEPING):
-                os.write(self._outboxes[q], b"x")
-        deadline = time.monotonic() + timeout_s
+    def _spin_stop(self, deadline: float) -> float:
         # Spin on the main thread only: a comm thread beside compute (DDP's stream) would hold
         # the GIL and yield its core to the compute thread for a whole time slice.
         spin_s = SPIN_S if threading.current_thread() is threading.main_thread() else 0.0
-        stop = min(deadline, time.monotonic() + spin_s)  # the spin never outlasts the timeout
+        return min(deadline, time.monotonic() + spin_s)  # the spin never outlasts the timeout
+
+    def _wake_needed(self) -> bool:
+        load, stride = self._words.load, self._slot_words
+        return any(load(q * stride + _SLEEPING) for q in self._peers)
+
+    def barrier(self, op: str, seq: int, timeout_s: float) -> None:
+        """Block until every rank of the group reached this barrier (yielding spin, then sleep)."""
+        self._count += 1
+        count, words, me = self._count, self._words, self.info.rank * self._slot_words
+        words.store(me + _COUNTER, count)  # releases this rank's writes; names the late ranks
+        if self._futex:
+            self._futex_barrier(op, seq, timeout_s, count)
+            return
+        for q in self._peers:  # wake the ranks that sleep waiting for us
+            if words.load(q * self._slot_words + _SLEEPING):
+                os.write(self._outboxes[q], b"x")
+        deadline = time.monotonic() + timeout_s
+        stop = self._spin_stop(deadline)
         while time.monotonic() < stop:  # polite spin: yield the core to whoever needs it
             if self._arrived(count):
                 return
@@ -122,19 +137,52 @@ class ShmGroup:
         while True:
             # Raise the flag, then look: an arriving rank stores its counter, then looks at the
             # flag. Sequential consistency lets at most one of the two looks miss the other.
-            words.store(me * stride + _SLEEPING, 1)
+            words.store(me + _SLEEPING, 1)
             if self._arrived(count):
-                words.store(me * stride + _SLEEPING, 0)
+                words.store(me + _SLEEPING, 0)
                 return
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                words.store(me * stride + _SLEEPING, 0)
+                words.store(me + _SLEEPING, 0)
                 self._timeout(op, seq, timeout_s, count)
             self._poll.poll(min(self._nap_ms, remaining * 1000))
             try:
                 os.read(self._inbox, 4096)  # drain tokens; the counters are the truth
             except BlockingIOError:
                 pass
+
+    def _futex_barrier(self, op: str, seq: int, timeout_s: float, count: int) -> None:
+        """The barrier on one shared arrival counter: the last rank to arrive wakes all at once.
+
+        The counter (32 bits, wrapping) reaches count·p when every rank arrived at barrier
+        `count`; no rank can be more than one barrier ahead, so it never strays further than p
+        from that target and a wrapped difference tells "reached" from "not yet".
+        """
+        words, me = self._words, self.info.rank * self._slot_words
+        target = count * self.info.size & _MASK32
+        if words.add32(self._arrivals, 1) == target:  # last: wake whoever went to sleep
+            if self._wake_needed():
+                _futex.wake(self._arrivals_address)
+            return
+        deadline = time.monotonic() + timeout_s
+        stop = self._spin_stop(deadline)
+        while time.monotonic() < stop:
+            if (words.load32(self._arrivals) - target) & _MASK32 < _HALF32:
+                return
+            os.sched_yield()
+        words.store(me + _SLEEPING, 1)  # then look: the last arriver adds, then looks at flags
+        try:
+            while True:
+                seen = words.load32(self._arrivals)
+                if (seen - target) & _MASK32 < _HALF32:
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._timeout(op, seq, timeout_s, count)
+                # returns at once if the counter moved since `seen`: no wake-up is lost
+                _futex.wait(self._arrivals_address, seen, min(self._nap_ms / 1e3, remaining))
+        finally:
+            words.store(me + _SLEEPING, 0)
 
     def _timeout(self, op: str, seq: int, timeout_s: float, count: int) -> None:
         load, stride = self._words.load, self._slot_words

@@ -1,0 +1,177 @@
+"""A/B of the shm barrier's sleep: futex on the arrival counter against the named pipe.
+
+    python benchmarks/shm_barrier.py [--worlds 2 4] [--sizes-mb 1 16] [--rounds 9]
+
+Both variants run in one process on two groups of the same ranks (one set up with the futex,
+one with `TESSERA_SHM_FUTEX=0`'s pipe), alternating round by round with the starting variant
+flipped each round, so that the load of this shared machine hits both alike. A round times
+`calls` all-reduces of one variant after a `dist.barrier`; a sample is the slowest rank's time
+per call; the table gives each variant's median over the rounds, on the main thread and on a
+side thread while the main thread computes (as DDP's comm stream does). `--phases` also times
+the phases of the futex variant's calls (main thread): API and copy in, first barrier, reduce,
+second barrier, copy out (medians over every call of every rank, and the slowest rank's mean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+VARIANTS = ("futex", "pipe")
+
+
+def _groups(world: int) -> dict:
+    from tessera.comm import _futex, shm
+    from tessera.comm._p2p import group_info
+
+    groups = {}
+    for variant in VARIANTS:
+        _futex.ENABLED = variant == "futex"
+        group = dist.new_group(list(range(world)))
+        groups[variant] = group
+        assert shm.shm_group(group_info(group)).same_host
+    _futex.ENABLED = True
+    for variant, group in groups.items():  # the set-up happened: the mode is what we asked
+        mode = shm.shm_group(group_info(group))._futex
+        assert mode == (variant == "futex"), (variant, mode)
+    return groups
+
+
+def _timed(group, tensor: torch.Tensor, calls: int, side: bool) -> float:
+    from tessera import comm
+
+    def run() -> None:
+        for _ in range(calls):
+            comm.all_reduce(tensor, algorithm="shm", group=group)
+
+    dist.barrier()
+    start = time.perf_counter()
+    if not side:
+        run()
+        return (time.perf_counter() - start) / calls
+    worker = threading.Thread(target=run)
+    worker.start()
+    a = torch.randn(96, 96)
+    while worker.is_alive():  # compute beside the comm thread, as a backward pass would
+        a = torch.tanh(a @ a.T * 0.01)
+    worker.join()
+    return (time.perf_counter() - start) / calls
+
+
+def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
+    """Per-phase seconds of `calls` futex all-reduces, from stamps around the barriers."""
+    from tessera import comm
+    from tessera.comm.shm import ShmGroup
+
+    stamps: list[float] = []
+    real = ShmGroup.barrier
+
+    def stamped(self, op, seq, timeout_s):
+        stamps.append(time.perf_counter())
+        real(self, op, seq, timeout_s)
+        stamps.append(time.perf_counter())
+
+    ShmGroup.barrier = stamped
+    phases = defaultdict(list)
+    try:
+        dist.barrier()
+        for _ in range(calls):
+            stamps.clear()
+            start = time.perf_counter()
+            comm.all_reduce(tensor, algorithm="shm", group=group)
+            end = time.perf_counter()
+            b1, e1, b2, e2 = stamps
+            for name, seconds in (
+                ("api + copy in", b1 - start),
+                ("barrier 1", e1 - b1),
+                ("reduce", b2 - e1),
+                ("barrier 2", e2 - b2),
+                ("copy out", end - e2),
+                ("call", end - start),
+            ):
+                phases[name].append(seconds)
+    finally:
+        ShmGroup.barrier = real
+    return dict(phases)
+
+
+def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
+    import tessera
+    from tessera import comm
+
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    groups = _groups(ctx.world_size)
+    out: dict = {"rows": [], "phases": {}}
+    for nbytes in sizes:
+        numel = nbytes // 4
+        base = torch.arange(numel, dtype=torch.float32) % 251
+        want = base * ctx.world_size + sum(range(1, ctx.world_size + 1))
+        for variant, group in groups.items():  # exact: small integers in float32
+            x = base + ctx.rank + 1
+            comm.all_reduce(x, algorithm="shm", group=group)
+            assert torch.equal(x, want), variant
+        tensor = torch.ones(numel)
+        calls = max(5, min(200, int(0.05 / (nbytes / 2e9 + 300e-6))))
+        for side in (False, True):
+            samples = torch.zeros(rounds, len(VARIANTS), dtype=torch.float64)
+            for r in range(rounds):
+                order = list(enumerate(VARIANTS))
+                for i, variant in order if r % 2 == 0 else order[::-1]:
+                    samples[r, i] = _timed(groups[variant], tensor, calls, side)
+            dist.all_reduce(samples, op=dist.ReduceOp.MAX)
+            medians = samples.median(dim=0).values.tolist()
+            row = {"bytes": nbytes, "thread": "side" if side else "main", "calls": calls}
+            out["rows"].append(row | dict(zip(VARIANTS, medians, strict=True)))
+        if phases:
+            got = _phases(groups["futex"], tensor, 3 * calls)
+            everyone: list = [None] * ctx.world_size
+            dist.all_gather_object(everyone, got)
+            merged = {
+                name: {
+                    "median": statistics.median(s for g in everyone for s in g[name]),
+                    "slowest_mean": max(statistics.fmean(g[name]) for g in everyone),
+                }
+                for name in got
+            }
+            out["phases"][nbytes] = merged
+    return out if ctx.rank == 0 else None
+
+
+def main() -> None:
+    import tessera
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--phases", action="store_true")
+    args = parser.parse_args()
+    sizes = [int(mb * (1 << 20)) for mb in args.sizes_mb]
+    print("| ranks | size | thread | futex µs | pipe µs | pipe / futex |")
+    print("|---|---|---|---|---|---|")
+    for world in args.worlds:
+        result = tessera.launch(_rank, world, sizes, args.rounds, args.phases, timeout_s=1800)[0]
+        for row in result["rows"]:
+            f, p = row["futex"] * 1e6, row["pipe"] * 1e6
+            mb = row["bytes"] / (1 << 20)
+            print(f"| {world} | {mb:g} MB | {row['thread']} | {f:.0f} | {p:.0f} | {p / f:.2f} |")
+        for nbytes, merged in result["phases"].items():
+            parts = ", ".join(
+                f"{name} {v['median'] * 1e6:.0f} ({v['slowest_mean'] * 1e6:.0f})"
+                for name, v in merged.items()
+            )
+            print(
+                f"phases, {world} ranks, {nbytes / (1 << 20):g} MB, µs median (slowest mean): "
+                f"{parts}"
+            )
+
+
+if __name__ == "__main__":
+    main()
