@@ -1,15 +1,17 @@
-"""A/B of the shm barrier's sleep: futex on the arrival counter against the named pipe.
+"""A/B/C of the shm all_reduce's barriers: futex or named pipe, two barriers a call or one.
 
     python benchmarks/shm_barrier.py [--worlds 2 4] [--sizes-mb 1 16] [--rounds 9]
 
-Both variants run in one process on two groups of the same ranks (one set up with the futex,
-one with `TESSERA_SHM_FUTEX=0`'s pipe), alternating round by round with the starting variant
-flipped each round, so that the load of this shared machine hits both alike. A round times
-`calls` all-reduces of one variant after a `dist.barrier`; a sample is the slowest rank's time
-per call; the table gives each variant's median over the rounds, on the main thread and on a
-side thread while the main thread computes (as DDP's comm stream does). `--phases` also times
-the phases of the futex variant's calls (main thread): API and copy in, first barrier, reduce,
-second barrier, copy out (medians over every call of every rank, and the slowest rank's mean).
+The variants run in one process on two groups of the same ranks (one set up with the futex,
+one with `TESSERA_SHM_FUTEX=0`'s pipe; `shm.ONE_BARRIER_BYTES` switched per variant), in turn
+round by round with the order reversed every other round, so that the load of this shared
+machine hits all alike. A round times `calls` all-reduces of one variant after a
+`dist.barrier`; a sample is the slowest rank's time per call; the table gives each variant's
+median over the rounds, on the main thread and on a side thread while the main thread computes
+(as DDP's comm stream does). `--phases` also times the phases of the futex, two-barrier
+variant's calls (main thread): API and copy in, first barrier, reduce, second barrier, copy
+out (medians over every call of every rank, and the slowest rank's mean), and each rank's CPU
+time outside the barriers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-VARIANTS = ("futex", "pipe")
+VARIANTS = {  # name: (group's sleep, all_reduces up to this many bytes take one barrier)
+    "pipe, 2 barriers": ("pipe", 0),
+    "futex, 2 barriers": ("futex", 0),
+    "futex, 1 barrier": ("futex", 1 << 40),
+}
 
 
 def _groups(world: int) -> dict:
@@ -31,20 +37,24 @@ def _groups(world: int) -> dict:
     from tessera.comm._p2p import group_info
 
     groups = {}
-    for variant in VARIANTS:
-        _futex.ENABLED = variant == "futex"
+    for sleep in ("futex", "pipe"):
+        _futex.ENABLED = sleep == "futex"
         group = dist.new_group(list(range(world)))
-        groups[variant] = group
+        groups[sleep] = group
         assert shm.shm_group(group_info(group)).same_host
     _futex.ENABLED = True
-    for variant, group in groups.items():  # the set-up happened: the mode is what we asked
+    for sleep, group in groups.items():  # the set-up happened: the mode is what we asked
         mode = shm.shm_group(group_info(group))._futex
-        assert mode == (variant == "futex"), (variant, mode)
+        assert mode == (sleep == "futex"), (sleep, mode)
     return groups
 
 
-def _timed(group, tensor: torch.Tensor, calls: int, side: bool) -> float:
+def _timed(groups: dict, variant: str, tensor: torch.Tensor, calls: int, side: bool) -> float:
     from tessera import comm
+    from tessera.comm import shm
+
+    sleep, shm.ONE_BARRIER_BYTES = VARIANTS[variant]
+    group = groups[sleep]
 
     def run() -> None:
         for _ in range(calls):
@@ -65,17 +75,18 @@ def _timed(group, tensor: torch.Tensor, calls: int, side: bool) -> float:
 
 
 def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
-    """Per-phase seconds of `calls` futex all-reduces, from stamps around the barriers."""
+    """Per-phase seconds of `calls` futex all-reduces, from stamps around the barriers: wall
+    time of every phase, and the CPU time this rank spent outside the barriers ("work cpu")."""
     from tessera import comm
     from tessera.comm.shm import ShmGroup
 
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     real = ShmGroup.barrier
 
     def stamped(self, op, seq, timeout_s):
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.thread_time()))
         real(self, op, seq, timeout_s)
-        stamps.append(time.perf_counter())
+        stamps.append((time.perf_counter(), time.thread_time()))
 
     ShmGroup.barrier = stamped
     phases = defaultdict(list)
@@ -83,10 +94,10 @@ def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
         dist.barrier()
         for _ in range(calls):
             stamps.clear()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             comm.all_reduce(tensor, algorithm="shm", group=group)
-            end = time.perf_counter()
-            b1, e1, b2, e2 = stamps
+            end, end_cpu = time.perf_counter(), time.thread_time()
+            (b1, b1c), (e1, e1c), (b2, b2c), (e2, e2c) = stamps
             for name, seconds in (
                 ("api + copy in", b1 - start),
                 ("barrier 1", e1 - b1),
@@ -94,6 +105,8 @@ def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
                 ("barrier 2", e2 - b2),
                 ("copy out", end - e2),
                 ("call", end - start),
+                ("work cpu", (b1c - start_cpu) + (b2c - e1c) + (end_cpu - e2c)),
+                ("barrier cpu", (e1c - b1c) + (e2c - b2c)),
             ):
                 phases[name].append(seconds)
     finally:
@@ -104,6 +117,7 @@ def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
 def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
     import tessera
     from tessera import comm
+    from tessera.comm import shm
 
     ctx = tessera.init()
     torch.set_num_threads(1)
@@ -113,9 +127,9 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
         numel = nbytes // 4
         base = torch.arange(numel, dtype=torch.float32) % 251
         want = base * ctx.world_size + sum(range(1, ctx.world_size + 1))
-        for variant, group in groups.items():  # exact: small integers in float32
-            x = base + ctx.rank + 1
-            comm.all_reduce(x, algorithm="shm", group=group)
+        for variant, (sleep, shm.ONE_BARRIER_BYTES) in VARIANTS.items():
+            x = base + ctx.rank + 1  # small integers in float32: exact
+            comm.all_reduce(x, algorithm="shm", group=groups[sleep])
             assert torch.equal(x, want), variant
         tensor = torch.ones(numel)
         calls = max(5, min(200, int(0.05 / (nbytes / 2e9 + 300e-6))))
@@ -124,12 +138,13 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
             for r in range(rounds):
                 order = list(enumerate(VARIANTS))
                 for i, variant in order if r % 2 == 0 else order[::-1]:
-                    samples[r, i] = _timed(groups[variant], tensor, calls, side)
+                    samples[r, i] = _timed(groups, variant, tensor, calls, side)
             dist.all_reduce(samples, op=dist.ReduceOp.MAX)
             medians = samples.median(dim=0).values.tolist()
             row = {"bytes": nbytes, "thread": "side" if side else "main", "calls": calls}
             out["rows"].append(row | dict(zip(VARIANTS, medians, strict=True)))
         if phases:
+            shm.ONE_BARRIER_BYTES = 0
             got = _phases(groups["futex"], tensor, 3 * calls)
             everyone: list = [None] * ctx.world_size
             dist.all_gather_object(everyone, got)
@@ -154,14 +169,15 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true")
     args = parser.parse_args()
     sizes = [int(mb * (1 << 20)) for mb in args.sizes_mb]
-    print("| ranks | size | thread | futex µs | pipe µs | pipe / futex |")
-    print("|---|---|---|---|---|---|")
+    names = list(VARIANTS)
+    print("| ranks | size | thread | " + " | ".join(f"{v} µs" for v in names) + " |")
+    print("|---|---|---|" + "---|" * len(names))
     for world in args.worlds:
         result = tessera.launch(_rank, world, sizes, args.rounds, args.phases, timeout_s=1800)[0]
         for row in result["rows"]:
-            f, p = row["futex"] * 1e6, row["pipe"] * 1e6
             mb = row["bytes"] / (1 << 20)
-            print(f"| {world} | {mb:g} MB | {row['thread']} | {f:.0f} | {p:.0f} | {p / f:.2f} |")
+            cells = " | ".join(f"{row[v] * 1e6:.0f}" for v in names)
+            print(f"| {world} | {mb:g} MB | {row['thread']} | {cells} |")
         for nbytes, merged in result["phases"].items():
             parts = ", ".join(
                 f"{name} {v['median'] * 1e6:.0f} ({v['slowest_mean'] * 1e6:.0f})"
