@@ -1,15 +1,15 @@
-"""A/B/C of the shm all_reduce's barriers: futex or named pipe, two barriers a call or one.
+"""A/B of the shm barrier's sleep: a futex on the arrival counter or the named pipe.
 
     python benchmarks/shm_barrier.py [--worlds 2 4] [--sizes-mb 1 16] [--rounds 9]
 
 The variants run in one process on two groups of the same ranks (one set up with the futex,
-one with `TESSERA_SHM_FUTEX=0`'s pipe; `shm.ONE_BARRIER_BYTES` switched per variant), in turn
+one with `TESSERA_SHM_FUTEX=0`'s pipe; `shm.SPIN_S` switched per variant), in turn
 round by round with the order reversed every other round, so that the load of this shared
 machine hits all alike. A round times `calls` all-reduces of one variant after a
 `dist.barrier`; a sample is the slowest rank's time per call; the table gives each variant's
 median over the rounds, on the main thread and on a side thread while the main thread computes
-(as DDP's comm stream does). `--phases` also times the phases of the futex, two-barrier
-variant's calls (main thread): API and copy in, first barrier, reduce, second barrier, copy
+(as DDP's comm stream does). `--phases` also times the phases of the futex variant's
+calls (main thread): API and copy in, first barrier, reduce, second barrier, copy
 out (medians over every call of every rank, and the slowest rank's mean), and each rank's CPU
 time outside the barriers.
 """
@@ -25,10 +25,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-VARIANTS = {  # name: (group's sleep, all_reduces up to this many bytes take one barrier)
-    "pipe, 2 barriers": ("pipe", 0),
-    "futex, 2 barriers": ("futex", 0),
-    "futex, 1 barrier": ("futex", 1 << 40),
+VARIANTS = {  # name: (the group's sleep, how long a waiting main thread spins first)
+    "pipe": ("pipe", 100e-6),
+    "futex": ("futex", 100e-6),
+    "futex, no spin": ("futex", 0.0),
 }
 
 
@@ -53,7 +53,7 @@ def _timed(groups: dict, variant: str, tensor: torch.Tensor, calls: int, side: b
     from tessera import comm
     from tessera.comm import shm
 
-    sleep, shm.ONE_BARRIER_BYTES = VARIANTS[variant]
+    sleep, shm.SPIN_S = VARIANTS[variant]
     group = groups[sleep]
 
     def run() -> None:
@@ -127,7 +127,7 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
         numel = nbytes // 4
         base = torch.arange(numel, dtype=torch.float32) % 251
         want = base * ctx.world_size + sum(range(1, ctx.world_size + 1))
-        for variant, (sleep, shm.ONE_BARRIER_BYTES) in VARIANTS.items():
+        for variant, (sleep, shm.SPIN_S) in VARIANTS.items():
             x = base + ctx.rank + 1  # small integers in float32: exact
             comm.all_reduce(x, algorithm="shm", group=groups[sleep])
             assert torch.equal(x, want), variant
@@ -144,7 +144,7 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
             row = {"bytes": nbytes, "thread": "side" if side else "main", "calls": calls}
             out["rows"].append(row | dict(zip(VARIANTS, medians, strict=True)))
         if phases:
-            shm.ONE_BARRIER_BYTES = 0
+            shm.SPIN_S = VARIANTS["futex"][1]
             got = _phases(groups["futex"], tensor, 3 * calls)
             everyone: list = [None] * ctx.world_size
             dist.all_gather_object(everyone, got)

@@ -68,13 +68,6 @@ _SLEEPING = 80  # int64 word: 1 while the rank sleeps (poll() or futex) and want
 _ARRIVALS_AT = 1024  # byte of the header page: the futex barrier's uint32 arrival counter
 _MASK32, _HALF32 = 0xFFFFFFFF, 1 << 31
 _DESC = diagnostics.DESCRIPTOR_LEN
-_PAIRWISE = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum}
-_PAIRWISE["product"] = torch.mul
-_DESCRIPTOR_AT = (0, 2048)  # bytes of a control slot: all_reduce/broadcast descriptors, by turn
-
-ONE_BARRIER_BYTES = int(os.environ.get("TESSERA_SHM_ONE_BARRIER_BYTES", 4 << 20))
-"""Largest all_reduce (bytes, on a tensor not from `shared_buffer`) done with one barrier, every
-rank reducing the whole tensor (`ShmGroup._all_reduce_once`); see the module docstring."""
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -108,8 +101,6 @@ class ShmGroup:
         self._segments: dict[str, Segment] = {}  # "scratch", "staging": grown by doubling
         self._shared: list[Segment] = []
         self.turns = 0  # double-buffered collectives done (`shm_gather`): the same on every rank
-        self._once_turns = 0  # one-barrier all_reduces done (`_all_reduce_once`): the same too
-        self._descriptor_turns = 0  # all_reduce and broadcast calls (`_descriptor_at`)
 
     # --------------------------------------------------------------------------- barrier
     def _arrived(self, count: int) -> bool:
@@ -298,22 +289,12 @@ class ShmGroup:
         return plan
 
     # ------------------------------------------------------------------------ collectives
-    def _descriptor_at(self) -> int:
-        """Where this all_reduce or broadcast publishes its descriptor: alternating between two
-        places, so that a one-barrier all_reduce never rewrites what a peer may still check."""
-        self._descriptor_turns += 1
-        return _DESCRIPTOR_AT[self._descriptor_turns % 2]
-
     def all_reduce(
         self, tensor: torch.Tensor, op: str, seq: int, timeout_s: float, words=None
     ) -> None:
         """Allreduce `tensor` (any layout and dtype) in place through shared memory."""
         r, n = self.info.rank, tensor.numel()
-        at = self._descriptor_at()
         found = self.find(tensor)
-        if found is None and n * tensor.element_size() <= ONE_BARRIER_BYTES:
-            self._all_reduce_once(tensor, op, seq, timeout_s, words, at)
-            return
         if found is None:
             segment, offset = self.scratch(n * tensor.element_size(), timeout_s), 0
         else:
@@ -324,65 +305,15 @@ class ShmGroup:
         if words is not None:
             words = list(words)
             words[7] = offset  # shared tensors: every rank's must sit at the same offset
-        mine = self._publish(words, at)
+        mine = self._publish(words)
         self.barrier("all_reduce", seq, timeout_s)
-        self._check(mine, at)
+        self._check(mine)
         lo, hi = bounds[r], bounds[r + 1]
         if hi > lo:
             self._reduce_slice([s[lo:hi] for s in slots], op)
         self.barrier("all_reduce", seq, timeout_s)
         if found is None:
             tensor.copy_(slots[r].view(tensor.shape))
-
-    def _all_reduce_once(
-        self, tensor: torch.Tensor, op: str, seq: int, timeout_s: float, words, at: int
-    ) -> None:
-        """All-reduce with one barrier: every rank reduces the whole tensor from the p slots.
-
-        Slots are double-buffered (the half of the turn's parity, in their own segment): after
-        the barrier the peers read this rank's half until they reach their next barrier, and
-        this rank writes that half again only two all_reduces later, past a barrier that no
-        rank passes before all finished reading (as in `shm_gather`). Each slice is reduced in
-        the order its owner uses in the two-barrier path, so the bits are the same either way.
-        """
-        r, n, itemsize = self.info.rank, tensor.numel(), tensor.element_size()
-        segment = self.scratch(2 * _round_up(max(n * itemsize, 1), _ALIGN), timeout_s, "once")
-        offset = self._once_turns % 2 * (segment.slot_bytes // 2)
-        self._once_turns += 1
-        slots, bounds = self._plan(segment, offset, n, tensor.dtype)
-        slots[r].view(tensor.shape).copy_(tensor)
-        mine = self._publish(words, at)
-        self.barrier("all_reduce", seq, timeout_s)
-        self._check(mine, at)
-        contiguous = tensor.is_contiguous()
-        out = tensor.view(-1) if contiguous else torch.empty(n, dtype=tensor.dtype)
-        self._reduce_every_slice(slots, bounds, out, op)
-        if not contiguous:
-            tensor.copy_(out.view(tensor.shape))
-
-    def _reduce_every_slice(
-        self, slots: list[torch.Tensor], bounds: list[int], out: torch.Tensor, op: str
-    ) -> None:
-        # slice s as its owner s reduces it in `_reduce_slice`: s's values, then the others in
-        # rank order, in the accumulation dtype; elementwise, so block boundaries do not matter
-        p = self.info.size
-        step = max(1, _BLOCK // out.element_size())
-        acc_dtype = accumulate_dtype(out.dtype)
-        direct = out.dtype == acc_dtype
-        for s in range(p):
-            for start in range(bounds[s], bounds[s + 1], step):
-                stop = min(start + step, bounds[s + 1])
-                block = [
-                    slot[start:stop] if direct else slot[start:stop].to(acc_dtype) for slot in slots
-                ]
-                others = [block[q] for q in range(p) if q != s]
-                acc = out[start:stop] if direct else torch.empty_like(block[s])
-                _PAIRWISE[op](block[s], others[0], out=acc)  # as acc = s's values; acc op= next
-                for other in others[1:]:
-                    combine(acc, other, op)
-                finish_mean(acc, op, p)
-                if not direct:
-                    out[start:stop].copy_(acc)
 
     def _reduce_slice(self, slices: list[torch.Tensor], op: str) -> None:
         # slices[q]: rank q's values of this rank's slice; the result goes into every slot, block
@@ -414,10 +345,9 @@ class ShmGroup:
         source = segment.slot(src, n, tensor.dtype).view(tensor.shape)
         if r == src:
             source.copy_(tensor)
-        at = self._descriptor_at()
-        mine = self._publish(words, at)
+        mine = self._publish(words)
         self.barrier("broadcast", seq, timeout_s)
-        self._check(mine, at)
+        self._check(mine)
         if r != src:
             tensor.copy_(source)
         self.barrier("broadcast", seq, timeout_s)  # the descriptors may be rewritten after this
