@@ -1,4 +1,4 @@
-"""Sequentially consistent 64-bit loads and stores on shared memory, for the shm barrier.
+"""Sequentially consistent loads, stores and adds on shared memory, for the shm barrier.
 
 The shared-memory barrier publishes data with plain stores (tensor copies) and then a counter;
 a peer that sees the counter reads the data. That needs the counter store to be a release and
@@ -11,8 +11,11 @@ How, and why this way: CPython has no atomics, so `Words` calls libatomic's
 `__atomic_load_8` / `__atomic_store_8` with `__ATOMIC_SEQ_CST` through ctypes (about 0.3 µs a
 call, against ~50 µs for a kernel wake-up; no compiler needed at install time, and libatomic
 ships with GCC's runtime on every Linux distribution). Seq-cst accesses are also acquire and
-release, so one kind of access serves both uses. It is used only where libatomic says 8-byte
-atomics are lock-free: the lock-based fallback locks within one process, not across processes.
+release, so one kind of access serves both uses. The futex barrier also needs a 32-bit
+fetch-and-add (`__atomic_fetch_add_4`: the arrival counter that every rank bumps) and load;
+plain accesses have no read-modify-write, so it runs only in "atomics" mode. libatomic is used
+only where it says 8-byte atomics are lock-free (so are 4-byte ones then): the lock-based
+fallback locks within one process, not across processes.
 
 Without libatomic, x86-64 still works with plain accesses: its memory model (TSO) keeps stores
 in order and loads in order, which is acquire/release; only the store-then-load handshake can

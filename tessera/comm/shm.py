@@ -16,9 +16,8 @@ Why it is fast: no socket copies, no allocation per call (segments are cached pe
 grow by doubling), one copy-in segment whose slots are only written by others between the two
 barriers (so step 5 needs no third barrier; a double-buffered variant that left each result in
 the reducer's slot wrote less but doubled the working set and was no faster here), and
-the barrier is a counter per rank in a shared control page. A waiting rank first polls the
-counters for up to `SPIN_S` (TESSERA_SHM_SPIN_US, 100 µs by default), calling sched_yield()
-between looks, then sleeps in poll() on a named pipe that the arriving rank writes one byte to.
+the barrier lives in a shared control page. A waiting rank first looks for up to `SPIN_S`
+(TESSERA_SHM_SPIN_US, 100 µs by default), calling sched_yield() between looks, then sleeps.
 Why both: a kernel wake-up costs ~50-115 µs on this 2-vCPU VM (the sleeping vCPU halts and must
 be woken), twice per call; on a 1 MB allreduce, 2 ranks, spin and no spin alternating in one
 run (load 1.8), a call went from 227 µs to 132 µs (4 ranks: 747 to 650 µs). A pure busy spin
@@ -28,9 +27,20 @@ runnable process (and helps 4 ranks on 2 cores too). Only the main thread spins:
 thread while the main thread computes (DDP's comm stream), a 1 MB call went from 381 µs to
 2247 µs with the spin (the spinner holds the GIL and yields its core to the compute thread for
 a time slice), so there the rank sleeps at once. Past `SPIN_S` the rank sleeps, so an
-idle wait never burns a core. The counters are read and written with sequentially consistent
-atomics (`_atomics`): a release/acquire pair orders each slot's data before the counter that
-announces it, on any CPU.
+idle wait never burns a core.
+
+How a rank sleeps: where every rank of the group has futex(2) and atomic read-modify-writes
+(`_futex`, `_atomics`; Linux on x86_64 or aarch64), each arrival adds one to a shared 32-bit
+arrival counter, waiters sleep on that counter, and the last rank to arrive wakes them all with
+one call (only if one raised its sleeping flag). Elsewhere, or with TESSERA_SHM_FUTEX=0, each
+rank stores its own counter and sleeps in poll() on a named pipe; every arriving rank writes a
+byte to each sleeping peer, who wakes, looks, and may sleep again. The futex saves those
+intermediate wake-ups with 4 ranks and the pipe's write/poll/read; measured against the pipe,
+variants alternating in one run (`benchmarks/shm_barrier.py`, BENCHMARKS.md's comm section).
+Either way each rank's own counter names the ranks that never arrived when a wait times out,
+and the accesses are sequentially consistent (`_atomics`): a release/acquire pair orders each
+slot's data before the counter that announces it, on any CPU, and "raise the flag, then look"
+against "arrive, then look at the flags" cannot both miss.
 
 Who shares memory is probed, not guessed from host names (`_shm_setup.probe`); a group that
 cannot share it, or a machine that cannot order the accesses, falls back to the native
