@@ -6,7 +6,8 @@ each rank sets up one group that sleeps on the futex and one that uses the pipe
 
 - all_reduce through shm gives torch.distributed's result, bit for bit, on the main thread and
   on a side thread (DDP's comm stream); the futex group's arrival counter is started just below
-  2**32, so its barriers wrap around it;
+  2**32, so its barriers wrap around it; an ordinary tensor gets the same bits as the same
+  values in a `shared_buffer` (two code paths, one order of operations);
 - no wake-up is lost: the naps between looks are set far past the timeout, so a waiter that is
   not woken raises instead of finding the barrier done at its next look; ranks arrive late in
   turn, with and without the spin that precedes the sleep;
@@ -83,6 +84,28 @@ def _late_in_turn(group: dist.ProcessGroup, rank: int) -> list:
     return failures
 
 
+def _same_bits_as_in_place(group: dist.ProcessGroup, rank: int) -> list:
+    """An ordinary tensor (copied in, reduced into the result area) against the same values in
+    a `shared_buffer` (reduced in place): the same bits, where the order of operations shows
+    (three ranks' random floats), through the accumulation dtype (bf16) and for mean of ints."""
+    gen = torch.Generator().manual_seed(7 + rank)
+    cases = [(torch.float32, "sum"), (torch.bfloat16, "mean"), (torch.float64, "product")]
+    wrong = []
+    for dtype, op in [*cases, (torch.int64, "mean")]:
+        for numel in (1, 999, 300_001):
+            if dtype == torch.int64:
+                x = torch.randint(-(2**40), 2**40, (numel,), generator=gen)
+            else:
+                x = (torch.randn(numel, generator=gen, dtype=torch.float64) + 0.5).to(dtype)
+            shared = comm.shared_buffer(numel, dtype, group=group)
+            shared.copy_(x)
+            comm.all_reduce(shared, op=op, algorithm="shm", group=group)
+            comm.all_reduce(x, op=op, algorithm="shm", group=group)
+            if not torch.equal(x, shared):
+                wrong.append((str(dtype), op, numel))
+    return wrong
+
+
 def _rank_barriers() -> dict:
     ctx = tessera.init()
     rank = ctx.rank
@@ -106,7 +129,7 @@ def _rank_barriers() -> dict:
         worker = threading.Thread(target=_on_side, args=(side, group, rank))
         worker.start()
         worker.join()
-        out["wrong"][variant] = wrong + side
+        out["wrong"][variant] = wrong + side + _same_bits_as_in_place(group, rank)
         shms[variant]._nap_ms = NO_NAP_MS
         out["late"][variant] = _late_in_turn(group, rank)
     out["futex_wrapped"] = futex_group._words.load32(futex_group._arrivals) < 2**31

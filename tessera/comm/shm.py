@@ -78,6 +78,9 @@ _SLEEPING = 80  # int64 word: 1 while the rank sleeps (poll() or futex) and want
 _ARRIVALS_AT = 1024  # byte of the header page: the futex barrier's uint32 arrival counter
 _MASK32, _HALF32 = 0xFFFFFFFF, 1 << 31
 _DESC = diagnostics.DESCRIPTOR_LEN
+_PAIRWISE = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum}
+_PAIRWISE["product"] = torch.mul  # a op b into `out`: what `combine` does to a copy of a
+_RESULT_AREA = True
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -305,6 +308,9 @@ class ShmGroup:
         """Allreduce `tensor` (any layout and dtype) in place through shared memory."""
         r, n = self.info.rank, tensor.numel()
         found = self.find(tensor)
+        if found is None and _RESULT_AREA:
+            self._all_reduce_copied(tensor, op, seq, timeout_s, words)
+            return
         if found is None:
             segment, offset = self.scratch(n * tensor.element_size(), timeout_s), 0
         else:
@@ -324,6 +330,65 @@ class ShmGroup:
         self.barrier("all_reduce", seq, timeout_s)
         if found is None:
             tensor.copy_(slots[r].view(tensor.shape))
+
+    def _all_reduce_copied(
+        self, tensor: torch.Tensor, op: str, seq: int, timeout_s: float, words
+    ) -> None:
+        """Allreduce a tensor that lives outside the segments (see the module docstring)."""
+        r, p, n = self.info.rank, self.info.size, tensor.numel()
+        nbytes = n * tensor.element_size()
+        slots, bounds = self._plan(self.scratch(nbytes, timeout_s), 0, n, tensor.dtype)
+        result = self._result_area(-(-nbytes // p), n, tensor.dtype, timeout_s)
+        flat = tensor.reshape(-1)  # a view when contiguous, else a copy
+        lo, hi = bounds[r], bounds[r + 1]
+        slots[r][:lo].copy_(flat[:lo])  # all but slice r: only this rank reads that, from `flat`
+        slots[r][hi:].copy_(flat[hi:])
+        if words is not None:
+            words = list(words)
+            words[7] = 0  # the offset of shared tensors (`all_reduce`)
+        mine = self._publish(words)
+        self.barrier("all_reduce", seq, timeout_s)
+        self._check(mine)
+        if hi > lo:
+            self._reduce_into(flat[lo:hi], [s[lo:hi] for s in slots], result[lo:hi], op)
+        self.barrier("all_reduce", seq, timeout_s)
+        tensor.copy_(result.view(tensor.shape))
+
+    def _result_area(self, per_slot: int, numel: int, dtype: torch.dtype, timeout_s: float):
+        """The (numel,) result area: the start of the "result" segment, shared by all ranks."""
+        segment = self.scratch(per_slot, timeout_s, "result")
+        key = ("result", numel, dtype)
+        view = segment.plans.get(key)
+        if view is None:
+            view = segment.plans[key] = segment.raw[: numel * dtype.itemsize].view(dtype)
+        return view
+
+    def _reduce_into(
+        self, own: torch.Tensor, slices: list[torch.Tensor], out: torch.Tensor, op: str
+    ) -> None:
+        # own: this rank's values of its slice; slices[q]: rank q's (q != rank). The same
+        # operations in the same order as `_reduce_slice` (own values, then the others in rank
+        # order, in the accumulation dtype), so the bits are the same; the result goes to `out`.
+        r, p = self.info.rank, len(slices)
+        step = max(1, _BLOCK // out.element_size())
+        acc_dtype = accumulate_dtype(out.dtype)
+        direct = out.dtype == acc_dtype
+        for start in range(0, out.numel(), step):
+            stop = start + step
+            mine = own[start:stop]
+            others = [slices[q][start:stop] for q in range(p) if q != r]
+            if not direct:
+                acc = mine.to(acc_dtype)
+                others = [other.to(acc_dtype) for other in others]
+            elif others:
+                acc = _PAIRWISE[op](mine, others.pop(0), out=out[start:stop])
+            else:
+                acc = out[start:stop].copy_(mine)
+            for other in others:
+                combine(acc, other, op)
+            finish_mean(acc, op, p)
+            if not direct:
+                out[start:stop].copy_(acc)
 
     def _reduce_slice(self, slices: list[torch.Tensor], op: str) -> None:
         # slices[q]: rank q's values of this rank's slice; the result goes into every slot, block
