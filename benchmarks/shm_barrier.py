@@ -25,10 +25,10 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-VARIANTS = {  # name: (the group's sleep, result area)
-    "pipe, in slots": ("pipe", False),
-    "futex, in slots": ("futex", False),
-    "futex, result area": ("futex", True),
+VARIANTS = {  # name: (the group's sleep, how long a waiting main thread spins first)
+    "pipe": ("pipe", 100e-6),
+    "futex": ("futex", 100e-6),
+    "futex, no spin": ("futex", 0.0),
 }
 
 
@@ -53,7 +53,7 @@ def _timed(groups: dict, variant: str, tensor: torch.Tensor, calls: int, side: b
     from tessera import comm
     from tessera.comm import shm
 
-    sleep, shm._RESULT_AREA = VARIANTS[variant]
+    sleep, shm.SPIN_S = VARIANTS[variant]
     group = groups[sleep]
 
     def run() -> None:
@@ -127,7 +127,7 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
         numel = nbytes // 4
         base = torch.arange(numel, dtype=torch.float32) % 251
         want = base * ctx.world_size + sum(range(1, ctx.world_size + 1))
-        for variant, (sleep, shm._RESULT_AREA) in VARIANTS.items():
+        for variant, (sleep, shm.SPIN_S) in VARIANTS.items():
             x = base + ctx.rank + 1  # small integers in float32: exact
             comm.all_reduce(x, algorithm="shm", group=groups[sleep])
             assert torch.equal(x, want), variant
@@ -144,7 +144,7 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
             row = {"bytes": nbytes, "thread": "side" if side else "main", "calls": calls}
             out["rows"].append(row | dict(zip(VARIANTS, medians, strict=True)))
         if phases:
-            shm._RESULT_AREA = True
+            shm.SPIN_S = VARIANTS["futex"][1]
             got = _phases(groups["futex"], tensor, 3 * calls)
             everyone: list = [None] * ctx.world_size
             dist.all_gather_object(everyone, got)

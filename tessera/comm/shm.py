@@ -1,22 +1,31 @@
 """Shared-memory allreduce for ranks on one host: reduce in place in a mapped segment.
 
 A segment is a file in /dev/shm that every rank of the group maps; it holds one slot per rank.
-Allreduce of n bytes, rank r of p:
-  1. copy the tensor into slot r (skipped when it came from `shared_buffer`: it *is* slot r);
+Allreduce of n bytes, rank r of p, on an ordinary tensor:
+  1. copy the tensor into slot r, all but slice r (n/p bytes) that only rank r reads;
   2. barrier;
-  3. reduce slice r (n/p bytes) over the p slots and write the result into slice r of every
-     slot; all ranks do this in parallel on disjoint slices;
+  3. reduce slice r: rank r's own values (read from the tensor), then slice r of every other
+     slot, into slice r of the group's result area (a second segment); all ranks do this in
+     parallel on disjoint slices;
   4. barrier;
-  5. copy slot r out into the tensor (not needed for `shared_buffer`: it holds the result).
-Memory traffic per rank ≈ 3n read + 3n written (n + n with `shared_buffer`); two barriers.
-Cost model: 2σ + n(3μ + γ(p-1)/p), times p/cores when ranks outnumber cores
+  5. copy the result area into the tensor.
+Memory traffic per rank ≈ (5 - 1/p)·n, below the (5 + 1/p)·n of copying all of it in and
+keeping a reduced copy per slot. On a tensor from `shared_buffer` (it *is* slot r) steps 1 and
+5 go: step 3 writes the result into slice r of every slot, in place (n + n bytes). Two barriers
+either way. Cost model: 2σ + n(3μ + γ(p-1)/p), times p/cores when ranks outnumber cores
 (`tessera.comm.cost`).
 
 Why it is fast: no socket copies, no allocation per call (segments are cached per group and
-grow by doubling), one copy-in segment whose slots are only written by others between the two
-barriers (so step 5 needs no third barrier; a double-buffered variant that left each result in
-the reducer's slot wrote less but doubled the working set and was no faster here), and
-the barrier lives in a shared control page. A waiting rank first looks for up to `SPIN_S`
+grow by doubling), and slots written only where no peer reads at the time: the peers read slot
+r between the two barriers only, and the result area from the second barrier until they reach
+the next one, while rank r writes its slice of it only after that next barrier; so step 5
+needs no third barrier and nothing is double-buffered. (Writing the result back into every
+slot instead, as before, moved (p-1)/p·n more bytes: in one run alternating the two, 1 MB ~
+the same, 4-16 MB 5-13% slower at 2 and 4 ranks, `benchmarks/shm_barrier.py` at the commit
+that added the result area. Every rank reducing the whole tensor after one barrier, no second
+barrier, was slower still: more reduction work than the barrier it saves.)
+
+The barrier lives in a shared control page. A waiting rank first looks for up to `SPIN_S`
 (TESSERA_SHM_SPIN_US, 100 µs by default), calling sched_yield() between looks, then sleeps.
 Why both: a kernel wake-up costs ~50-115 µs on this 2-vCPU VM (the sleeping vCPU halts and must
 be woken), twice per call; on a 1 MB allreduce, 2 ranks, spin and no spin alternating in one
@@ -80,7 +89,6 @@ _MASK32, _HALF32 = 0xFFFFFFFF, 1 << 31
 _DESC = diagnostics.DESCRIPTOR_LEN
 _PAIRWISE = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum}
 _PAIRWISE["product"] = torch.mul  # a op b into `out`: what `combine` does to a copy of a
-_RESULT_AREA = True
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -308,16 +316,11 @@ class ShmGroup:
         """Allreduce `tensor` (any layout and dtype) in place through shared memory."""
         r, n = self.info.rank, tensor.numel()
         found = self.find(tensor)
-        if found is None and _RESULT_AREA:
+        if found is None:
             self._all_reduce_copied(tensor, op, seq, timeout_s, words)
             return
-        if found is None:
-            segment, offset = self.scratch(n * tensor.element_size(), timeout_s), 0
-        else:
-            segment, offset = found
+        segment, offset = found
         slots, bounds = self._plan(segment, offset, n, tensor.dtype)
-        if found is None:
-            slots[r].view(tensor.shape).copy_(tensor)
         if words is not None:
             words = list(words)
             words[7] = offset  # shared tensors: every rank's must sit at the same offset
@@ -328,8 +331,6 @@ class ShmGroup:
         if hi > lo:
             self._reduce_slice([s[lo:hi] for s in slots], op)
         self.barrier("all_reduce", seq, timeout_s)
-        if found is None:
-            tensor.copy_(slots[r].view(tensor.shape))
 
     def _all_reduce_copied(
         self, tensor: torch.Tensor, op: str, seq: int, timeout_s: float, words
