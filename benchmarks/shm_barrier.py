@@ -3,15 +3,15 @@
     python benchmarks/shm_barrier.py [--worlds 2 4] [--sizes-mb 1 16] [--rounds 9]
 
 The variants run in one process on two groups of the same ranks (one set up with the futex,
-one with `TESSERA_SHM_FUTEX=0`'s pipe; `shm.SPIN_S` switched per variant), in turn
-round by round with the order reversed every other round, so that the load of this shared
-machine hits all alike. A round times `calls` all-reduces of one variant after a
-`dist.barrier`; a sample is the slowest rank's time per call; the table gives each variant's
-median over the rounds, on the main thread and on a side thread while the main thread computes
-(as DDP's comm stream does). `--phases` also times the phases of the futex variant's
-calls (main thread): API and copy in, first barrier, reduce, second barrier, copy
-out (medians over every call of every rank, and the slowest rank's mean), and each rank's CPU
-time outside the barriers.
+one with `TESSERA_SHM_FUTEX=0`'s pipe; `shm.SPIN_S` switched per variant), in turn round by
+round with the order reversed every other round, so that the load of this shared machine hits
+all alike. A round times `calls` all-reduces of one variant after a `dist.barrier`; a sample is
+the slowest rank's time per call. The table gives each variant's median over the rounds, on the
+main thread and on a side thread while the main thread computes (as DDP's comm stream does),
+and the median over rounds of each variant's time over the pipe's in the same round (below 1:
+faster than the pipe). `--phases` also times the phases of the futex variant's calls (main
+thread): API and copy in, first barrier, reduce, second barrier, copy out (medians over every
+call of every rank, and the slowest rank's mean), and each rank's CPU time outside barriers.
 """
 
 from __future__ import annotations
@@ -141,7 +141,10 @@ def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
                     samples[r, i] = _timed(groups, variant, tensor, calls, side)
             dist.all_reduce(samples, op=dist.ReduceOp.MAX)
             medians = samples.median(dim=0).values.tolist()
+            # paired: each variant over the pipe's time in the same round, median over rounds
+            paired = (samples / samples[:, :1]).median(dim=0).values.tolist()
             row = {"bytes": nbytes, "thread": "side" if side else "main", "calls": calls}
+            row["paired"] = dict(zip(VARIANTS, paired, strict=True))
             out["rows"].append(row | dict(zip(VARIANTS, medians, strict=True)))
         if phases:
             shm.SPIN_S = VARIANTS["futex"][1]
@@ -170,13 +173,15 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(mb * (1 << 20)) for mb in args.sizes_mb]
     names = list(VARIANTS)
-    print("| ranks | size | thread | " + " | ".join(f"{v} µs" for v in names) + " |")
-    print("|---|---|---|" + "---|" * len(names))
+    ratios = " | ".join(f"{v} / pipe" for v in names[1:])
+    print("| ranks | size | thread | " + " | ".join(f"{v} µs" for v in names) + f" | {ratios} |")
+    print("|---|---|---|" + "---|" * (2 * len(names) - 1))
     for world in args.worlds:
         result = tessera.launch(_rank, world, sizes, args.rounds, args.phases, timeout_s=1800)[0]
         for row in result["rows"]:
             mb = row["bytes"] / (1 << 20)
             cells = " | ".join(f"{row[v] * 1e6:.0f}" for v in names)
+            cells += "".join(f" | {row['paired'][v]:.2f}" for v in names[1:])
             print(f"| {world} | {mb:g} MB | {row['thread']} | {cells} |")
         for nbytes, merged in result["phases"].items():
             parts = ", ".join(
