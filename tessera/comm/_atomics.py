@@ -1,4 +1,4 @@
-"""Sequentially consistent 64-bit loads and stores on shared memory, for the shm barrier.
+"""Sequentially consistent loads, stores and adds on shared memory, for the shm barrier.
 
 The shared-memory barrier publishes data with plain stores (tensor copies) and then a counter;
 a peer that sees the counter reads the data. That needs the counter store to be a release and
@@ -11,8 +11,11 @@ How, and why this way: CPython has no atomics, so `Words` calls libatomic's
 `__atomic_load_8` / `__atomic_store_8` with `__ATOMIC_SEQ_CST` through ctypes (about 0.3 µs a
 call, against ~50 µs for a kernel wake-up; no compiler needed at install time, and libatomic
 ships with GCC's runtime on every Linux distribution). Seq-cst accesses are also acquire and
-release, so one kind of access serves both uses. It is used only where libatomic says 8-byte
-atomics are lock-free: the lock-based fallback locks within one process, not across processes.
+release, so one kind of access serves both uses. The futex barrier also needs a 32-bit
+fetch-and-add (`__atomic_fetch_add_4`: the arrival counter that every rank bumps) and load;
+plain accesses have no read-modify-write, so it runs only in "atomics" mode. libatomic is used
+only where it says 8-byte atomics are lock-free (so are 4-byte ones then): the lock-based
+fallback locks within one process, not across processes.
 
 Without libatomic, x86-64 still works with plain accesses: its memory model (TSO) keeps stores
 in order and loads in order, which is acquire/release; only the store-then-load handshake can
@@ -36,7 +39,8 @@ _SEQ_CST = 5  # __ATOMIC_SEQ_CST in GCC's memory-order numbering
 
 
 def _libatomic() -> tuple | None:
-    """(load, store) from libatomic if 8-byte atomics are lock-free there, else None."""
+    """(load, store, load_4, fetch_add_4) from libatomic if 8-byte atomics are lock-free there,
+    else None."""
     if sys.maxsize < 2**63 - 1:
         return None
     name = ctypes.util.find_library("atomic")
@@ -46,6 +50,7 @@ def _libatomic() -> tuple | None:
         lib = ctypes.CDLL(name)
         lock_free = lib.__atomic_is_lock_free
         load, store = lib.__atomic_load_8, lib.__atomic_store_8
+        load_4, fetch_add_4 = lib.__atomic_load_4, lib.__atomic_fetch_add_4
     except (OSError, AttributeError):
         return None
     lock_free.restype, lock_free.argtypes = ctypes.c_bool, [ctypes.c_size_t, ctypes.c_void_p]
@@ -53,7 +58,10 @@ def _libatomic() -> tuple | None:
         return None
     load.restype, load.argtypes = ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int]
     store.restype, store.argtypes = None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    return load, store
+    load_4.restype, load_4.argtypes = ctypes.c_uint32, [ctypes.c_void_p, ctypes.c_int]
+    fetch_add_4.restype = ctypes.c_uint32
+    fetch_add_4.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+    return load, store, load_4, fetch_add_4
 
 
 def ordering_mode(machine: str | None = None, have_atomics: bool | None = None) -> str | None:
@@ -95,7 +103,7 @@ class Words:
         self._base = raw.data_ptr()
         self._view = view.cast("q")
         if mode == "atomics":
-            self._load, self._store = _LOAD_STORE
+            self._load, self._store, self._load_4, self._fetch_add_4 = _LOAD_STORE
 
     def load(self, index: int) -> int:
         """Word `index` (a seq-cst load: sees every store that preceded the matching store)."""
@@ -109,3 +117,16 @@ class Words:
             self._store(self._base + 8 * index, value, _SEQ_CST)
         else:
             self._view[index] = value
+
+    def address(self, byte: int) -> int:
+        """The address of byte `byte` of the mapping (for futex(2), `_futex`)."""
+        return self._base + byte
+
+    def load32(self, byte: int) -> int:
+        """The unsigned 32-bit word at byte offset `byte` (4-aligned), seq-cst. "atomics" only."""
+        return self._load_4(self._base + byte, _SEQ_CST)
+
+    def add32(self, byte: int, value: int) -> int:
+        """Atomically add `value` to the 32-bit word at `byte`, wrapping; return the new value.
+        A seq-cst read-modify-write, so only in "atomics" mode (plain x86 accesses have none)."""
+        return (self._fetch_add_4(self._base + byte, value, _SEQ_CST) + value) & 0xFFFFFFFF

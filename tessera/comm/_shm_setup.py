@@ -12,7 +12,10 @@ and not a /dev/shm):
      unlinked at once (`_shm_files`: the files exist only between steps 1 and 3).
 
 Unless every rank succeeded, `probe` returns None on every rank and the group has no shared
-memory; so too where this machine cannot order shared-memory accesses (`_atomics.MODE`).
+memory; so too where this machine cannot order shared-memory accesses (`_atomics.MODE`). The
+verdicts also say whether each rank can sleep on a futex (`_futex`) and has atomic
+read-modify-writes: the group's barrier uses the futex only if every rank can, the pipes
+otherwise, so that a sleeper and its waker always agree on how to wake.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm import _atomics, _shm_files
+from tessera.comm import _atomics, _futex, _shm_files
 from tessera.comm._p2p import GroupInfo
 
 __all__ = ["NAME_AT", "NAME_MAX", "PAGE", "Link", "Segment", "probe"]
@@ -88,6 +91,7 @@ class Link:
     outboxes: list[int]  # every peer's wake-up pipe, open for writing (-1 at our own rank)
     words: _atomics.Words  # the control page's int64 words, accessed in order
     nap_ms: float
+    futex: bool  # every rank sleeps on a futex in the barrier (else on its pipe)
 
 
 def _close(fds: list[int]) -> None:
@@ -127,17 +131,19 @@ def probe(info: GroupInfo) -> Link | None:
             control, outboxes = _open_peers(info, offers, control)
         except (OSError, ValueError):
             able = False
+    futex = _futex.AVAILABLE and _futex.ENABLED and mode == "atomics"
     votes: list = [None] * info.size
-    dist.all_gather_object(votes, able, group=info.group)
+    dist.all_gather_object(votes, (able, futex), group=info.group)
     if inbox_name is not None:
         _shm_files.unlink(inbox_name)
     if control is not None and info.rank == 0:
         _shm_files.unlink(control.name)
-    if not all(votes):
+    if not all(able for able, _ in votes):
         _close([inbox, *outboxes])
         return None
     words = _atomics.Words(control.raw, memoryview(control.map), mode)
-    return Link(control, inbox, outboxes, words, _atomics.NAP_MS[mode])
+    futex = all(futex for _, futex in votes)
+    return Link(control, inbox, outboxes, words, _atomics.NAP_MS[mode], futex)
 
 
 def _open_peers(
