@@ -789,6 +789,13 @@ def test_fl_server_command_reads_its_config_and_times_out_cleanly(tmp_path):
     config.write_text("model: test_federated:_odd_model\ntoken: t\nalgorithm: fedadam\n")
     with pytest.raises(ValueError, match="unknown algorithm 'fedadam'"):
         main(["server", "--config", str(config)])
+    # secure_aggregation as a mapping of SecAggConfig fields (SecAgg+), checked on construction
+    config.write_text(
+        "model: test_federated:_odd_model\ntoken: t\nthreshold: 3\n"
+        "secure_aggregation: {neighbours: 4, threshold: 2}\n"
+    )
+    with pytest.raises(ValueError, match="threshold=3 contradicts SecAggConfig's threshold=2"):
+        main(["server", "--config", str(config)])
 
 
 def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
@@ -903,6 +910,38 @@ def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
     for name, value in simulated.state_dict.items():
         assert torch.equal(history.state_dict[name], value), name
     assert history.epsilon == simulated.epsilon and len(history.epsilon) == (0 if dp is None else 2)
+
+
+def test_deployed_secagg_plus_equals_simulated_and_sends_only_neighbours_keys(monkeypatch):
+    """SecAgg+ over gRPC, 5 client threads, 2 neighbours each: every client is sent 3 public keys
+    (its neighbours' and its own), not 5, and the sum, hence the model, is the simulated one."""
+    from tessera.federated.deployed import ServerConfig, serve
+
+    rosters: list[int] = []
+    share_keys = SecAggClient.share_keys
+
+    def recording(self, roster, threshold):
+        rosters.append(len(roster))
+        return share_keys(self, roster, threshold)
+
+    monkeypatch.setattr(SecAggClient, "share_keys", recording)
+    x, y = _data(50, seed=12)
+    parts = [np.arange(10 * k, 10 * k + 10) for k in range(5)]
+    settings = dict(local_epochs=1, batch_size=5, lr=0.3, seed=3)
+    config = ServerConfig(token="t", rounds=1, clients_per_round=5, quorum=5,
+                          secure_aggregation=SecAggConfig(neighbours=2), round_timeout_s=60,
+                          join_timeout_s=60, **settings)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    history = _round_with_client_threads(server, grpc_server, f"127.0.0.1:{port}", x, y, parts)
+    assert history.reported == [[0, 1, 2, 3, 4]] and rosters == [3] * 5
+    simulated = simulate(
+        _odd_model, (x, y), (x, y), partition=parts, num_clients=5, clients_per_round=5,
+        rounds=1, secure_aggregation=SecAggConfig(neighbours=2), **settings,
+    )  # fmt: skip
+    for name, value in simulated.state_dict.items():
+        assert torch.equal(history.state_dict[name], value), name
+    with pytest.raises(ValueError, match="contradicts"):
+        ServerConfig(token="t", secure_aggregation=SecAggConfig(threshold=2), threshold=3)
 
 
 def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys():

@@ -409,14 +409,14 @@ class SecAggServer:
             groups.setdefault(tuple(holders[: self.threshold]), []).append(client)
         secrets = {}
         for holders, group in groups.items():
-            try:
+            try:  # a malformed share, or shares of no 32-byte secret: refused, never a crash
                 shares = np.array([
                     [_shamir.share_from_bytes(responses[u][kind][c]) for c in group]
                     for u in holders
                 ])  # fmt: skip
+                recovered = _shamir.combine([u + 1 for u in holders], shares, self.threshold)
             except ValueError as error:
-                raise SecureAggregationError(f"secure aggregation: a bad share: {error}") from None
-            recovered = _shamir.combine([u + 1 for u in holders], shares, self.threshold)
+                raise SecureAggregationError(f"secure aggregation: bad shares: {error}") from None
             secrets.update(zip(group, recovered))
         return secrets
 
