@@ -101,8 +101,9 @@ def share_to_bytes(share: np.ndarray) -> bytes:
 
 
 def share_from_bytes(data: bytes) -> np.ndarray:
-    """Inverse of `share_to_bytes`; refuses a wrong length or a value outside the field."""
-    if len(data) != SHARE_BYTES:
+    """Inverse of `share_to_bytes` (of several shares concatenated: their words in a row);
+    refuses a length that is not whole shares or a value outside the field."""
+    if not data or len(data) % SHARE_BYTES:
         raise ValueError(f"shamir: a share is {SHARE_BYTES} bytes, got {len(data)}")
     share = np.frombuffer(data, dtype=">u4").astype(np.uint64)
     if (share >= PRIME).any():

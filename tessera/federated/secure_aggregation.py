@@ -237,13 +237,13 @@ class SecAggClient:
         shares = _shamir.split(
             [self._s_key.private_bytes_raw(), self._seed], [v + 1 for v in holders], threshold
         )
-        out = {}
-        for v, share in zip(holders, shares):
+        out, encoded = {}, shares.astype(">u4")  # big-endian words, converted once
+        for v, share, share_bytes in zip(holders, shares, encoded):
             if v == self.client_id:
                 self._held[v] = share
                 continue
             key = self._share_keys[v] = _agree(self._c_key, self._roster[v][0], _SHARES)
-            record = _ROUTING.pack(self.client_id, v) + share.astype(">u4").tobytes()
+            record = _ROUTING.pack(self.client_id, v) + share_bytes.tobytes()
             nonce = os.urandom(12)
             out[v] = nonce + AESGCM(key).encrypt(nonce, record, None)
         return out
@@ -259,24 +259,29 @@ class SecAggClient:
         `partners` are the clients that completed round 1 (default: the whole roster); pairwise
         masks are only added with them, since only their shares can remove a mask later.
         """
+        records = []
         for sender, ciphertext in inbox.items():
             if sender not in self._roster or sender == self.client_id:
                 raise SecureAggregationError(
                     f"secure aggregation: client {self.client_id} got shares from {sender}, "
                     f"not a neighbour"
                 )
-            key = self._share_keys[sender]
-            record = AESGCM(key).decrypt(ciphertext[:12], ciphertext[12:], None)
-            if len(record) != _RECORD_BYTES:
-                raise SecureAggregationError(f"secure aggregation: a bad record from {sender}")
-            if _ROUTING.unpack_from(record) != (sender, self.client_id):
+            record = AESGCM(self._share_keys[sender]).decrypt(
+                ciphertext[:12], ciphertext[12:], None
+            )
+            if len(record) != _RECORD_BYTES or _ROUTING.unpack_from(record) != (
+                sender, self.client_id
+            ):  # fmt: skip
                 raise SecureAggregationError(
-                    f"secure aggregation: misrouted share {_ROUTING.unpack_from(record)}"
+                    f"secure aggregation: a bad or misrouted share record from {sender}"
                 )
-            share = np.frombuffer(record, dtype=">u4", offset=_ROUTING.size).astype(np.uint64)
-            if (share >= _shamir.PRIME).any():
-                raise SecureAggregationError(f"secure aggregation: a bad share from {sender}")
-            self._held[sender] = share.reshape(2, _shamir.CHUNKS)
+            records.append(record[_ROUTING.size :])
+        if records:  # all shares parsed and checked in one numpy pass
+            shares = np.frombuffer(b"".join(records), dtype=">u4").astype(np.uint64)
+            if (shares >= _shamir.PRIME).any():
+                raise SecureAggregationError("secure aggregation: a share outside the field")
+            shares = shares.reshape(len(records), 2, _shamir.CHUNKS)
+            self._held.update(zip(inbox, shares))
         masked = np.array(report, dtype=np.uint64)
         np.add(masked, _prg(self._seed, len(masked)), out=masked)
         for v, (_, s_public) in self._roster.items():
@@ -410,10 +415,11 @@ class SecAggServer:
         secrets = {}
         for holders, group in groups.items():
             try:  # a malformed share, or shares of no 32-byte secret: refused, never a crash
-                shares = np.array([
-                    [_shamir.share_from_bytes(responses[u][kind][c]) for c in group]
-                    for u in holders
-                ])  # fmt: skip
+                parts = [responses[u][kind][c] for u in holders for c in group]
+                if any(len(part) != _shamir.SHARE_BYTES for part in parts):
+                    raise ValueError(f"a share is not {_shamir.SHARE_BYTES} bytes")
+                shares = _shamir.share_from_bytes(b"".join(parts))  # one pass for the group
+                shares = shares.reshape(len(holders), len(group), _shamir.CHUNKS)
                 recovered = _shamir.combine([u + 1 for u in holders], shares, self.threshold)
             except ValueError as error:
                 raise SecureAggregationError(f"secure aggregation: bad shares: {error}") from None
