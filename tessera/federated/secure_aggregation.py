@@ -150,8 +150,9 @@ def as_config(secure_aggregation: bool | SecAggConfig, threshold: int | None = N
 
 def quantize(vector: torch.Tensor, frac_bits: int = FRAC_BITS) -> np.ndarray:
     """`round(vector * 2^frac_bits)` as two's-complement uint64 (a ring element per coordinate)."""
-    scaled = np.rint(vector.detach().to(torch.float64).numpy() * 2.0**frac_bits)
-    if not (np.abs(scaled) < 2.0**62).all():  # also False for NaN and infinities
+    scaled = vector.detach().to(torch.float64).numpy() * 2.0**frac_bits  # a new array
+    np.rint(scaled, out=scaled)
+    if not np.abs(scaled).max(initial=0.0) < 2.0**62:  # also False for NaN and infinities
         raise SecureAggregationError(
             f"secure aggregation: a value leaves the fixed-point range +-2^{62 - frac_bits}"
         )
