@@ -33,19 +33,20 @@ integers; the only error is quantisation: with `frac_bits` f, each coordinate of
 rounded to a multiple of 2^-f, so the dequantised sum of n reports is within n * 2^-(f+1) of the
 exact sum (plus the float64 rounding of the final division by 2^f).
 
-Security of the sparse graph (`SecAggConfig(neighbours=k)`), semi-honest server colluding with c
-clients, d clients dropping out. The complete graph (Bonawitz et al.): the inputs stay hidden if
-c < t, and the round completes if d <= n - t. With k neighbours in a Harary graph, by the same
-argument per neighbourhood: an honest client's secrets need t of its k + 1 holders (c < t keeps
-them hidden only if the colluders are not t of one client's holders, so c < t suffices in the
-worst case), its input is summed with others' only while the honest survivors stay connected (at
-least guaranteed while c + d < k, the graph being k-vertex-connected), and recovery needs t
-surviving holders in each affected neighbourhood (d <= k + 1 - t there). Bell et al.'s point is
-that for random graphs these fail with negligible probability for k = O(log n) even when c and d
-are constant fractions of n (their concrete figures: with 10^4 clients, each talks to about 3%
-of them while withstanding 5% corrupt clients and 5% dropouts); that analysis needs n in the
-thousands. For rounds of ten clients k is a cost trade-off: fewer agreements for a guarantee
-that holds only against fewer than k colluding-or-dropped clients, not against fractions of n.
+Security, for a semi-honest server colluding with c clients while d clients drop out. Complete
+graph (Bonawitz et al.): every input stays hidden while c < t (the colluders hold fewer than t
+shares of any honest client's secrets), and the round completes while d <= n - t. With k
+neighbours (`SecAggConfig(neighbours=k)`) the same conditions hold per neighbourhood: hidden
+while fewer than t of an honest client's k + 1 share holders collude (c < t suffices), complete
+while each client whose secret is needed keeps t surviving holders (d <= k + 1 - t suffices);
+and one more the complete graph meets trivially: the server learns the sum of each connected
+group of honest survivors, so the inputs are summed together only while those stay connected.
+A Harary graph is k-vertex-connected, so c + d < k guarantees it. Bell et al. prove that a random
+graph of degree k = O(log n) keeps these failures negligible when c and d are constant fractions
+of n (the abstract's figure, semi-malicious setting: with 10^4 clients each talks to 3% of them
+and its input is summed with at least 5,000 others, withstanding 5% corrupt clients and 5%
+dropouts); that analysis is for n in the thousands. For rounds of ten
+clients a small k is a cost trade-off with the worst-case guarantees above, not their theorem.
 
 Cost per client: 2 keys, 2k X25519 agreements (k = n - 1 for the complete graph), k + 1 PRG
 expansions of the vector, one vectorised Shamir split; the server: k agreements and expansions per
