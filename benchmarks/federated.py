@@ -268,7 +268,7 @@ def _round_times(result: dict, args, train, test, common: dict) -> None:
     options = {SECURE: True, SECURE_PLUS: SecAggConfig(neighbours=SECAGG_PLUS_K), PLAIN: False}
     floors: dict[str, list[dict]] = {SECURE: [], SECURE_PLUS: []}
     protocol_ms: dict[str, list[float]] = {SECURE: [], SECURE_PLUS: []}
-    for repeat in range(5):  # A B A B: tessera plain, loop, secure, SecAgg+, plain with dropout
+    for repeat in range(args.timing_repeats):  # A B A B: tessera, loop, secure, SecAgg+, plain
         if repeat == 1 and args.flower_rounds and not args.round_time_only:
             result["flower"] = _run_flower(args.flower_python, args.flower_rounds)
             print({k: v for k, v in result["flower"].items() if k not in ("round_s", "accuracy")})
@@ -324,7 +324,10 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print and write the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-rounds", type=int, default=300)
-    parser.add_argument("--timing-rounds", type=int, default=15)
+    parser.add_argument("--timing-rounds", type=int, default=15, help="rounds per timed run")
+    parser.add_argument(
+        "--timing-repeats", type=int, default=5, help="interleaved repeats of the timed runs"
+    )
     parser.add_argument("--dp-rounds", type=int, default=100)
     parser.add_argument(
         "--deployed-rounds",
