@@ -567,8 +567,8 @@ def _write(result: dict, args) -> None:
         load = result.get("load_average", os.getloadavg())
         lines += [
             "",
-            f"Round times re-measured alone (`--round-time-only`, load average {load[0]:.1f} at "
-            f"the end): the simulated rows"
+            f"Round times re-measured alone (`--round-time-only`, load average {load[0]:.1f} after "
+            f"the simulated runs): the simulated rows"
             + (" and the deployed ones" if args.deployed_rounds else "")
             + "; the other tables and Flower's figures come from the last full run.",
         ]
