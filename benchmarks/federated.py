@@ -7,7 +7,9 @@ split, 100 clients, 10 per round, an MLP 64-64-10, SGD lr 0.1, B = 10. Measured:
   with E = 1 and 5, and FedAvg on Dirichlet 0.1 / 0.5 (a cap of `--max-rounds`);
 - time per round: tessera's `simulate` against a plain one-process PyTorch FedAvg loop written
   here (load_state_dict, torch.optim.SGD, average the state dicts), and plain against secure
-  aggregation (10% dropout), interleaved A B A B, medians;
+  aggregation (10% dropout) over the complete graph (Bonawitz et al. 2017) and SecAgg+'s
+  `SECAGG_PLUS_K` neighbours (Bell et al. 2020), interleaved A B A B, medians, with this
+  process's CPU time per round and the X25519 floor of each;
 - deployed mode: `tessera fl` round time over loopback with 10 client processes, plain and
   secure (this process serves);
 - accuracy after `--dp-rounds` rounds with DP at epsilon 1, 4, 8 (delta 1e-3 < 1/100 clients,
@@ -22,12 +24,15 @@ E * ceil(n_k / B) local steps each (the `local steps` column), so on this task (
 per client) a FedAvg round is worth at most a few FedSGD rounds. The extra FedSGD rows with larger
 server learning rates (McMahan et al. tune lr per method) show the ratio is not a weak baseline.
 
-Writes results/federated.{json,md,png}.
+Writes results/federated.{json,md,png}. `--round-time-only` re-measures only the simulated round
+times (and the deployed ones with `--deployed-rounds N`) and re-renders the rest from the last
+full run's results/federated.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -44,9 +49,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.federated import DPConfig, RDPAccountant, partition, simulate
+from tessera.federated import DPConfig, RDPAccountant, SecAggConfig, partition, simulate
 
 HERE = Path(__file__).parent
+SECAGG_PLUS_K = 4
+"""SecAgg+ neighbours for 10 clients per round: shares 3-of-5 (a client and its 4 neighbours);
+removing fewer than 4 clients cannot disconnect the Harary graph (see secure_aggregation)."""
+SECURE = "secure (10% dropout)"
+SECURE_PLUS = f"secure SecAgg+ k={SECAGG_PLUS_K} (10% dropout)"
+PLAIN = "plain (10% dropout)"
 
 
 def _digits():
@@ -188,24 +199,110 @@ def _run_flower(python: str, rounds: int) -> dict:
     return result
 
 
-def _key_agreement_floor_ms(clients: int, dropped: int) -> dict:
+@contextlib.contextmanager
+def _timing_secure_sum(into: list[float]):
+    """Append the CPU ms of each `secure_sum` call `simulate` makes (the whole protocol, all
+    clients and the server, quantisation included) to `into`, by wrapping the name simulation
+    imported; everything else in a secure round is the plain round's work."""
+    from tessera.federated import simulation
+
+    original = simulation.secure_sum
+
+    def timed(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            into.append(1000 * (time.thread_time() - start))
+
+    simulation.secure_sum = timed
+    try:
+        yield
+    finally:
+        simulation.secure_sum = original
+
+
+def _key_agreement_floor_ms(clients: int, dropped: int, neighbours: int | None = None) -> dict:
     """What X25519 alone costs a simulated secure round here: every client makes two key pairs
-    and agrees a share key with each other client; each survivor agrees a mask key with each
-    other client that finished round 1, and the server one per survivor per dropped client."""
+    and agrees a share key with each of its k neighbours (k = clients - 1 for the complete
+    graph); each survivor agrees a mask key with each neighbour (all finished round 1), and the
+    server one per surviving neighbour of each dropped client (k, taking its neighbours alive),
+    after rebuilding that client's key (one more key derivation)."""
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
     private, public = X25519PrivateKey.generate(), X25519PrivateKey.generate().public_key()
     cpu = {"timer": time.thread_time}  # CPU time, like the per-round CPU figures
-    exchange = min(timeit.repeat(lambda: private.exchange(public), number=200, repeat=5, **cpu))
-    generate = min(timeit.repeat(X25519PrivateKey.generate, number=200, repeat=5, **cpu))
+    # medians, not minima: the rounds they are compared with run under the same load
+    exchange = statistics.median(
+        timeit.repeat(lambda: private.exchange(public), number=200, repeat=5, **cpu)
+    )
+    generate = statistics.median(
+        timeit.repeat(X25519PrivateKey.generate, number=200, repeat=5, **cpu)
+    )
     exchange, generate = exchange / 200, generate / 200
     survivors = clients - dropped
-    agreements = clients * (clients - 1) + survivors * (clients - 1) + dropped * survivors
+    k = clients - 1 if neighbours is None else min(neighbours, clients - 1)
+    agreements = clients * k + survivors * k + dropped * min(k, survivors)
     keys = 2 * clients + dropped
     return {
         "agreements": agreements, "keys": keys, "exchange_us": 1e6 * exchange,
         "generate_us": 1e6 * generate, "ms": 1000 * (agreements * exchange + keys * generate),
     }  # fmt: skip
+
+
+def _round_times(result: dict, args, train, test, common: dict) -> None:
+    """Round times, interleaved A B A B: tessera, the plain loop, plain and secure (complete
+    graph, SecAgg+) with 10% dropout; Flower between the first repeats (unless skipped);
+    deployed rounds over loopback. Fills result's round_ms, cpu_ms_per_round, x25519 floors."""
+    shard_parts = partition(train[1], 100, scheme="shards", seed=0)
+    result["shard_local_steps"] = _local_steps(shard_parts, 1, 10)
+    start = time.perf_counter()  # start-up: partition, two models, the round-0 evaluation
+    simulate(_model, train, test, partition="shards", rounds=0, **common)
+    result["tessera_startup_s"] = time.perf_counter() - start
+    timing: dict[str, list[float]] = {
+        k: [] for k in ("tessera", "plain loop", SECURE, SECURE_PLUS, PLAIN)
+    }
+    if not args.round_time_only:
+        result["flower"] = {"skipped": True}
+    cpu_ms: dict[str, list[float]] = {SECURE: [], SECURE_PLUS: [], PLAIN: []}
+    options = {SECURE: True, SECURE_PLUS: SecAggConfig(neighbours=SECAGG_PLUS_K), PLAIN: False}
+    floors: dict[str, list[dict]] = {SECURE: [], SECURE_PLUS: []}
+    protocol_ms: dict[str, list[float]] = {SECURE: [], SECURE_PLUS: []}
+    for repeat in range(args.timing_repeats):  # A B A B: tessera, loop, secure, SecAgg+, plain
+        if repeat == 1 and args.flower_rounds and not args.round_time_only:
+            result["flower"] = _run_flower(args.flower_python, args.flower_rounds)
+            print({k: v for k, v in result["flower"].items() if k not in ("round_s", "accuracy")})
+            if "accuracy" in result["flower"]:
+                result["curves"]["Flower fedavg E=1 shards"] = result["flower"]["accuracy"]
+        n = args.timing_rounds
+        timing["tessera"] += simulate(_model, train, test, partition=shard_parts, rounds=n,
+                                      **common).round_s  # fmt: skip
+        timing["plain loop"] += _plain_loop_round_s(train, shard_parts, n)
+        for name, option in options.items():
+            cpu = time.thread_time()  # CPU time too: less sensitive to other jobs than wall time
+            with _timing_secure_sum(protocol_ms.get(name, [])):
+                timing[name] += simulate(
+                    _model, train, test, partition=shard_parts, rounds=n, dropout=0.1,
+                    secure_aggregation=option, **common,
+                ).round_s  # fmt: skip
+            cpu_ms[name].append(1000 * (time.thread_time() - cpu) / n)
+        floors[SECURE].append(_key_agreement_floor_ms(10, 1))
+        floors[SECURE_PLUS].append(_key_agreement_floor_ms(10, 1, SECAGG_PLUS_K))
+    result["x25519_floor"] = {
+        name: {k: statistics.median(f[k] for f in fs) for k in fs[0]} for name, fs in floors.items()
+    }
+    result["cpu_ms_per_round"] = {k: statistics.median(v) for k, v in cpu_ms.items()}
+    result["secure_sum_cpu_ms"] = {k: statistics.median(v) for k, v in protocol_ms.items()}
+    deployed = {k: v for k, v in result.get("round_ms", {}).items() if k.startswith("deployed")}
+    result["round_ms"] = {k: 1000 * statistics.median(v) for k, v in timing.items()}
+    result["round_ms"].update(deployed)  # kept from the last run unless re-measured below
+    result["load_average"] = os.getloadavg()
+    if args.deployed_rounds:
+        for secure in (False, True):
+            name = f"deployed, 10 client processes{', secure' if secure else ''}"
+            result["round_ms"][name] = _deployed_round_ms(
+                train, shard_parts, args.deployed_rounds, secure
+            )
 
 
 def _local_steps(parts, epochs: int, batch_size: int) -> float:
@@ -227,9 +324,17 @@ def main(argv: list[str] | None = None) -> dict:
     """Run the benchmark; print and write the tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-rounds", type=int, default=300)
-    parser.add_argument("--timing-rounds", type=int, default=15)
+    parser.add_argument("--timing-rounds", type=int, default=15, help="rounds per timed run")
+    parser.add_argument(
+        "--timing-repeats", type=int, default=5, help="interleaved repeats of the timed runs"
+    )
     parser.add_argument("--dp-rounds", type=int, default=100)
-    parser.add_argument("--deployed-rounds", type=int, default=20, help="0: skip")
+    parser.add_argument(
+        "--deployed-rounds",
+        type=int,
+        default=None,
+        help="0: skip (default 20; 0 with --round-time-only)",
+    )
     parser.add_argument("--skip-convergence", action="store_true")
     parser.add_argument("--skip-dp", action="store_true")
     parser.add_argument("--flower-rounds", type=int, default=150, help="0: skip Flower")
@@ -241,14 +346,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--render-only", action="store_true", help="rewrite the tables from results/federated.json"
     )
+    parser.add_argument(
+        "--round-time-only",
+        action="store_true",
+        help="re-measure the simulated round times only; the rest from results/federated.json",
+    )
     args = parser.parse_args(argv)
     if args.render_only:
         result = json.loads((HERE / "results" / "federated.json").read_text())
         _write(result, args)
         return result
+    if args.deployed_rounds is None:
+        args.deployed_rounds = 0 if args.round_time_only else 20
     torch.set_num_threads(1)
     train, test = _digits()
     common = dict(num_clients=100, clients_per_round=10, batch_size=10, lr=0.1, seed=0)
+    if args.round_time_only:
+        result = json.loads((HERE / "results" / "federated.json").read_text())
+        _round_times(result, args, train, test, common)
+        _write(result, args)
+        return result
     result: dict = {"machine": platform.processor() or platform.machine(), "curves": {}}
 
     # (partition, algorithm, E, lr, B): the issue's grid, then rows that explain the FedSGD ratio
@@ -285,51 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(row, flush=True)
     result["convergence"] = convergence
 
-    shard_parts = partition(train[1], 100, scheme="shards", seed=0)
-    result["shard_local_steps"] = _local_steps(shard_parts, 1, 10)
-    start = time.perf_counter()  # start-up: partition, two models, the round-0 evaluation
-    simulate(_model, train, test, partition="shards", rounds=0, **common)
-    result["tessera_startup_s"] = time.perf_counter() - start
-    timing = {
-        "tessera": [],
-        "plain loop": [],
-        "secure (10% dropout)": [],
-        "plain (10% dropout)": [],
-    }
-    result["flower"] = {"skipped": True}
-    cpu_ms: dict[str, list[float]] = {"secure (10% dropout)": [], "plain (10% dropout)": []}
-    floors: list[dict] = []
-    for repeat in range(5):  # A B A B: tessera plain, loop, secure, plain with the same dropout
-        if repeat == 1 and args.flower_rounds:  # Flower between the repeats, in the same run
-            result["flower"] = _run_flower(args.flower_python, args.flower_rounds)
-            print({k: v for k, v in result["flower"].items() if k not in ("round_s", "accuracy")})
-            if "accuracy" in result["flower"]:
-                result["curves"]["Flower fedavg E=1 shards"] = result["flower"]["accuracy"]
-        n = args.timing_rounds
-        timing["tessera"] += simulate(_model, train, test, partition=shard_parts, rounds=n,
-                                      **common).round_s  # fmt: skip
-        timing["plain loop"] += _plain_loop_round_s(train, shard_parts, n)
-        cpu = time.thread_time()  # CPU time too: less sensitive to other jobs than wall time
-        timing["secure (10% dropout)"] += simulate(
-            _model, train, test, partition=shard_parts, rounds=n, dropout=0.1,
-            secure_aggregation=True, **common,
-        ).round_s  # fmt: skip
-        cpu_ms["secure (10% dropout)"].append(1000 * (time.thread_time() - cpu) / n)
-        cpu = time.thread_time()
-        timing["plain (10% dropout)"] += simulate(
-            _model, train, test, partition=shard_parts, rounds=n, dropout=0.1, **common
-        ).round_s
-        cpu_ms["plain (10% dropout)"].append(1000 * (time.thread_time() - cpu) / n)
-        floors.append(_key_agreement_floor_ms(10, 1))
-    result["x25519_floor"] = {k: statistics.median(f[k] for f in floors) for k in floors[0]}
-    result["cpu_ms_per_round"] = {k: statistics.median(v) for k, v in cpu_ms.items()}
-    result["round_ms"] = {k: 1000 * statistics.median(v) for k, v in timing.items()}
-    if args.deployed_rounds:
-        for secure in (False, True):
-            name = f"deployed, 10 client processes{', secure' if secure else ''}"
-            result["round_ms"][name] = _deployed_round_ms(
-                train, shard_parts, args.deployed_rounds, secure
-            )
+    _round_times(result, args, train, test, common)
     print(result["round_ms"], flush=True)
     if args.skip_dp:
         result["dp"] = []
@@ -380,8 +453,11 @@ def _ratio_rows(result: dict) -> list[str]:
             if deployed else "", deployed is not None and deployed <= flower_ms)  # fmt: skip
     else:
         add("Flower side by side", None, "", None)
-    secure = ms["secure (10% dropout)"] / ms["plain (10% dropout)"]
-    add("secure aggregation <= 2x plain (10% dropout)", secure, f"{secure:.2f}x", secure <= 2.0)
+    for name, label in ((SECURE, "complete graph"), (SECURE_PLUS, f"SecAgg+ k={SECAGG_PLUS_K}")):
+        if name in ms:
+            secure = ms[name] / ms[PLAIN]
+            add(f"secure aggregation <= 2x plain (10% dropout), {label}", secure,
+                f"{secure:.2f}x", secure <= 2.0)  # fmt: skip
     sgd = rows.get(("fedsgd", 1, "shards", 0.1, 10), {}).get("rounds_to_90")
     for epochs in (1, 5):
         avg = rows.get(("fedavg", epochs, "shards", 0.1, 10), {}).get("rounds_to_90")
@@ -423,6 +499,23 @@ def _fedsgd_note(result: dict) -> list[str]:
         + ", ".join(f"lr {lr:g}: {r} rounds" for lr, r in tuned)
         + " (FedAvg keeps lr 0.1).",
     ]
+
+
+def _security_note(n: int = 10) -> str:
+    """What each graph withstands for a round of n clients (secure_aggregation's docstring)."""
+    k, t_full = SECAGG_PLUS_K, n // 2 + 1
+    t = (k + 1) // 2 + 1
+    return (
+        f"What the two withstand with {n} clients: the complete graph (threshold {t_full} of "
+        f"{n}) survives {n - t_full} dropouts and hides every input from the server with up to "
+        f"{t_full - 1} colluding clients; SecAgg+ with k = {k} (each client talks to {k} of "
+        f"{n - 1} others, shares {t}-of-{k + 1}) survives {k + 1 - t} dropouts per "
+        f"neighbourhood and hides inputs with up to {t - 1} colluders, and fewer than {k} "
+        f"dropped-or-colluding clients cannot split the survivors into separately unmasked "
+        f"groups (Harary graphs are k-connected). Bell et al. (CCS 2020) prove the guarantee "
+        f"against constant fractions of corrupt and dropped clients for k = O(log n) with n in "
+        f"the thousands, not for rounds of {n}: here k is a cost trade-off."
+    )
 
 
 def _write(result: dict, args) -> None:
@@ -470,21 +563,51 @@ def _write(result: dict, args) -> None:
         ]
     elif "error" in flower:
         lines += ["", f"Flower: not run ({flower['error'][:200]})."]
-    cpu, floor = result.get("cpu_ms_per_round"), result.get("x25519_floor")
-    if cpu and floor:
-        secure_cpu, plain_cpu = cpu["secure (10% dropout)"], cpu["plain (10% dropout)"]
-        overhead = secure_cpu - plain_cpu
+    if args.round_time_only:
+        load = result.get("load_average", os.getloadavg())
+        lines += [
+            "",
+            f"Round times re-measured alone (`--round-time-only`, load average {load[0]:.1f} after "
+            f"the simulated runs): the simulated rows"
+            + (" and the deployed ones" if args.deployed_rounds else "")
+            + "; the other tables and Flower's figures come from the last full run.",
+        ]
+    cpu, floors = result.get("cpu_ms_per_round"), result.get("x25519_floor")
+    if floors and "agreements" in floors:  # a result from before SecAgg+ was measured
+        floors = {SECURE: floors}
+    if cpu and floors:
+        plain_cpu = cpu[PLAIN]
+        parts = []
+        for name, label in (
+            (SECURE, "complete graph"),
+            (SECURE_PLUS, f"SecAgg+ k={SECAGG_PLUS_K}"),
+        ):
+            if name not in cpu:
+                continue
+            floor, overhead = floors[name], cpu[name] - plain_cpu
+            protocol = result.get("secure_sum_cpu_ms", {}).get(name)
+            text = (
+                f"{label}: {cpu[name]:.1f} ms, {cpu[name] / plain_cpu:.2f}x; overhead "
+                f"{overhead:.1f} ms, of which {floor['agreements']:.0f} X25519 agreements and "
+                f"{floor['keys']:.0f} key generations take {floor['ms']:.1f} ms "
+                f"({floor['ms'] / plain_cpu:.2f}x the plain round by itself)"
+            )
+            if protocol is not None:
+                text += (
+                    f"; the protocol (`secure_sum`, timed in the rounds) {protocol:.1f} ms, so "
+                    f"{protocol - floor['ms']:.1f} ms for everything else in it (AES-GCM "
+                    f"keystream masks and share encryption, HKDF, Shamir sharing and recovery, "
+                    f"quantisation) and {overhead - protocol:.1f} ms outside it"
+                )
+            parts.append(text)
+        floor = floors[SECURE]
         lines += [
             "",
             f"CPU time of this process per round (thread time, evaluation included; less "
-            f"sensitive to the other jobs than wall time): secure {secure_cpu:.1f} ms, plain "
-            f"{plain_cpu:.1f} ms, {secure_cpu / plain_cpu:.2f}x. The overhead, {overhead:.1f} ms, "
-            f"has a floor the protocol sets: {floor['agreements']:.0f} X25519 agreements "
-            f"({floor['exchange_us']:.0f} us CPU each) and {floor['keys']:.0f} key generations "
-            f"({floor['generate_us']:.0f} us) = {floor['ms']:.1f} ms for 10 clients with one "
-            f"dropout, {floor['ms'] / plain_cpu:.2f}x the plain round by itself; the rest "
-            f"(AES-CTR masks, HKDF, Shamir shares, AES-GCM, quantisation) is "
-            f"{overhead - floor['ms']:.1f} ms.",
+            f"sensitive to the other jobs than wall time), 10 clients with one dropout: plain "
+            f"{plain_cpu:.1f} ms; " + "; ".join(parts) + f". One X25519 agreement costs "
+            f"{floor['exchange_us']:.0f} us of CPU here, a key generation "
+            f"{floor['generate_us']:.0f} us. " + _security_note(),
         ]
     lines += ["", *_ratio_rows(result), *_fedsgd_note(result)]
     lines += [

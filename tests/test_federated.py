@@ -26,6 +26,7 @@ from tessera.federated import (
     DPConfig,
     History,
     RDPAccountant,
+    SecAggConfig,
     SecureAggregationError,
     partition,
     secure_sum,
@@ -306,22 +307,38 @@ def test_simulate_bad_input(caplog):
 # secure aggregation
 
 PARTICIPANTS = [3, 5, 8, 13, 21, 34]  # ids need not be contiguous
+WIDE = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37]  # 12 clients for 4-neighbour graphs
 
 
-def _reports(length: int = 300, seed: int = 0) -> dict[int, torch.Tensor]:
+def _reports(length: int = 300, seed: int = 0, ids=PARTICIPANTS) -> dict[int, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {u: torch.randn(length, generator=g, dtype=torch.float64) * 40 for u in PARTICIPANTS}
+    return {u: torch.randn(length, generator=g, dtype=torch.float64) * 40 for u in ids}
 
 
-def test_secure_sum_equals_plain_sum_with_and_without_dropouts():
-    reports = _reports()
-    for dropped in ([], [5], [5, 34]):  # 6 participants, threshold 4: up to 2 may drop
-        survivors = [u for u in PARTICIPANTS if u not in dropped]
-        result = secure_sum({u: reports[u] for u in survivors}, participants=PARTICIPANTS)
-        # Exact: the sum of each survivor's fixed-point rounding (round half to even, like
-        # np.rint), computed with Python integers; masks and dropped clients leave no trace.
-        exact = [sum(round(float(reports[u][i]) * 2**32) for u in survivors) for i in range(300)]
-        assert result.total.tolist() == [value / 2**32 for value in exact], dropped
+def _exact_sum(reports: dict[int, torch.Tensor], survivors, length: int) -> list[float]:
+    """The sum of each survivor's fixed-point rounding (round half to even, like np.rint),
+    computed with Python integers."""
+    exact = [sum(round(float(reports[u][i]) * 2**32) for u in survivors) for i in range(length)]
+    return [value / 2**32 for value in exact]
+
+
+@pytest.mark.parametrize(
+    "ids, neighbours, drops",
+    [
+        (PARTICIPANTS, None, ([], [5], [5, 34])),  # threshold 4 of 6: up to 2 may drop
+        # SecAgg+: 4 neighbours, shares 3-of-5 (a client and its neighbours): any 2 may drop
+        (WIDE, 4, ([], [7], [2, 37])),
+    ],
+)
+def test_secure_sum_equals_plain_sum_with_and_without_dropouts(ids, neighbours, drops):
+    reports = _reports(ids=ids)
+    for dropped in drops:
+        survivors = [u for u in ids if u not in dropped]
+        result = secure_sum(
+            {u: reports[u] for u in survivors}, participants=ids, neighbours=neighbours
+        )
+        # Exact: masks and dropped clients leave no trace.
+        assert result.total.tolist() == _exact_sum(reports, survivors, 300), dropped
         # Against the float64 sum: each report rounds by <= 2^-33 per coordinate, and the float64
         # sum of n terms of magnitude M rounds by <= n * eps64 * M.
         plain = sum(reports[u] for u in survivors)
@@ -331,6 +348,57 @@ def test_secure_sum_equals_plain_sum_with_and_without_dropouts():
         assert result.bytes_up > len(survivors) * 300 * 8 and result.bytes_down > 0
 
 
+def test_secagg_plus_sends_each_client_only_its_neighbours():
+    """With k = 4 of 12, a client's roster, shares and masks cover 4 others, not 11: its upload
+    of encrypted shares shrinks in proportion, and the server's graph is the one it routes."""
+    reports = _reports(length=50, ids=WIDE)
+    full = secure_sum(reports, participants=WIDE)
+    sparse = secure_sum(reports, participants=WIDE, neighbours=4)
+    assert full.total.tolist() == sparse.total.tolist() == _exact_sum(reports, WIDE, 50)
+    masked = 12 * 50 * 8
+    assert (sparse.bytes_up - masked) * 11 < (full.bytes_up - masked) * 5
+
+
+def test_harary_graph_is_symmetric_regular_and_survives_k_minus_1_removals():
+    """H(k, n) over a random order: symmetric (the masks cancel), k-regular (odd k with odd n:
+    k + 1), and k-vertex-connected: removing any k - 1 clients leaves the rest connected."""
+    import itertools
+
+    from tessera.federated._graph import degree, harary_graph
+
+    for count, k in [(12, 4), (12, 3), (9, 3), (7, 2), (6, 5), (6, 9)]:
+        clients = [10 * u + 1 for u in range(count)]
+        graph = harary_graph(clients, k, np.random.default_rng(count + k))
+        expected = degree(k, count)
+        assert expected == min(k + (k % 2 and count % 2), count - 1)
+        assert sorted(graph) == clients
+        for u, vs in graph.items():
+            assert u not in vs and len(vs) == expected, (count, k, u)
+            assert all(u in graph[v] for v in vs), (count, k, u)  # symmetric
+        for removed in itertools.combinations(clients, expected - 1):
+            rest = [u for u in clients if u not in removed]
+            reached, frontier = {rest[0]}, [rest[0]]
+            while frontier:
+                frontier = [v for u in frontier for v in graph[u] - set(removed) - reached]
+                reached.update(frontier)
+            assert reached == set(rest), (count, k, removed)
+    orders = {tuple(sorted(harary_graph(WIDE, 4, np.random.default_rng(s))[2])) for s in range(8)}
+    assert len(orders) > 1  # the server draws a different graph per round
+
+
+def _run_round(server: SecAggServer, reports, reporting) -> tuple[dict, dict, dict, dict]:
+    """Rounds 0-2 of a hand-driven round: every participant shares keys, `reporting` mask;
+    returns the clients, their inboxes, quantised reports and masked inputs."""
+    clients = {u: SecAggClient(u) for u in server.participants}
+    server.collect_keys({u: c.advertise_keys() for u, c in clients.items()})
+    inboxes = server.route_shares(
+        {u: c.share_keys(server.neighbourhood(u), server.threshold) for u, c in clients.items()}
+    )
+    quantized = {u: quantize(reports[u]) for u in reporting}
+    masked = {u: clients[u].masked_input(quantized[u], inboxes[u]) for u in reporting}
+    return clients, inboxes, quantized, masked
+
+
 def test_secure_sum_fails_cleanly_beyond_the_threshold():
     reports = _reports(length=20)
     survivors = PARTICIPANTS[:3]  # 3 of 6 report; the default threshold is a majority, 4
@@ -338,45 +406,65 @@ def test_secure_sum_fails_cleanly_beyond_the_threshold():
         secure_sum({u: reports[u] for u in survivors}, participants=PARTICIPANTS)
     # an explicit lower threshold lets the same round through, exactly
     result = secure_sum({u: reports[u] for u in survivors}, participants=PARTICIPANTS, threshold=3)
-    exact = [sum(round(float(reports[u][i]) * 2**32) for u in survivors) for i in range(20)]
-    assert result.total.tolist() == [value / 2**32 for value in exact]
+    assert result.total.tolist() == _exact_sum(reports, survivors, 20)
     with pytest.raises(ValueError, match="non-participants"):
         secure_sum({99: reports[3]}, participants=PARTICIPANTS)
+    with pytest.raises(ValueError, match="threshold 6 must be in 1..5, the holders"):
+        secure_sum(reports, participants=PARTICIPANTS, neighbours=4, threshold=6)
+    # SecAgg+: 9 of 12 report, far above the threshold overall, but one client lost 3 of its 4
+    # neighbours: its seed has 2 surviving holders of 3 needed, and the round stops before
+    # anyone is asked for a share.
+    server = SecAggServer(WIDE, neighbours=4, rng=np.random.default_rng(1))
+    _, _, _, masked = _run_round(server, _reports(length=20, ids=WIDE), WIDE)
+    victim = WIDE[0]
+    gone = sorted(server.graph[victim])[:3]
+    with pytest.raises(
+        SecureAggregationError, match=f"client {victim}'s seed has only 2 surviving"
+    ):
+        server.collect_masked({u: m for u, m in masked.items() if u not in gone})
+    for bad in (dict(neighbours=1), dict(neighbours=True), dict(threshold=0)):
+        with pytest.raises(ValueError, match="SecAggConfig"):
+            SecAggConfig(**bad)
 
 
-def test_a_masked_input_is_not_the_clients_update():
-    reports = {u: r.abs() for u, r in _reports(length=2000).items()}  # small positive values
-    server = SecAggServer(PARTICIPANTS)
-    clients = {u: SecAggClient(u) for u in PARTICIPANTS}
-    roster = server.collect_keys({u: c.advertise_keys() for u, c in clients.items()})
-    inboxes = server.route_shares({u: c.share_keys(roster, server.threshold) for u, c in
-                                   clients.items()})  # fmt: skip
-    quantized = {u: quantize(reports[u]) for u in PARTICIPANTS}
-    masked = {u: clients[u].masked_input(quantized[u], inboxes[u]) for u in PARTICIPANTS}
-    for u in PARTICIPANTS:
+@pytest.mark.parametrize("ids, neighbours", [(PARTICIPANTS, None), (WIDE, 4)])
+def test_a_masked_input_is_not_the_clients_update(ids, neighbours):
+    from tessera.federated import _shamir
+
+    reports = {u: r.abs() for u, r in _reports(length=2000, ids=ids).items()}  # small positive
+    server = SecAggServer(ids, neighbours=neighbours)
+    clients, inboxes, quantized, masked = _run_round(server, reports, ids)
+    record = 16 + 2 * _shamir.SHARE_BYTES  # sender, recipient, two shares
+    for u in ids:
         # Unmasked, every value is below 2^40; masked, the values spread over the whole ring:
         # about half the coordinates have the top bit set, almost none stays unchanged.
         assert (quantized[u] < 2**40).all()
         assert (masked[u] == quantized[u]).mean() < 0.001
         assert 0.4 < (masked[u] >= 2**63).mean() < 0.6
-        # the masks of others' inboxes are ciphertexts the server routes, never share values
-        assert all(isinstance(c, bytes) and len(c) > 12 + 132 for c in inboxes[u].values())
-    dropped, survivors = server.collect_masked({u: masked[u] for u in PARTICIPANTS[1:]})
-    assert dropped == [3] and survivors == PARTICIPANTS[1:]
+        # the server routes ciphertexts (nonce, record, tag), never share values
+        assert all(isinstance(c, bytes) and len(c) == 12 + record + 16 for c in inboxes[u].values())
+        assert set(inboxes[u]) == set(server.graph[u])
+    # One client drops after sharing (the real protocol: masked inputs already include its masks)
+    dropped_client = ids[0]
+    dropped, survivors = server.collect_masked({u: masked[u] for u in ids[1:]})
+    assert dropped == [dropped_client] and survivors == ids[1:]
     responses = {u: clients[u].unmask(dropped, survivors) for u in survivors}
     # a survivor reveals the dropped client's mask key and the survivors' seeds, never both
-    assert all(set(r["s"]) == {3} and set(r["b"]) == set(survivors) for r in responses.values())
+    for u, r in responses.items():
+        holds = server.graph[u] | {u}
+        assert set(r["s"]) == {dropped_client} & holds and set(r["b"]) == set(survivors) & holds
     with pytest.raises(SecureAggregationError, match="both dropped and survived"):
-        clients[5].unmask([8], [8, 13])
+        clients[ids[1]].unmask([ids[2]], [ids[2], ids[3]])
     total = server.finish(responses)
     expected = sum(quantized[u].astype(object) for u in survivors)  # Python integers
     assert [int(v) for v in total] == [int(v) % 2**64 for v in expected]
 
 
 def test_masked_input_is_the_protocol_formula_computed_independently():
-    """y_u = x_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv) mod 2^64, with
-    s_uv = HKDF-SHA256(X25519(s_u, S_v)) and PRG the AES-256-CTR keystream, recomputed here with
-    `cryptography`'s HKDF and a fresh cipher per mask and Python integers for the ring."""
+    """y_u = x_u + PRG(b_u) + sum_{v in N(u), v > u} PRG(s_uv) - sum_{v in N(u), v < u} PRG(s_uv)
+    mod 2^64, with s_uv = HKDF-SHA256(X25519(s_u, S_v)) and PRG the AES-256-CTR keystream from
+    counter block 0^96 || 2, recomputed here with `cryptography`'s HKDF and CTR mode and Python
+    integers for the ring; N(u) the neighbours the server sent u (all others, or a subset)."""
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -385,7 +473,8 @@ def test_masked_input_is_the_protocol_formula_computed_independently():
     length = 37  # not a multiple of the AES block: the keystream's tail is used too
 
     def prg(seed: bytes) -> list[int]:
-        encryptor = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+        start = bytes(12) + (2).to_bytes(4, "big")
+        encryptor = Cipher(algorithms.AES(seed), modes.CTR(start)).encryptor()
         stream = encryptor.update(bytes(8 * length))
         return [int.from_bytes(stream[8 * i : 8 * i + 8], "little") for i in range(length)]
 
@@ -394,61 +483,92 @@ def test_masked_input_is_the_protocol_formula_computed_independently():
         hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"tessera secagg mask")
         return hkdf.derive(shared)
 
-    ids = [3, 8, 13, 21]
-    server = SecAggServer(ids)
-    clients = {u: SecAggClient(u) for u in ids}
-    roster = server.collect_keys({u: c.advertise_keys() for u, c in clients.items()})
-    inboxes = server.route_shares({u: c.share_keys(roster, 3) for u, c in clients.items()})
-    reports = {u: quantize(_reports(length)[u]) for u in ids}
-    for u in ids:
-        for partners in (None, [3, 8, 21]):  # 13 left after round 1: no mask with it
-            others = [v for v in ids if v != u and (partners is None or v in partners)]
-            expected = [int(x) for x in reports[u]]
-            terms = [prg(clients[u]._seed)] + [
-                [m if u < v else -m for m in prg(mask_seed(clients[u], roster[v][1]))]
-                for v in others
-            ]
-            for term in terms:
-                expected = [e + t for e, t in zip(expected, term)]
-            masked = clients[u].masked_input(reports[u], inboxes[u], partners)
-            assert masked.dtype == np.uint64
-            assert [int(m) for m in masked] == [e % 2**64 for e in expected], (u, partners)
+    ids = [3, 8, 13, 21, 34]
+    for neighbours in (None, 2):
+        server = SecAggServer(ids, threshold=2, neighbours=neighbours)
+        clients, inboxes, _, _ = _run_round(server, _reports(length, ids=ids), [])
+        reports = {u: quantize(_reports(length, ids=ids)[u]) for u in ids}
+        for u in ids:
+            for partners in (None, [v for v in ids if v != 13]):  # 13 left after round 1
+                others = [
+                    v for v in sorted(server.graph[u])
+                    if partners is None or v in partners
+                ]  # fmt: skip
+                assert len(server.graph[u]) == (4 if neighbours is None else 2)
+                expected = [int(x) for x in reports[u]]
+                terms = [prg(clients[u]._seed)] + [
+                    [m if u < v else -m for m in prg(mask_seed(clients[u], server.roster[v][1]))]
+                    for v in others
+                ]
+                for term in terms:
+                    expected = [e + t for e, t in zip(expected, term)]
+                masked = clients[u].masked_input(reports[u], inboxes[u], partners)
+                assert masked.dtype == np.uint64
+                assert [int(m) for m in masked] == [e % 2**64 for e in expected], (u, partners)
 
 
-def test_shamir_coefficients_cover_the_whole_field():
-    """Shamir's secrecy needs the random coefficients uniform on GF(2^521 - 1): drawn 4,000 of
-    them, each bit of the top byte is set in half of them (binomial: 0.5 +- 6 sigma, sigma =
-    0.0079) and every one is below the prime."""
+def test_shamir_recovers_from_any_threshold_shares_and_draws_uniform_coefficients():
+    """Any t of n shares give the secrets back; the shares of holder x are f(x) for polynomials
+    whose constant terms are the secret's 25-bit chunks (checked with Python integers: Lagrange
+    at 0 written here); the random coefficients are uniform on GF(2^26 - 5): each of the top 8
+    bits is set in half of 8,000 draws (binomial: 0.5 +- 6 sigma, sigma = 0.0056)."""
+    import itertools
+    import os
+
     from tessera.federated import _shamir
 
-    values = _shamir._random_elements(4000)
-    assert all(0 <= v < _shamir.PRIME for v in values)
-    for bit in range(513, 521):
-        fraction = sum(v >> bit & 1 for v in values) / len(values)
-        assert abs(fraction - 0.5) < 6 * 0.0079, bit
+    p = 2**26 - 5
+    secrets = [os.urandom(32), bytes(32), b"\xff" * 32]
+    xs = [4, 9, 22, 35, 36]
+    shares = _shamir.split(secrets, xs, 3)
+    assert shares.shape == (5, 3, _shamir.CHUNKS) and (shares < p).all()
+    for subset in itertools.combinations(range(5), 3):
+        assert _shamir.combine([xs[i] for i in subset], shares[list(subset)], 3) == secrets
+    for chunk in range(_shamir.CHUNKS):
+        points = [(xs[i], int(shares[i, 0, chunk])) for i in (0, 2, 4)]
+        value = 0
+        for x_i, y_i in points:
+            weight = 1
+            for x_j, _ in points:
+                if x_j != x_i:
+                    weight = weight * x_j * pow(x_j - x_i, -1, p) % p
+            value = (value + weight * y_i) % p
+        assert value == int.from_bytes(secrets[0], "big") >> (25 * chunk) & (2**25 - 1)
+    with pytest.raises(ValueError, match="cannot recover"):
+        _shamir.combine(xs[:2], shares[:2], 3)
+    values = _shamir.random_elements((8000,))
+    assert ((values >= 0) & (values < p)).all()
+    for bit in range(18, 26):
+        fraction = ((values >> np.uint64(bit)) & np.uint64(1)).mean()
+        assert abs(fraction - 0.5) < 6 * 0.0056, bit
 
 
-def test_simulate_secure_equals_plain_and_same_clients_drop():
+@pytest.mark.parametrize(
+    "secure, clients_per_round, dropout",
+    [(True, 5, 0.4), (SecAggConfig(neighbours=4), 8, 0.25)],  # SecAgg+: 2 of 8 drop, 3-of-5
+)
+def test_simulate_secure_equals_plain_and_same_clients_drop(secure, clients_per_round, dropout):
     x, y = _data(200, seed=5)
     runs = {}
-    for secure in (False, True):
-        runs[secure] = simulate(
-            _model_fn(), (x, y), (x, y), partition="iid", num_clients=8, clients_per_round=5,
-            rounds=1, batch_size=10, lr=0.3, dropout=0.4, secure_aggregation=secure, seed=7,
+    for option in (False, secure):
+        runs[option is secure] = simulate(
+            _model_fn(), (x, y), (x, y), partition="iid", num_clients=10,
+            clients_per_round=clients_per_round, rounds=1, batch_size=10, lr=0.3,
+            dropout=dropout, secure_aggregation=option, seed=7,
         )  # fmt: skip
-    plain, secure = runs[False], runs[True]
-    assert plain.selected == secure.selected and plain.dropped == secure.dropped
-    assert len(secure.dropped[0]) == 2  # 40% of 5: recovered from the 3 survivors' shares
+    plain, secured = runs[False], runs[True]
+    assert plain.selected == secured.selected and plain.dropped == secured.dropped
+    assert len(secured.dropped[0]) == 2  # recovered from the survivors' shares
     for name, value in plain.state_dict.items():
-        # The weighted means differ by quantisation only (<= 3 * 2^-33 / 75, 75 samples), far
-        # below float32 resolution: the float32 results differ by at most one rounding step.
+        # The weighted means differ by quantisation only (<= n * 2^-33 / samples), far below
+        # float32 resolution: the float32 results differ by at most one rounding step.
         spacing = torch.from_numpy(np.spacing(value.abs().numpy()))
-        assert ((secure.state_dict[name] - value).abs() <= spacing).all(), name
-    assert secure.bytes_up[0] > plain.bytes_up[0]
+        assert ((secured.state_dict[name] - value).abs() <= spacing).all(), name
+    assert secured.bytes_up[0] > plain.bytes_up[0]
     with pytest.raises(SecureAggregationError, match="only 2 of 5 clients"):
         simulate(
             _model_fn(), (x, y), (x, y), partition="iid", num_clients=8, clients_per_round=5,
-            rounds=1, dropout=0.6, secure_aggregation=True,
+            rounds=1, dropout=0.6, secure_aggregation=secure,
         )  # fmt: skip
 
 
@@ -669,6 +789,13 @@ def test_fl_server_command_reads_its_config_and_times_out_cleanly(tmp_path):
     config.write_text("model: test_federated:_odd_model\ntoken: t\nalgorithm: fedadam\n")
     with pytest.raises(ValueError, match="unknown algorithm 'fedadam'"):
         main(["server", "--config", str(config)])
+    # secure_aggregation as a mapping of SecAggConfig fields (SecAgg+), checked on construction
+    config.write_text(
+        "model: test_federated:_odd_model\ntoken: t\nthreshold: 3\n"
+        "secure_aggregation: {neighbours: 4, threshold: 2}\n"
+    )
+    with pytest.raises(ValueError, match="threshold=3 contradicts SecAggConfig's threshold=2"):
+        main(["server", "--config", str(config)])
 
 
 def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
@@ -783,6 +910,38 @@ def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
     for name, value in simulated.state_dict.items():
         assert torch.equal(history.state_dict[name], value), name
     assert history.epsilon == simulated.epsilon and len(history.epsilon) == (0 if dp is None else 2)
+
+
+def test_deployed_secagg_plus_equals_simulated_and_sends_only_neighbours_keys(monkeypatch):
+    """SecAgg+ over gRPC, 5 client threads, 2 neighbours each: every client is sent 3 public keys
+    (its neighbours' and its own), not 5, and the sum, hence the model, is the simulated one."""
+    from tessera.federated.deployed import ServerConfig, serve
+
+    rosters: list[int] = []
+    share_keys = SecAggClient.share_keys
+
+    def recording(self, roster, threshold):
+        rosters.append(len(roster))
+        return share_keys(self, roster, threshold)
+
+    monkeypatch.setattr(SecAggClient, "share_keys", recording)
+    x, y = _data(50, seed=12)
+    parts = [np.arange(10 * k, 10 * k + 10) for k in range(5)]
+    settings = dict(local_epochs=1, batch_size=5, lr=0.3, seed=3)
+    config = ServerConfig(token="t", rounds=1, clients_per_round=5, quorum=5,
+                          secure_aggregation=SecAggConfig(neighbours=2), round_timeout_s=60,
+                          join_timeout_s=60, **settings)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    history = _round_with_client_threads(server, grpc_server, f"127.0.0.1:{port}", x, y, parts)
+    assert history.reported == [[0, 1, 2, 3, 4]] and rosters == [3] * 5
+    simulated = simulate(
+        _odd_model, (x, y), (x, y), partition=parts, num_clients=5, clients_per_round=5,
+        rounds=1, secure_aggregation=SecAggConfig(neighbours=2), **settings,
+    )  # fmt: skip
+    for name, value in simulated.state_dict.items():
+        assert torch.equal(history.state_dict[name], value), name
+    with pytest.raises(ValueError, match="contradicts"):
+        ServerConfig(token="t", secure_aggregation=SecAggConfig(threshold=2), threshold=3)
 
 
 def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys():

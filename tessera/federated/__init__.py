@@ -1,11 +1,12 @@
 """Federated learning: clients train on data that never leaves them; the server sums updates.
 
 `simulate` runs FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020) or FedSGD over many
-clients in one process, with optional secure aggregation (Bonawitz et al. 2017) and client-level
-differential privacy (McMahan et al. 2018). `serve` / `connect` (and `tessera fl server|client`)
-run the same code deployed, over gRPC. Modules, one concept each: `partitioning` (who holds
-which samples), `client` (local training), `aggregate` (the server's weighted mean and step),
-`secure_aggregation`, `privacy`, `simulation`, `wire` (messages) and `deployed` (gRPC), `cli`.
+clients in one process, with optional secure aggregation (Bonawitz et al. 2017, or SecAgg+ over
+k neighbours, Bell et al. 2020) and client-level differential privacy (McMahan et al. 2018).
+`serve` / `connect` (and `tessera fl server|client`) run the same code deployed, over gRPC.
+Modules, one concept each: `partitioning` (who holds which samples), `client` (local training),
+`aggregate` (the server's weighted mean and step), `secure_aggregation` (with `_shamir` and
+`_graph`), `privacy`, `simulation`, `wire` (messages) and `deployed` (gRPC), `cli`.
 The deployed names load on first use, so simulation does not need grpcio.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 from tessera.federated.aggregate import ALGORITHMS
 from tessera.federated.partitioning import SCHEMES, partition
 from tessera.federated.privacy import DPConfig, RDPAccountant
-from tessera.federated.secure_aggregation import SecureAggregationError, secure_sum
+from tessera.federated.secure_aggregation import SecAggConfig, SecureAggregationError, secure_sum
 from tessera.federated.simulation import History, simulate
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "History",
     "RDPAccountant",
     "SCHEMES",
+    "SecAggConfig",
     "SecureAggregationError",
     "ServerConfig",
     "connect",

@@ -43,6 +43,10 @@ def _server(args: argparse.Namespace) -> int:
         from tessera.federated.privacy import DPConfig
 
         settings["dp"] = DPConfig(**settings["dp"])
+    if isinstance(settings.get("secure_aggregation"), dict):  # SecAggConfig fields (SecAgg+)
+        from tessera.federated.secure_aggregation import SecAggConfig
+
+        settings["secure_aggregation"] = SecAggConfig(**settings["secure_aggregation"])
     config = ServerConfig(**settings)
     server, grpc_server, port = serve(
         model_fn, config, address=address,

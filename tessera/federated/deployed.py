@@ -10,7 +10,9 @@ with fewer than `quorum` usable reports the round is skipped and the model kept.
 between rounds and leave at any time. Every call carries the shared `token` (compared in constant
 time); TLS is used when a certificate and key are given. One generic unary gRPC method carries
 `wire` messages (no generated stubs). With `secure_aggregation`, a round runs Bonawitz et al.'s
-four phases (`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation; a
+four phases (`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation (over
+the complete graph, or SecAgg+'s k-regular one with `SecAggConfig(neighbours=k)`: then a client
+is sent only its neighbours' keys and shares); a
 client that stops after sharing its keys is a dropout whose masks the others' shares remove. A
 client whose own update is non-finite does not report (it drops out); the server cannot inspect
 masked reports. With `dp`, clients clip and the server adds the noise and keeps the accountant,
@@ -46,8 +48,10 @@ from tessera.federated.client import client_generator, load_vector, local_update
 from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
 from tessera.federated.secure_aggregation import (
     SecAggClient,
+    SecAggConfig,
     SecAggServer,
     SecureAggregationError,
+    as_config,
     dequantize,
     quantize,
 )
@@ -79,10 +83,12 @@ class ServerConfig:
     """Deadline for the selected clients' reports."""
     join_timeout_s: float = 300.0
     """How long a round waits for enough clients to join before the run stops."""
-    secure_aggregation: bool = False
-    """Sum the reports with secure aggregation (the server sees masked vectors only)."""
+    secure_aggregation: bool | SecAggConfig = False
+    """Sum the reports with secure aggregation (the server sees masked vectors only): True for
+    the complete graph, `SecAggConfig(neighbours=k)` for SecAgg+ (as in `simulate`)."""
     threshold: int | None = None
-    """Secure aggregation's Shamir threshold (default: a majority of the selected clients)."""
+    """Secure aggregation's Shamir threshold (default: a majority of each client's share
+    holders, the selected clients in the complete graph); may instead be set in SecAggConfig."""
     dp: DPConfig | None = None
     """Client-level DP as in `simulate`: clients clip, the server noises the sum."""
 
@@ -95,6 +101,12 @@ class ServerConfig:
             raise TypeError(f"ServerConfig: dp must be a DPConfig, got {type(self.dp).__name__}")
         if not 1 <= self.quorum <= self.clients_per_round:
             raise ValueError(f"ServerConfig: quorum {self.quorum} not in 1..clients_per_round")
+        as_config(self.secure_aggregation, self.threshold)  # raises on a contradiction
+
+    @property
+    def secagg(self) -> SecAggConfig | None:
+        """The secure-aggregation settings, threshold included (None: plain sums)."""
+        return as_config(self.secure_aggregation, self.threshold)
 
 
 @dataclass
@@ -226,7 +238,7 @@ class FederatedServer:
             rng.choice(sorted(selected), 0, replace=False)
             noise_seed = int(rng.integers(2**63))
             try:
-                if c.secure_aggregation:
+                if c.secagg is not None:
                     total, usable = _secure_round(self, selected)
                 else:
                     total, usable = self._plain_round(selected)
@@ -256,7 +268,8 @@ class FederatedServer:
 
 def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
     """Bonawitz et al.'s four rounds over the network (see `secure_aggregation`)."""
-    secagg = SecAggServer(selected, server.config.threshold)
+    config = server.config.secagg
+    secagg = SecAggServer(selected, config.threshold, config.neighbours)
     round_index = server._round
 
     def ask(kind: str, **fields) -> Callable[[int], bytes]:
@@ -267,16 +280,19 @@ def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Te
     roster = secagg.collect_keys(
         {u: (bytes.fromhex(h["c"]), bytes.fromhex(h["s"])) for u, (h, _) in keys.items()}
     )
-    shares_task = wire.encode(
-        {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
-         "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in roster.items()}},
-        server.vector,
-    )  # fmt: skip
-    shares = server._collect("shares", set(roster), lambda _: shares_task)
+
+    def shares_task(client: int) -> bytes:  # a client gets its neighbours' keys and its own
+        keys = secagg.neighbourhood(client)
+        return wire.encode(
+            {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
+             "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in keys.items()}},
+            server.vector,
+        )  # fmt: skip
+
+    shares = server._collect("shares", set(roster), shares_task)
     # Only clients whose shares went out can be unmasked later: they are the partners.
     partners = sorted(shares)
-    secagg.roster = {u: roster[u] for u in partners}
-    secagg._require(len(partners), "sent their shares")
+    secagg.keep_partners(partners)
     outboxes = {u: {int(v): bytes.fromhex(c) for v, c in h["outbox"].items()} for u, (h, _) in
                 shares.items()}  # fmt: skip
     inboxes = secagg.route_shares({u: {v: c for v, c in box.items() if v in secagg.roster}
@@ -291,10 +307,13 @@ def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Te
     dropped, survivors = secagg.collect_masked({u: p for u, (_, p) in masked.items()})
     unmask = server._collect("unmask", set(survivors), ask("unmask", dropped=dropped,
                                                          survivors=survivors))  # fmt: skip
-    responses = {
-        u: {kind: {int(k): int(v) for k, v in h[kind].items()} for kind in ("s", "b")}
-        for u, (h, _) in unmask.items()
-    }
+    try:
+        responses = {
+            u: {kind: {int(k): bytes.fromhex(v) for k, v in h[kind].items()} for kind in "sb"}
+            for u, (h, _) in unmask.items()
+        }
+    except (TypeError, ValueError) as error:
+        raise SecureAggregationError(f"secure aggregation: a bad unmask message: {error}") from None
     total = dequantize(secagg.finish(responses))
     return total, survivors
 
@@ -422,7 +441,7 @@ def connect(
                 send(answer, masked)
             else:
                 shares = secure["client"].unmask(task["dropped"], task["survivors"])
-                send({**answer, **{k: {str(u): str(v) for u, v in shares[k].items()}
+                send({**answer, **{k: {str(u): v.hex() for u, v in shares[k].items()}
                                    for k in ("s", "b")}})  # fmt: skip
     finally:
         channel.close()

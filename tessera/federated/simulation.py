@@ -40,7 +40,7 @@ from tessera.federated.client import client_generator, load_vector, local_update
 from tessera.federated.partitioning import SCHEMES
 from tessera.federated.partitioning import partition as make_partition
 from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
-from tessera.federated.secure_aggregation import secure_sum
+from tessera.federated.secure_aggregation import SecAggConfig, as_config, secure_sum
 
 __all__ = ["History", "simulate"]
 
@@ -85,7 +85,7 @@ def simulate(
     rounds: int = 100,
     algorithm: str = "fedavg",
     mu: float = 0.0,
-    secure_aggregation: bool = False,
+    secure_aggregation: bool | SecAggConfig = False,
     dp: DPConfig | None = None,
     dropout: float = 0.0,
     seed: int = 0,
@@ -95,6 +95,8 @@ def simulate(
     `partition` is a scheme of `partitioning.SCHEMES` (with default alpha / shards) or a list of
     index arrays, one per client. `model_fn` must return a model of the same architecture each
     call: the first is the global model, the second the replica clients train in.
+    `secure_aggregation`: True for Bonawitz et al.'s complete graph, a `SecAggConfig` for a
+    threshold or SecAgg+'s k neighbours.
     """
     train_x, train_y = _check_pair(train, "train")
     test_x, test_y = _check_pair(test, "test")
@@ -102,6 +104,7 @@ def simulate(
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"simulate: dropout={dropout} must be in [0, 1)")
     parts = _client_parts(partition, train_y, num_clients, seed)
+    secagg = as_config(secure_aggregation)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"simulate: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     if dp is not None and not isinstance(dp, DPConfig):
@@ -137,10 +140,11 @@ def simulate(
             reports[client] = make_report(update, weight)
         up = len(reports) * (numel * global_vector.element_size() + 8)
         down = len(selected) * numel * global_vector.element_size()
-        if secure_aggregation:
+        if secagg is not None:
             # A client checks its own update: the server cannot look inside masked vectors.
             usable = {c: r for c, r in reports.items() if update_problem(r, numel + 1) is None}
-            result = secure_sum(usable, participants=selected)
+            result = secure_sum(usable, participants=selected, threshold=secagg.threshold,
+                                neighbours=secagg.neighbours)  # fmt: skip
             total, up, down = result.total, result.bytes_up, down + result.bytes_down
         else:
             total = sum_of_reports(reports.items(), numel)
