@@ -510,3 +510,152 @@ def test_moments_are_advised_onto_huge_pages(native):
     assert _huge_page_advised_bytes(param) == 0
     for name in ("exp_avg", "exp_avg_sq"):
         assert _huge_page_advised_bytes(optimizer.state[param][name]) > (16 - 4) << 20, name
+
+
+# --- bf16 moments, stochastic rounding ----------------------------------------------------------
+
+STOCHASTIC = dict(bf16_moments=True, moments_rounding="stochastic")
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and above each fp32 `x` in magnitude (float64): truncation of
+    the low 16 bits, and that plus one bf16 ulp. Equal when x is a bf16 value."""
+    bits = x.view(torch.int32)
+    low = (bits & ~0xFFFF).view(torch.float32).double()
+    high = ((bits & ~0xFFFF) + 0x10000).view(torch.float32).double()
+    exact = (bits & 0xFFFF) == 0
+    return low, torch.where(exact, low, high)
+
+
+def _unbiasedness_values() -> torch.Tensor:
+    """fp32 values at chosen fractions of a bf16 ulp (0, 1/8, 0.3, 1/2, 0.7, 0.9), both signs,
+    in two binades, so ties, exact values, and either rounding direction are all covered."""
+    fractions = torch.tensor([0.0, 0.125, 0.3, 0.5, 0.7, 0.9], dtype=torch.float64)
+    values = [
+        sign * base * (1 + (3 + fractions) * 2**-7) for base in (1.0, 3e-4) for sign in (1, -1)
+    ]
+    return torch.cat(values).float()
+
+
+def _check_unbiased(samples: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """`samples` (count, k) rounded from the fp32 values `exact` (k,): each column's mean must be
+    within 6 standard deviations of its value. A stochastically rounded x is low or high (its
+    bf16 neighbours) with P(high) = p = (x - low) / ulp, so the mean of `count` independent ones
+    has standard deviation ulp * sqrt(p (1 - p) / count) <= ulp / (2 sqrt(count)): with 4096
+    samples the bound is 0.047 ulp, where rounding to nearest is off by min(p, 1 - p) ulp (0.3 for
+    p = 0.3) and truncation by p ulp. Exact values must come out exactly, every time."""
+    low, high = _bf16_neighbours(exact)
+    ulp = (high - low).abs()
+    count = samples.shape[0]
+    samples = samples.double()
+    assert torch.all((samples == low) | (samples == high)), f"{what}: not a neighbour"
+    bound = 6 * ulp / (2 * count**0.5)
+    error = (samples.mean(0) - exact.double()).abs()
+    assert torch.all(error <= bound), (what, (error / ulp.clamp_min(1e-300)).tolist())
+    assert torch.all(samples[:, ulp == 0] == exact.double()[ulp == 0]), what
+
+
+def test_stochastic_moments_are_unbiased_over_elements_and_over_steps(native):
+    """With betas (0, 0) the moments are exactly g and g*g in fp32 before rounding, so each
+    stored moment is a rounding of a known value. Over elements: 4096 copies of each value in one
+    step. Over steps: each value in one element, 4096 steps (the key changes with the step)."""
+    values, count = _unbiasedness_values(), 4096
+    hyper = dict(lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, **STOCHASTIC)
+    param = torch.zeros(count * values.numel(), requires_grad=True)
+    param.grad = values.repeat(count)
+    optimizer = CPUAdam([param], **hyper)
+    optimizer.step()
+    state = optimizer.state[param]
+    squares = values * values  # fp32, as the kernel computes v
+    _check_unbiased(state["exp_avg"].view(count, -1), values, "exp_avg over elements")
+    _check_unbiased(state["exp_avg_sq"].view(count, -1), squares, "exp_avg_sq over elements")
+
+    small = torch.zeros(values.numel(), requires_grad=True)
+    small.grad = values.clone()
+    optimizer = CPUAdam([small], **hyper)
+    over_steps = {"exp_avg": [], "exp_avg_sq": []}
+    for _ in range(count):
+        optimizer.step()
+        for name, samples in over_steps.items():
+            samples.append(optimizer.state[small][name].clone())
+    _check_unbiased(torch.stack(over_steps["exp_avg"]), values, "exp_avg over steps")
+    _check_unbiased(torch.stack(over_steps["exp_avg_sq"]), squares, "exp_avg_sq over steps")
+
+
+def test_stochastic_rounding_bits_are_the_documented_hash_on_every_path(native):
+    """The kernel's rounded moments (vector loop, tail, chunks split over 1 or 2 threads) are bit
+    for bit `stochastic_round_to_bf16` with the parameter's key; the fallback (torch's fused
+    kernel, then the torch rounding) stores the same bits; different seeds give other bits."""
+    from tessera.optim.stochastic_rounding import step_key, stochastic_round_to_bf16
+
+    grads = _grads(14, 0)
+    hyper = dict(lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, **STOCHASTIC)
+
+    def first_step(threads: int, native_kernel: bool, seed: int = 3) -> CPUAdam:
+        params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer = CPUAdam(params, rounding_seed=seed, **hyper)
+        if not native_kernel:
+            optimizer._kernel = None  # the fallback path, without a failing build
+        previous = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            optimizer.step()
+        finally:
+            torch.set_num_threads(previous)
+        return optimizer
+
+    runs = [first_step(1, True), first_step(2, True), first_step(2, False)]
+    for run in runs:
+        for param, grad in zip(run.param_groups[0]["params"], grads):
+            state = run.state[param]
+            key = step_key(state["rounding_seed"], 1)
+            want_m = stochastic_round_to_bf16(grad, key, high_half=True)
+            want_v = stochastic_round_to_bf16(grad * grad, key, high_half=False)
+            assert torch.equal(state["exp_avg"].view(torch.int16), want_m.view(torch.int16))
+            assert torch.equal(state["exp_avg_sq"].view(torch.int16), want_v.view(torch.int16))
+    other = first_step(2, True, seed=4)
+    big = other.param_groups[0]["params"][-1]
+    assert not torch.equal(
+        other.state[big]["exp_avg"], runs[0].state[runs[0].param_groups[0]["params"][-1]]["exp_avg"]
+    )
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_bf16_moments_runs_and_resumes_are_reproducible(native, rounding):
+    """Two runs with the same seed are identical; k steps + state_dict round trip through
+    torch.save + k steps == 2k steps straight (params and moments, torch.equal)."""
+    initial, k = _params(seed=15), 3
+    factory = lambda ps: CPUAdam(ps, bf16_moments=True, moments_rounding=rounding, **HYPER)  # noqa: E731
+    straight, straight_opt = _train(factory, initial, 15, 2 * k)
+    again, _ = _train(factory, initial, 15, 2 * k)
+    first, first_opt = _train(factory, initial, 15, k)
+    buffer = io.BytesIO()
+    torch.save(first_opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = [p.detach().clone().requires_grad_() for p in first]
+    resumed_opt = CPUAdam(resumed, bf16_moments=True)  # nearest, seed 0: overwritten by the load
+    resumed_opt.load_state_dict(torch.load(buffer))
+    for step in range(k, 2 * k):
+        for param, grad in zip(resumed, _grads(15, step)):
+            param.grad = grad
+        resumed_opt.step()
+    for a, b, c in zip(resumed, straight, again):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    assert _moments(resumed_opt, resumed).keys() == _moments(straight_opt, straight).keys()
+    for (name, a), b in zip(
+        _moments(resumed_opt, resumed).items(), _moments(straight_opt, straight).values()
+    ):
+        assert torch.equal(a, b), name
+    if rounding == "stochastic":  # and it is really another rounding than nearest
+        nearest, _ = _train(lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER), initial, 15, 2 * k)
+        assert not torch.equal(nearest[-1], straight[-1])
+
+
+def test_stochastic_rounding_bad_input(native):
+    param = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="needs bf16_moments=True"):
+        CPUAdam([param], moments_rounding="stochastic")
+    with pytest.raises(ValueError, match="moments_rounding must be one of"):
+        CPUAdam([param], bf16_moments=True, moments_rounding="up")

@@ -296,10 +296,11 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
   FUNCTION(param, grad, static_cast<MOMENT*>(exp_avg), static_cast<MOMENT*>(exp_avg_sq),     \
            bf16_out, begin, end, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,        \
            weight_decay, decay, step_size, inv_bias2_sqrt, rounding_key)
-#define TESSERA_ADAM_MOMENTS(ADAMW, COPY_OUT)                                                     \
-  if (bf16_moments && stochastic_rounding)                                                        \
-    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, true)), uint16_t);                    \
-  else if (bf16_moments) TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, false)), uint16_t); \
+#define TESSERA_ADAM_MOMENTS(ADAMW, COPY_OUT)                                                \
+  if (bf16_moments && stochastic_rounding)                                                   \
+    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, true)), uint16_t);               \
+  else if (bf16_moments)                                                                     \
+    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, false)), uint16_t);              \
   else TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, float>), float)
     if (adamw && bf16_out) { TESSERA_ADAM_MOMENTS(true, true); }
     else if (adamw) { TESSERA_ADAM_MOMENTS(true, false); }
