@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 from _tolerance import check_close
+from torch import nn
 
 from tessera.optim import CPUAdam, _cpu_adam_kernel, cpu_adam, native_kernel_available
 
@@ -659,3 +660,99 @@ def test_stochastic_rounding_bad_input(native):
         CPUAdam([param], moments_rounding="stochastic")
     with pytest.raises(ValueError, match="moments_rounding must be one of"):
         CPUAdam([param], bf16_moments=True, moments_rounding="up")
+
+
+# --- ZeRO-Offload's host buffers on huge pages ---------------------------------------------------
+
+
+class _WideUnit(nn.Module):
+    """One large weight used directly in forward (no nn.Linear) and a small head: a flat of
+    16 MiB, shards of 8 MiB on two ranks, several whole 2 MiB pages each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.weight = nn.Parameter(torch.randn(4096, 1024) * 0.02)
+        self.head = nn.Linear(4096, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.weight.t()))
+
+
+def _huge_page_ranks():
+    """Per stage: offload="cpu" (huge pages) against the same CPUAdam without offload (4 KiB
+    pages), one step; whether parameters and the inner optimizer's state are bit-identical, and
+    the advised bytes of every master and gradient slice the step reads, in both runs."""
+    import tessera
+    from tessera.zero import full_state_dict, initialize
+
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    out = {}
+    for stage in (1, 2, 3):
+        runs = {}
+        for mode, optimizer_class in (("cpu", torch.optim.AdamW), (None, CPUAdam)):
+            model, optimizer = initialize(
+                _WideUnit(), optimizer_class, stage=stage, offload=mode, **OFFLOAD_HYPER
+            )
+            x, y = _wide_batch(ctx.rank)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            advised = [
+                (tensor.numel() * 4, _huge_page_advised_bytes(tensor))
+                for flat, grad in zip(optimizer.flats, optimizer.gradient_slices())
+                for tensor in (flat.master, grad)
+            ]
+            inner = optimizer.optimizer
+            moments = [
+                inner.state[flat.master][k]
+                for flat in optimizer.flats
+                for k in ("exp_avg", "exp_avg_sq")
+            ]
+            runs[mode] = (full_state_dict(model), moments, advised)
+        (params, moments, advised), (plain_params, plain_moments, plain_advised) = runs.values()
+        same = all(torch.equal(params[k], plain_params[k]) for k in plain_params) and all(
+            torch.equal(a, b) for a, b in zip(moments, plain_moments)
+        )
+        out[stage] = (same, advised, plain_advised, params if ctx.rank == 0 else None)
+    return out
+
+
+def _wide_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(70 + rank)
+    return torch.randn(4, 1024, generator=generator), torch.randn(4, 3, generator=generator)
+
+
+def _wide_oracle(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One plain AdamW step on both ranks' batches in one process (equal halves: the mean
+    of the two ranks' mean losses is the mean over the whole batch)."""
+    model = _WideUnit().to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OFFLOAD_HYPER)
+    batches = [_wide_batch(rank) for rank in (0, 1)]
+    x, y = (torch.cat(parts).to(dtype) for parts in zip(*batches))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_zero_offload_cpu_steps_buffers_on_huge_pages_with_unchanged_results(native, run_ranks):
+    """offload="cpu" puts the fp32 master and gradient slices CPUAdam streams on huge pages
+    (`host_zeros`), as CPUAdam does its moments: parameters and moments stay bit-identical to
+    the same CPUAdam on torch-allocated buffers; every 8 MiB+ slice is advised but for less than
+    4 MiB of head and tail, and none is without offload (the control); and both equal one plain
+    AdamW step in one process (the suite's derived tolerance: another reduction order)."""
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("no transparent huge pages on this system")
+    results = run_ranks(_huge_page_ranks, 2)
+    oracle, reference = _wide_oracle(torch.float32), _wide_oracle(torch.float64)
+    for stage, (*_, params) in results[0].items():
+        check_close(params, oracle, reference, what=f"stage {stage} offload=cpu, huge pages")
+    for rank_result in results:
+        for stage, (same, advised, plain_advised, _) in rank_result.items():
+            assert same, f"stage {stage}: results changed with huge pages"
+            large = [(size, got) for size, got in advised if size >= 8 << 20]
+            assert len(large) >= 2, (stage, advised)  # a master and a gradient slice at least
+            for size, got in large:
+                assert got > size - (4 << 20), (stage, size, got)
+            assert all(got == 0 for _, got in plain_advised), (stage, plain_advised)

@@ -27,6 +27,7 @@ import functools
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -386,8 +387,8 @@ class AdamKernel:
         advise.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self._advise_huge_pages = advise
 
-    def zeros(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Zeros shaped like `like`, on transparent huge pages where Linux grants them.
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Zeros of `shape`, on transparent huge pages where Linux grants them.
 
         Why: the step streams 7 arrays; with 4 KiB pages the hardware prefetchers stop at every
         page boundary and the TLB misses every 4 KiB of each stream. Measured here (Nov 2026, 50M
@@ -396,7 +397,7 @@ class AdamKernel:
         is allocated empty (untouched), advised, then zeroed. Small tensors (< 4 MiB) hold no
         whole huge page worth the split of the mapping and are left alone.
         """
-        tensor = torch.empty(like.shape, dtype=dtype)
+        tensor = torch.empty(tuple(shape), dtype=dtype)
         num_bytes = tensor.numel() * tensor.element_size()
         if num_bytes >= 4 << 20:
             self._advise_huge_pages(tensor.data_ptr(), num_bytes)

@@ -35,7 +35,7 @@ from torch.optim.adam import adam as torch_adam_functional
 from tessera.optim._cpu_adam_kernel import AdamKernel, load_kernel
 from tessera.optim.stochastic_rounding import parameter_seed, step_key, stochastic_round_to_bf16
 
-__all__ = ["CPUAdam", "MOMENTS_ROUNDING", "native_kernel_available"]
+__all__ = ["CPUAdam", "MOMENTS_ROUNDING", "host_zeros", "native_kernel_available"]
 
 MOMENTS_ROUNDING = ("nearest", "stochastic")
 
@@ -48,8 +48,21 @@ def native_kernel_available() -> bool:
 _warned_fallback = False
 
 
-def _plain_zeros(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(like.shape, dtype=dtype)
+def _plain_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(tuple(shape), dtype=dtype)
+
+
+def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in host memory for `CPUAdam` to step, on 2 MiB transparent huge pages where the
+    native helper loads and Linux grants them (tensors of 4 MiB and more), else plain zeros.
+
+    The step streams parameters, gradients and both moments; on 4 KiB pages each stream stalls
+    at every page boundary (see `AdamKernel.zeros`), so the buffers a caller allocates for it
+    (ZeRO-Offload's fp32 master and gradient partitions) go on huge pages like the moments.
+    Values and layout are those of `torch.zeros`: only the page size differs.
+    """
+    kernel = load_kernel()
+    return (kernel.zeros if isinstance(kernel, AdamKernel) else _plain_zeros)(shape, dtype)
 
 
 def _kernel_or_warn() -> AdamKernel | None:
@@ -165,8 +178,8 @@ class CPUAdam(torch.optim.Optimizer):
         if not state:  # lazily, as torch does, so a loaded state dict is used as is
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             zeros = self._kernel.zeros if self._kernel is not None else _plain_zeros
-            state["exp_avg"] = zeros(param, dtype)
-            state["exp_avg_sq"] = zeros(param, dtype)
+            state["exp_avg"] = zeros(param.shape, dtype)
+            state["exp_avg_sq"] = zeros(param.shape, dtype)
         for name in ("exp_avg", "exp_avg_sq"):
             # load_state_dict casts moments to the parameter's dtype: bf16 values in fp32 go
             # back losslessly; fp32 moments into a bf16_moments optimizer are rounded once.

@@ -106,6 +106,8 @@ def initialize(
         extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
     if optimizer_kwargs.get("swap_params"):  # NVMeAdam keeps the masters: made straight there
         extra["swap_masters"] = True
+    if offload == "cpu":  # CPUAdam streams the masters and gradient slices: huge pages for them
+        extra["host_huge_pages"] = True
     optimizer = STAGES[stage](
         model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
     )

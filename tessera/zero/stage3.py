@@ -91,6 +91,7 @@ class ZeroStage3(ZeroOptimizer):
         units: Sequence[UnitSpec] | UnitSpec | None = None,
         offload_params: bool = False,
         swap_masters: bool = False,
+        host_huge_pages: bool = False,
     ) -> None:
         self._units = select_units(module, units)
         self._offload_params = offload_params
@@ -99,6 +100,7 @@ class ZeroStage3(ZeroOptimizer):
         super().__init__(
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
             bucket_cap_mb=2**40, swap_masters=swap_masters or offload_params,
+            host_huge_pages=host_huge_pages,
         )  # fmt: skip
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
         self._unit_of_storage: dict[int, int] = {}
