@@ -654,12 +654,22 @@ def test_bf16_moments_runs_and_resumes_are_reproducible(native, rounding):
         assert not torch.equal(nearest[-1], straight[-1])
 
 
-def test_stochastic_rounding_bad_input(native):
+def test_stochastic_rounding_bad_input(native, tmp_path):
+    from tessera.optim.offload import host_optimizer
+
     param = torch.zeros(3, requires_grad=True)
     with pytest.raises(ValueError, match="needs bf16_moments=True"):
         CPUAdam([param], moments_rounding="stochastic")
     with pytest.raises(ValueError, match="moments_rounding must be one of"):
         CPUAdam([param], bf16_moments=True, moments_rounding="up")
+    model = _offload_model()  # offload="nvme" keeps fp32 moments: no silent drop of the option
+    with pytest.raises(ValueError, match="moments_rounding are not supported"):
+        options = {"moments_rounding": "stochastic"}
+        host_optimizer("nvme", 2, model, CPUAdam, options, nvme_dir=str(tmp_path))
+    _, kwargs = host_optimizer(
+        "nvme", 2, model, CPUAdam, {"rounding_seed": 3}, nvme_dir=str(tmp_path)
+    )
+    assert "rounding_seed" not in kwargs
 
 
 # --- ZeRO-Offload's host buffers on huge pages ---------------------------------------------------
