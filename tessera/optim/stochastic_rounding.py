@@ -14,6 +14,11 @@ layout) or an interruption: a resumed run needs only each parameter's seed (kept
 state as `rounding_seed`) and its `step`. The high 16 bits round `exp_avg`, the low 16
 `exp_avg_sq`. The native kernel (`_cpu_adam_kernel`) computes this in its fused pass; the torch
 version here serves the fallback path (no compiler) and states the definition in Python.
+
+Under ZeRO every rank's inner optimizer numbers its own slices from 0, so rank r's element k
+gets the bits of every other rank's element k: the same bits on different elements of the model,
+which leaves each rounding unbiased. A resume on another world size reshards the elements, so its
+rounding bits differ from the uninterrupted run's (its moments and parameters load exactly).
 """
 
 from __future__ import annotations
