@@ -698,6 +698,9 @@ def _huge_page_ranks():
 
     ctx = tessera.init()
     torch.set_num_threads(1)
+    # The oracle runs here, not in pytest's process: its ~200 MB freed there would stay in the
+    # allocator's heap and hide later tests' allocations from their RSS probes.
+    oracle = (_wide_oracle(torch.float32), _wide_oracle(torch.float64)) if ctx.rank == 0 else None
     out = {}
     for stage in (1, 2, 3):
         runs = {}
@@ -725,7 +728,13 @@ def _huge_page_ranks():
         same = all(torch.equal(params[k], plain_params[k]) for k in plain_params) and all(
             torch.equal(a, b) for a, b in zip(moments, plain_moments)
         )
-        out[stage] = (same, advised, plain_advised, params if ctx.rank == 0 else None)
+        far = None  # against one process: the suite's derived tolerance (tests/_tolerance.py)
+        if oracle is not None:
+            try:
+                check_close(params, *oracle, what=f"stage {stage} offload=cpu, huge pages")
+            except AssertionError as error:
+                far = str(error)
+        out[stage] = (same, advised, plain_advised, far)
     return out
 
 
@@ -754,12 +763,9 @@ def test_zero_offload_cpu_steps_buffers_on_huge_pages_with_unchanged_results(nat
     AdamW step in one process (the suite's derived tolerance: another reduction order)."""
     if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
         pytest.skip("no transparent huge pages on this system")
-    results = run_ranks(_huge_page_ranks, 2)
-    oracle, reference = _wide_oracle(torch.float32), _wide_oracle(torch.float64)
-    for stage, (*_, params) in results[0].items():
-        check_close(params, oracle, reference, what=f"stage {stage} offload=cpu, huge pages")
-    for rank_result in results:
-        for stage, (same, advised, plain_advised, _) in rank_result.items():
+    for rank_result in run_ranks(_huge_page_ranks, 2):
+        for stage, (same, advised, plain_advised, far) in rank_result.items():
+            assert far is None, far
             assert same, f"stage {stage}: results changed with huge pages"
             large = [(size, got) for size, got in advised if size >= 8 << 20]
             assert len(large) >= 2, (stage, advised)  # a master and a gradient slice at least
