@@ -104,7 +104,7 @@ class CPUAdam(torch.optim.Optimizer):
     parameter's position, its step, the element index): two runs with the same seed are bit for
     bit the same, and a resumed one too (each parameter's seed is in the state dict as
     `rounding_seed`, next to its `step`). The hash runs in the same fused pass: measured at
-    0.96-1.01x the speed of nearest rounding (medians of three interleaved runs, BENCHMARKS.md).
+    0.91-0.96x the speed of nearest rounding (medians of four interleaved runs, BENCHMARKS.md).
     """
 
     def __init__(
