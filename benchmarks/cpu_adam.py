@@ -15,9 +15,11 @@ and large temporaries, runs only up to --foreach-max-millions. The load average 
 each size is recorded: on a shared 2-core machine it says how much the figures can be trusted.
 
 Page size matters here: CPUAdam puts its moments on transparent huge pages, the others keep
-torch's 4 KiB pages. With THP_MEM_ALLOC_ENABLE=1 in the environment torch puts every tensor of
-2 MB or more on huge pages too (all contenders, and the shared parameters and gradient); the
-output file name then gets a `_thp` suffix, so both regimes can be compared.
+torch's 4 KiB pages. One more row steps parameters and a gradient of its own allocated with
+`host_zeros` (huge pages), as ZeRO's `offload="cpu"` allocates its master and gradient slices.
+With THP_MEM_ALLOC_ENABLE=1 in the environment torch puts every tensor of 2 MB or more on huge
+pages too (all contenders, and the shared parameters and gradient); the output file name then
+gets a `_thp` suffix, so both regimes can be compared.
 
     python benchmarks/cpu_adam.py [--sizes 10 50 200] [--rounds 15]
 
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 
 from tessera.optim import CPUAdam
+from tessera.optim.cpu_adam import host_zeros
 
 RESULTS = Path(__file__).parent / "results"
 BYTES_PER_PARAM = 28  # read p, g, m, v (16) + write p, m, v (12)
@@ -45,6 +48,9 @@ YARDSTICK = "in-place add (12 B/param)"
 BASELINES = ("torch AdamW fused", "DeepSpeedCPUAdam")  # the anchors: the faster one counts
 TARGETS = {"tessera CPUAdam": 1.0, "tessera CPUAdam bf16 moments": 1.3}  # x the faster anchor
 FOREACH = "torch AdamW foreach"
+STOCHASTIC = "tessera CPUAdam bf16 moments, stochastic rounding"
+HUGE_PAGE_BUFFERS = "tessera CPUAdam bf16 moments, params + grads on huge pages (ZeRO offload)"
+OWN_HUGE_PAGE_BUFFERS = {HUGE_PAGE_BUFFERS}  # parameters and gradient from host_zeros
 PAGES_DEFAULT = "torch default (4 KiB); CPUAdam puts its own moments on huge pages"
 PAGES_THP = "every tensor >= 2 MB on huge pages (THP_MEM_ALLOC_ENABLE=1), all contenders"
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -80,6 +86,10 @@ def optimizers(
     contenders = {
         "tessera CPUAdam": lambda ps: CPUAdam(ps, **HYPER),
         "tessera CPUAdam bf16 moments": lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER),
+        STOCHASTIC: lambda ps: CPUAdam(
+            ps, bf16_moments=True, moments_rounding="stochastic", **HYPER
+        ),
+        HUGE_PAGE_BUFFERS: lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER),
         "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **HYPER),
     }
     if with_foreach:
@@ -112,8 +122,13 @@ def measure(
     states = {}
     grad = torch.randn(num_params) * 1e-2
     for name, factory in contenders.items():
-        param = torch.randn(num_params).requires_grad_()
+        param = torch.randn(num_params)
+        if name in OWN_HUGE_PAGE_BUFFERS:
+            param = host_zeros((num_params,), torch.float32).copy_(param)
+        param.requires_grad_()
         param.grad = grad
+        if name in OWN_HUGE_PAGE_BUFFERS:
+            param.grad = host_zeros((num_params,), torch.float32).copy_(grad)
         optimizer = factory([param])
         optimizer.step()  # allocate the moments, build/warm the kernel
         states[name] = (param, optimizer)

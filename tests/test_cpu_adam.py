@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 from _tolerance import check_close
+from torch import nn
 
 from tessera.optim import CPUAdam, _cpu_adam_kernel, cpu_adam, native_kernel_available
 
@@ -510,3 +511,264 @@ def test_moments_are_advised_onto_huge_pages(native):
     assert _huge_page_advised_bytes(param) == 0
     for name in ("exp_avg", "exp_avg_sq"):
         assert _huge_page_advised_bytes(optimizer.state[param][name]) > (16 - 4) << 20, name
+
+
+# --- bf16 moments, stochastic rounding ----------------------------------------------------------
+
+STOCHASTIC = dict(bf16_moments=True, moments_rounding="stochastic")
+
+
+def _bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and above each fp32 `x` in magnitude (float64): truncation of
+    the low 16 bits, and that plus one bf16 ulp. Equal when x is a bf16 value."""
+    bits = x.view(torch.int32)
+    low = (bits & ~0xFFFF).view(torch.float32).double()
+    high = ((bits & ~0xFFFF) + 0x10000).view(torch.float32).double()
+    exact = (bits & 0xFFFF) == 0
+    return low, torch.where(exact, low, high)
+
+
+def _unbiasedness_values() -> torch.Tensor:
+    """fp32 values at chosen fractions of a bf16 ulp (0, 1/8, 0.3, 1/2, 0.7, 0.9), both signs,
+    in two binades, so ties, exact values, and either rounding direction are all covered."""
+    fractions = torch.tensor([0.0, 0.125, 0.3, 0.5, 0.7, 0.9], dtype=torch.float64)
+    values = [
+        sign * base * (1 + (3 + fractions) * 2**-7) for base in (1.0, 3e-4) for sign in (1, -1)
+    ]
+    return torch.cat(values).float()
+
+
+def _check_unbiased(samples: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """`samples` (count, k) rounded from the fp32 values `exact` (k,): each column's mean must be
+    within 6 standard deviations of its value. A stochastically rounded x is low or high (its
+    bf16 neighbours) with P(high) = p = (x - low) / ulp, so the mean of `count` independent ones
+    has standard deviation ulp * sqrt(p (1 - p) / count) <= ulp / (2 sqrt(count)): with 4096
+    samples the bound is 0.047 ulp, where rounding to nearest is off by min(p, 1 - p) ulp (0.3 for
+    p = 0.3) and truncation by p ulp. Exact values must come out exactly, every time."""
+    low, high = _bf16_neighbours(exact)
+    ulp = (high - low).abs()
+    count = samples.shape[0]
+    samples = samples.double()
+    assert torch.all((samples == low) | (samples == high)), f"{what}: not a neighbour"
+    bound = 6 * ulp / (2 * count**0.5)
+    error = (samples.mean(0) - exact.double()).abs()
+    assert torch.all(error <= bound), (what, (error / ulp.clamp_min(1e-300)).tolist())
+    assert torch.all(samples[:, ulp == 0] == exact.double()[ulp == 0]), what
+
+
+def test_stochastic_moments_are_unbiased_over_elements_and_over_steps(native):
+    """With betas (0, 0) the moments are exactly g and g*g in fp32 before rounding, so each
+    stored moment is a rounding of a known value. Over elements: 4096 copies of each value in one
+    step. Over steps: each value in one element, 4096 steps (the key changes with the step)."""
+    values, count = _unbiasedness_values(), 4096
+    hyper = dict(lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, **STOCHASTIC)
+    param = torch.zeros(count * values.numel(), requires_grad=True)
+    param.grad = values.repeat(count)
+    optimizer = CPUAdam([param], **hyper)
+    optimizer.step()
+    state = optimizer.state[param]
+    squares = values * values  # fp32, as the kernel computes v
+    _check_unbiased(state["exp_avg"].view(count, -1), values, "exp_avg over elements")
+    _check_unbiased(state["exp_avg_sq"].view(count, -1), squares, "exp_avg_sq over elements")
+
+    small = torch.zeros(values.numel(), requires_grad=True)
+    small.grad = values.clone()
+    optimizer = CPUAdam([small], **hyper)
+    over_steps = {"exp_avg": [], "exp_avg_sq": []}
+    for _ in range(count):
+        optimizer.step()
+        for name, samples in over_steps.items():
+            samples.append(optimizer.state[small][name].clone())
+    _check_unbiased(torch.stack(over_steps["exp_avg"]), values, "exp_avg over steps")
+    _check_unbiased(torch.stack(over_steps["exp_avg_sq"]), squares, "exp_avg_sq over steps")
+
+
+def test_stochastic_rounding_bits_are_the_documented_hash_on_every_path(native):
+    """The kernel's rounded moments (vector loop, tail, chunks split over 1 or 2 threads) are bit
+    for bit `stochastic_round_to_bf16` with the parameter's key; the fallback (torch's fused
+    kernel, then the torch rounding) stores the same bits; different seeds give other bits."""
+    from tessera.optim.stochastic_rounding import step_key, stochastic_round_to_bf16
+
+    grads = _grads(14, 0)
+    hyper = dict(lr=0.0, betas=(0.0, 0.0), weight_decay=0.0, **STOCHASTIC)
+
+    def first_step(threads: int, native_kernel: bool, seed: int = 3) -> CPUAdam:
+        params = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+        for param, grad in zip(params, grads):
+            param.grad = grad.clone()
+        optimizer = CPUAdam(params, rounding_seed=seed, **hyper)
+        if not native_kernel:
+            optimizer._kernel = None  # the fallback path, without a failing build
+        previous = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            optimizer.step()
+        finally:
+            torch.set_num_threads(previous)
+        return optimizer
+
+    runs = [first_step(1, True), first_step(2, True), first_step(2, False)]
+    for run in runs:
+        for param, grad in zip(run.param_groups[0]["params"], grads):
+            state = run.state[param]
+            key = step_key(state["rounding_seed"], 1)
+            want_m = stochastic_round_to_bf16(grad, key, high_half=True)
+            want_v = stochastic_round_to_bf16(grad * grad, key, high_half=False)
+            assert torch.equal(state["exp_avg"].view(torch.int16), want_m.view(torch.int16))
+            assert torch.equal(state["exp_avg_sq"].view(torch.int16), want_v.view(torch.int16))
+    other = first_step(2, True, seed=4)
+    big = other.param_groups[0]["params"][-1]
+    assert not torch.equal(
+        other.state[big]["exp_avg"], runs[0].state[runs[0].param_groups[0]["params"][-1]]["exp_avg"]
+    )
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_bf16_moments_runs_and_resumes_are_reproducible(native, rounding):
+    """Two runs with the same seed are identical; k steps + state_dict round trip through
+    torch.save + k steps == 2k steps straight (params and moments, torch.equal)."""
+    initial, k = _params(seed=15), 3
+    factory = lambda ps: CPUAdam(ps, bf16_moments=True, moments_rounding=rounding, **HYPER)  # noqa: E731
+    straight, straight_opt = _train(factory, initial, 15, 2 * k)
+    again, _ = _train(factory, initial, 15, 2 * k)
+    first, first_opt = _train(factory, initial, 15, k)
+    buffer = io.BytesIO()
+    torch.save(first_opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = [p.detach().clone().requires_grad_() for p in first]
+    resumed_opt = CPUAdam(resumed, bf16_moments=True)  # nearest, seed 0: overwritten by the load
+    resumed_opt.load_state_dict(torch.load(buffer))
+    for step in range(k, 2 * k):
+        for param, grad in zip(resumed, _grads(15, step)):
+            param.grad = grad
+        resumed_opt.step()
+    for a, b, c in zip(resumed, straight, again):
+        assert torch.equal(a, b) and torch.equal(c, b)
+    assert _moments(resumed_opt, resumed).keys() == _moments(straight_opt, straight).keys()
+    for (name, a), b in zip(
+        _moments(resumed_opt, resumed).items(), _moments(straight_opt, straight).values()
+    ):
+        assert torch.equal(a, b), name
+    if rounding == "stochastic":  # and it is really another rounding than nearest
+        nearest, _ = _train(lambda ps: CPUAdam(ps, bf16_moments=True, **HYPER), initial, 15, 2 * k)
+        assert not torch.equal(nearest[-1], straight[-1])
+
+
+def test_stochastic_rounding_bad_input(native, tmp_path):
+    from tessera.optim.offload import host_optimizer
+
+    param = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="needs bf16_moments=True"):
+        CPUAdam([param], moments_rounding="stochastic")
+    with pytest.raises(ValueError, match="moments_rounding must be one of"):
+        CPUAdam([param], bf16_moments=True, moments_rounding="up")
+    model = _offload_model()  # offload="nvme" keeps fp32 moments: no silent drop of the option
+    with pytest.raises(ValueError, match="moments_rounding are not supported"):
+        options = {"moments_rounding": "stochastic"}
+        host_optimizer("nvme", 2, model, CPUAdam, options, nvme_dir=str(tmp_path))
+    _, kwargs = host_optimizer(
+        "nvme", 2, model, CPUAdam, {"rounding_seed": 3}, nvme_dir=str(tmp_path)
+    )
+    assert "rounding_seed" not in kwargs
+
+
+# --- ZeRO-Offload's host buffers on huge pages ---------------------------------------------------
+
+
+class _WideUnit(nn.Module):
+    """One large weight used directly in forward (no nn.Linear) and a small head: a flat of
+    16 MiB, shards of 8 MiB on two ranks, several whole 2 MiB pages each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.weight = nn.Parameter(torch.randn(4096, 1024) * 0.02)
+        self.head = nn.Linear(4096, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.weight.t()))
+
+
+def _huge_page_ranks():
+    """Per stage: offload="cpu" (huge pages) against the same CPUAdam without offload (4 KiB
+    pages), one step; whether parameters and the inner optimizer's state are bit-identical, and
+    the advised bytes of every master and gradient slice the step reads, in both runs."""
+    import tessera
+    from tessera.zero import full_state_dict, initialize
+
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    # The oracle runs here, not in pytest's process: its ~200 MB freed there would stay in the
+    # allocator's heap and hide later tests' allocations from their RSS probes.
+    oracle = (_wide_oracle(torch.float32), _wide_oracle(torch.float64)) if ctx.rank == 0 else None
+    out = {}
+    for stage in (1, 2, 3):
+        runs = {}
+        for mode, optimizer_class in (("cpu", torch.optim.AdamW), (None, CPUAdam)):
+            model, optimizer = initialize(
+                _WideUnit(), optimizer_class, stage=stage, offload=mode, **OFFLOAD_HYPER
+            )
+            x, y = _wide_batch(ctx.rank)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            advised = [
+                (tensor.numel() * 4, _huge_page_advised_bytes(tensor))
+                for flat, grad in zip(optimizer.flats, optimizer.gradient_slices())
+                for tensor in (flat.master, grad)
+            ]
+            inner = optimizer.optimizer
+            moments = [
+                inner.state[flat.master][k]
+                for flat in optimizer.flats
+                for k in ("exp_avg", "exp_avg_sq")
+            ]
+            runs[mode] = (full_state_dict(model), moments, advised)
+        (params, moments, advised), (plain_params, plain_moments, plain_advised) = runs.values()
+        same = all(torch.equal(params[k], plain_params[k]) for k in plain_params) and all(
+            torch.equal(a, b) for a, b in zip(moments, plain_moments)
+        )
+        far = None  # against one process: the suite's derived tolerance (tests/_tolerance.py)
+        if oracle is not None:
+            try:
+                check_close(params, *oracle, what=f"stage {stage} offload=cpu, huge pages")
+            except AssertionError as error:
+                far = str(error)
+        out[stage] = (same, advised, plain_advised, far)
+    return out
+
+
+def _wide_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(70 + rank)
+    return torch.randn(4, 1024, generator=generator), torch.randn(4, 3, generator=generator)
+
+
+def _wide_oracle(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One plain AdamW step on both ranks' batches in one process (equal halves: the mean
+    of the two ranks' mean losses is the mean over the whole batch)."""
+    model = _WideUnit().to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False, **OFFLOAD_HYPER)
+    batches = [_wide_batch(rank) for rank in (0, 1)]
+    x, y = (torch.cat(parts).to(dtype) for parts in zip(*batches))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_zero_offload_cpu_steps_buffers_on_huge_pages_with_unchanged_results(native, run_ranks):
+    """offload="cpu" puts the fp32 master and gradient slices CPUAdam streams on huge pages
+    (`host_zeros`), as CPUAdam does its moments: parameters and moments stay bit-identical to
+    the same CPUAdam on torch-allocated buffers; every 8 MiB+ slice is advised but for less than
+    4 MiB of head and tail, and none is without offload (the control); and both equal one plain
+    AdamW step in one process (the suite's derived tolerance: another reduction order)."""
+    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("no transparent huge pages on this system")
+    for rank_result in run_ranks(_huge_page_ranks, 2):
+        for stage, (same, advised, plain_advised, far) in rank_result.items():
+            assert far is None, far
+            assert same, f"stage {stage}: results changed with huge pages"
+            large = [(size, got) for size, got in advised if size >= 8 << 20]
+            assert len(large) >= 2, (stage, advised)  # a master and a gradient slice at least
+            for size, got in large:
+                assert got > size - (4 << 20), (stage, size, got)
+            assert all(got == 0 for _, got in plain_advised), (stage, plain_advised)

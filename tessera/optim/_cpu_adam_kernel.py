@@ -27,6 +27,7 @@ import functools
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -63,6 +64,39 @@ static inline void store_moment(uint16_t* moments, int64_t i, float value) {
   moments[i] = float_to_bf16(value);
 }
 
+// Stochastic rounding of the bf16 moments (Zamirai et al. 2020, "Revisiting BFloat16 Training"):
+// add 16 uniformly random bits to the 16 bits that bf16 drops, then truncate. The value rounds up
+// with probability (dropped bits) / 2^16, i.e. its distance to the lower bf16 neighbour over the
+// ulp, so the rounded moment is unbiased: small updates to a large moment (1 - beta2 = 0.001 of
+// it, far below half an ulp = 2^-9) survive on average instead of always rounding away.
+// The bits come from a counter-based hash of (key, element index), with key = f(seed, step)
+// from the caller: deterministic whatever the threads or chunking, nothing to store but the seed.
+// Hash: lowbias32 (Wellons' hash prospector), over the index spread by the golden ratio and
+// xored with the key. The high 16 bits go to exp_avg, the low 16 to exp_avg_sq.
+static inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+static inline uint32_t rounding_bits(uint32_t key, int64_t i) {
+  return mix32((uint32_t(i) * 0x9E3779B9u) ^ key);
+}
+// Tensors of 2^32 elements and more: the index's high half goes into the key of the range (a
+// range lies inside one 16384-element chunk, so never across a multiple of 2^32).
+static inline uint32_t range_key(uint32_t key, int64_t begin) {
+  return key ^ (uint32_t(uint64_t(begin) >> 32) * 0x85EBCA77u);
+}
+static inline uint16_t float_to_bf16_stochastic(float value, uint32_t random16) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  // No carry into the sign: the largest finite float plus 0xFFFF becomes inf's bits at most.
+  const uint32_t rounded = (bits + random16) >> 16;
+  return (value != value) ? uint16_t(0x7FC0u) : uint16_t(rounded);  // keep NaN a NaN
+}
+
 // Which products are fused into an add is spelled out, not left to the compiler's contraction:
 // the AVX512_BF16 loop below is written with intrinsics, and an element must get the same bits
 // whichever loop (or loop tail) updates it. Without hardware FMA, plain multiply and add.
@@ -80,13 +114,16 @@ static inline void store_moment(uint16_t* moments, int64_t i, float value) {
 // (Kingma & Ba's Adam + L2). Moment is float, or uint16_t for moments stored as bfloat16
 // (arithmetic stays fp32; 20 instead of 28 bytes move per parameter).
 // bf16_out, when not null, receives the updated parameter rounded to nearest-even bfloat16.
-template <bool kAdamW, bool kCopyOut, typename Moment>
+// kStochastic (bf16 moments only): the moments are rounded stochastically with rounding_key.
+template <bool kAdamW, bool kCopyOut, typename Moment, bool kStochastic = false>
 static void adam_range(float* __restrict__ param, const float* __restrict__ grad,
                        Moment* __restrict__ exp_avg, Moment* __restrict__ exp_avg_sq,
                        uint16_t* __restrict__ bf16_out, int64_t begin, int64_t end,
                        float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,
                        float eps, float weight_decay, float decay, float step_size,
-                       float inv_bias2_sqrt) {
+                       float inv_bias2_sqrt, uint32_t rounding_key) {
+  const uint32_t key = range_key(rounding_key, begin);
+  (void)key;
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     float p = param[i];
@@ -100,8 +137,14 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
     const float v = TESSERA_FMA(beta2, load_moment(exp_avg_sq, i), one_minus_beta2 * (g * g));
     const float denom = TESSERA_FMA(std::sqrt(v), inv_bias2_sqrt, eps);
     p = TESSERA_FMA(-step_size, m / denom, p);
-    store_moment(exp_avg, i, m);
-    store_moment(exp_avg_sq, i, v);
+    if constexpr (kStochastic) {
+      const uint32_t random = rounding_bits(key, i);
+      exp_avg[i] = float_to_bf16_stochastic(m, random >> 16);
+      exp_avg_sq[i] = float_to_bf16_stochastic(v, random & 0xFFFFu);
+    } else {
+      store_moment(exp_avg, i, m);
+      store_moment(exp_avg_sq, i, v);
+    }
     param[i] = p;
     if (kCopyOut) bf16_out[i] = float_to_bf16(p);
   }
@@ -118,10 +161,11 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
   float *__restrict__ param, const float *__restrict__ grad, uint16_t *__restrict__ exp_avg,    \
       uint16_t *__restrict__ exp_avg_sq, uint16_t *__restrict__ bf16_out, int64_t begin,        \
       int64_t end, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,      \
-      float eps, float weight_decay, float decay, float step_size, float inv_bias2_sqrt
+      float eps, float weight_decay, float decay, float step_size, float inv_bias2_sqrt,       \
+      uint32_t rounding_key
 #define TESSERA_RANGE_ARGS                                                                      \
   param, grad, exp_avg, exp_avg_sq, bf16_out, begin, end, beta1, beta2, one_minus_beta1,        \
-      one_minus_beta2, eps, weight_decay, decay, step_size, inv_bias2_sqrt
+      one_minus_beta2, eps, weight_decay, decay, step_size, inv_bias2_sqrt, rounding_key
 
 // CPUs with AVX512_BF16 (Zen 4, Sapphire Rapids) round fp32 to bf16 in one instruction, where
 // the portable rounding takes about six integer ops per vector: measured here (Nov 2026, 50M, 2
@@ -144,11 +188,30 @@ __attribute__((target("avx512bf16"))) static inline __m512 widen_bf16(const uint
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
+// rounding_bits and float_to_bf16_stochastic for 16 lanes (the same bits as the scalar ones).
+static inline __m512i rounding_bits16(__m512i key, __m512i index) {
+  __m512i x = _mm512_xor_si512(_mm512_mullo_epi32(index, _mm512_set1_epi32(0x9E3779B9u)), key);
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352Du));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x846CA68Bu));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+static inline __m256i round_to_bf16_stochastic(__m512 values, __m512i random16) {
+  const __m512i sum = _mm512_add_epi32(_mm512_castps_si512(values), random16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
+  const __m512i rounded =
+      _mm512_mask_mov_epi32(_mm512_srli_epi32(sum, 16), nan, _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
 // The adam_range loop written with 16-lane intrinsics, the same operations and the same FMAs
 // (bit-identical results), the tail left to adam_range.
-template <bool kAdamW, bool kCopyOut>
+template <bool kAdamW, bool kCopyOut, bool kStochastic>
 __attribute__((noinline, target("avx512bf16"))) static void adam_range_bf16_instructions(
     TESSERA_RANGE_PARAMS) {
+  const __m512i vkey = _mm512_set1_epi32(int(range_key(rounding_key, begin)));
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   const __m512 vbeta1 = _mm512_set1_ps(beta1), vbeta2 = _mm512_set1_ps(beta2);
   const __m512 vone_minus_beta1 = _mm512_set1_ps(one_minus_beta1);
   const __m512 vone_minus_beta2 = _mm512_set1_ps(one_minus_beta2);
@@ -170,13 +233,22 @@ __attribute__((noinline, target("avx512bf16"))) static void adam_range_bf16_inst
                                      _mm512_mul_ps(vone_minus_beta2, _mm512_mul_ps(g, g)));
     const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), vinv_bias2_sqrt, veps);
     p = _mm512_fnmadd_ps(vstep_size, _mm512_div_ps(m, denom), p);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg + i), round_to_bf16(m));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg_sq + i), round_to_bf16(v));
+    if (kStochastic) {
+      const __m512i index = _mm512_add_epi32(_mm512_set1_epi32(int(uint32_t(i))), lanes);
+      const __m512i random = rounding_bits16(vkey, index);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg + i),
+                          round_to_bf16_stochastic(m, _mm512_srli_epi32(random, 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg_sq + i),
+                          round_to_bf16_stochastic(v, _mm512_and_si512(random, low16)));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg + i), round_to_bf16(m));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(exp_avg_sq + i), round_to_bf16(v));
+    }
     _mm512_storeu_ps(param + i, p);
     if (kCopyOut) _mm256_storeu_si256(reinterpret_cast<__m256i*>(bf16_out + i), round_to_bf16(p));
   }
   begin = i;
-  adam_range<kAdamW, kCopyOut, uint16_t>(TESSERA_RANGE_ARGS);
+  adam_range<kAdamW, kCopyOut, uint16_t, kStochastic>(TESSERA_RANGE_ARGS);
 }
 static bool cpu_has_avx512_bf16() {
   static const bool has = [] {
@@ -188,20 +260,22 @@ static bool cpu_has_avx512_bf16() {
 
 #pragma GCC push_options
 #pragma GCC target("prefer-vector-width=512")
-template <bool kAdamW, bool kCopyOut>
+template <bool kAdamW, bool kCopyOut, bool kStochastic>
 __attribute__((noinline)) static void adam_range_bf16_moments(TESSERA_RANGE_PARAMS) {
   if (cpu_has_avx512_bf16()) {
-    adam_range_bf16_instructions<kAdamW, kCopyOut>(TESSERA_RANGE_ARGS);
+    adam_range_bf16_instructions<kAdamW, kCopyOut, kStochastic>(TESSERA_RANGE_ARGS);
   } else {
-    adam_range<kAdamW, kCopyOut, uint16_t>(TESSERA_RANGE_ARGS);
+    adam_range<kAdamW, kCopyOut, uint16_t, kStochastic>(TESSERA_RANGE_ARGS);
   }
 }
 #pragma GCC pop_options
 #undef TESSERA_RANGE_PARAMS
 #undef TESSERA_RANGE_ARGS
-#define TESSERA_BF16_RANGE(ADAMW, COPY_OUT) adam_range_bf16_moments<ADAMW, COPY_OUT>
+#define TESSERA_BF16_RANGE(ADAMW, COPY_OUT, STOCHASTIC) \
+  adam_range_bf16_moments<ADAMW, COPY_OUT, STOCHASTIC>
 #else
-#define TESSERA_BF16_RANGE(ADAMW, COPY_OUT) adam_range<ADAMW, COPY_OUT, uint16_t>
+#define TESSERA_BF16_RANGE(ADAMW, COPY_OUT, STOCHASTIC) \
+  adam_range<ADAMW, COPY_OUT, uint16_t, STOCHASTIC>
 #endif
 
 extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
@@ -209,7 +283,8 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
                                  float beta1, float beta2, float one_minus_beta1,
                                  float one_minus_beta2, float eps, float weight_decay,
                                  float decay, float step_size, float inv_bias2_sqrt,
-                                 int adamw, int bf16_moments, int num_threads) {
+                                 int adamw, int bf16_moments, int num_threads,
+                                 int stochastic_rounding, uint32_t rounding_key) {
   // Chunks of 64 KiB of floats: large enough to stream, small enough to balance threads.
   const int64_t chunk = 16384;
   const int64_t num_chunks = (n + chunk - 1) / chunk;
@@ -221,9 +296,12 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
 #define TESSERA_ADAM_RANGE(FUNCTION, MOMENT)                                                 \
   FUNCTION(param, grad, static_cast<MOMENT*>(exp_avg), static_cast<MOMENT*>(exp_avg_sq),     \
            bf16_out, begin, end, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,        \
-           weight_decay, decay, step_size, inv_bias2_sqrt)
+           weight_decay, decay, step_size, inv_bias2_sqrt, rounding_key)
 #define TESSERA_ADAM_MOMENTS(ADAMW, COPY_OUT)                                                \
-  if (bf16_moments) TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT)), uint16_t);     \
+  if (bf16_moments && stochastic_rounding)                                                   \
+    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, true)), uint16_t);               \
+  else if (bf16_moments)                                                                     \
+    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, false)), uint16_t);              \
   else TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, float>), float)
     if (adamw && bf16_out) { TESSERA_ADAM_MOMENTS(true, true); }
     else if (adamw) { TESSERA_ADAM_MOMENTS(true, false); }
@@ -297,7 +375,11 @@ class AdamKernel:
         function = ctypes.CDLL(library_path).tessera_cpu_adam
         function.restype = None
         function.argtypes = (
-            [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 9 + [ctypes.c_int] * 3
+            [ctypes.c_void_p] * 5
+            + [ctypes.c_int64]
+            + [ctypes.c_float] * 9
+            + [ctypes.c_int] * 4
+            + [ctypes.c_uint32]
         )
         self._function = function
         advise = ctypes.CDLL(library_path).tessera_advise_huge_pages
@@ -305,8 +387,8 @@ class AdamKernel:
         advise.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self._advise_huge_pages = advise
 
-    def zeros(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Zeros shaped like `like`, on transparent huge pages where Linux grants them.
+    def zeros(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Zeros of `shape`, on transparent huge pages where Linux grants them.
 
         Why: the step streams 7 arrays; with 4 KiB pages the hardware prefetchers stop at every
         page boundary and the TLB misses every 4 KiB of each stream. Measured here (Nov 2026, 50M
@@ -315,7 +397,7 @@ class AdamKernel:
         is allocated empty (untouched), advised, then zeroed. Small tensors (< 4 MiB) hold no
         whole huge page worth the split of the mapping and are left alone.
         """
-        tensor = torch.empty(like.shape, dtype=dtype)
+        tensor = torch.empty(tuple(shape), dtype=dtype)
         num_bytes = tensor.numel() * tensor.element_size()
         if num_bytes >= 4 << 20:
             self._advise_huge_pages(tensor.data_ptr(), num_bytes)
@@ -339,9 +421,11 @@ class AdamKernel:
         step_size: float,
         inv_bias2_sqrt: float,
         adamw: bool,
+        rounding_key: int | None = None,
     ) -> None:
         """Update `param`, `exp_avg`, `exp_avg_sq` in place (contiguous, same numel; the moments
-        both float32 or both bfloat16)."""
+        both float32 or both bfloat16). `rounding_key` (a uint32, bf16 moments only): round the
+        moments stochastically with the bits of this key; None: to nearest-even."""
         self._function(
             param.data_ptr(),
             grad.data_ptr(),
@@ -361,6 +445,8 @@ class AdamKernel:
             int(adamw),
             int(exp_avg.dtype == torch.bfloat16),
             torch.get_num_threads(),
+            int(rounding_key is not None),
+            rounding_key or 0,
         )
 
 

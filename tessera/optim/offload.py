@@ -72,8 +72,14 @@ def host_optimizer(
         )
     if offload == "nvme":
         check_swap_dir(nvme_dir)
-        if optimizer_class is CPUAdam and optimizer_kwargs.get("bf16_moments"):
-            raise ValueError("offload='nvme' keeps fp32 moments: bf16_moments is not supported")
+        if optimizer_class is CPUAdam and (
+            optimizer_kwargs.get("bf16_moments")
+            or optimizer_kwargs.get("moments_rounding", "nearest") != "nearest"
+        ):
+            raise ValueError(
+                "offload='nvme' keeps fp32 moments: bf16_moments and moments_rounding are not "
+                "supported"
+            )
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cpu"}:
         raise NotImplementedError(
@@ -84,7 +90,8 @@ def host_optimizer(
     if offload == "cpu":
         return cpu_class, cpu_kwargs
     swap_params = offload_params or mixed_precision is not None  # the fp32 master is a copy
-    cpu_kwargs.pop("bf16_moments", None)
+    for bf16_option in ("bf16_moments", "moments_rounding", "rounding_seed"):
+        cpu_kwargs.pop(bf16_option, None)
     return NVMeAdam, {
         **cpu_kwargs,
         "nvme_dir": str(nvme_dir),

@@ -119,6 +119,8 @@ def initialize(
     if delayed_update:
         extra["delayed_update"] = True
         extra["delayed_update_after"] = delayed_update_after
+    if offload == "cpu":  # CPUAdam streams the masters and gradient slices: huge pages for them
+        extra["host_huge_pages"] = True
     optimizer = STAGES[stage](
         model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
     )

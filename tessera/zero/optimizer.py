@@ -45,6 +45,7 @@ from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.reducer import Reducer
 from tessera.errors import CollectiveTimeout
 from tessera.flat import flatten, unflatten_into
+from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import default_timeout_s
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
 from tessera.zero.memory import storage_bytes
@@ -87,6 +88,7 @@ class ZeroOptimizer:
         swap_masters: bool = False,
         delayed_update: bool = False,
         delayed_update_after: int = DEFAULT_WARMUP_STEPS,
+        host_huge_pages: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
@@ -110,6 +112,9 @@ class ZeroOptimizer:
         """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
         if delayed_update:
             self.delayed = DelayedUpdate(delayed_update_after, self.rank, self.timeout_s)
+        self.host_huge_pages = host_huge_pages
+        """The buffers the inner optimizer steps (fp32 master and gradient slices) are allocated
+        on transparent huge pages (`offload="cpu"`: `CPUAdam` streams them, see `host_zeros`)."""
         named, units = self._ordered_parameters()
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
@@ -133,8 +138,8 @@ class ZeroOptimizer:
             reduce_bucket=self._reduce_bucket,
             rank=dist.get_rank(),
             timeout_s=self.timeout_s,
-            allocate=lambda n, dtype, device: torch.zeros(
-                padded_numel(n, world), dtype=dtype, device=device
+            allocate=lambda n, dtype, device: self._zeros(
+                padded_numel(n, world), dtype, device, stepped=not self.release_gradients
             ),
             units=units,
             release_buffers=self.release_gradients,
@@ -164,6 +169,16 @@ class ZeroOptimizer:
         ]
 
     # -- construction -------------------------------------------------------------------------
+    def _zeros(
+        self, numel: int, dtype: torch.dtype, device: torch.device, *, stepped: bool
+    ) -> torch.Tensor:
+        """A zero buffer; on huge pages if the inner optimizer steps it (`stepped`: a master or
+        a gradient it reads, kept from step to step) and `host_huge_pages` is on. Buffers freed
+        every step (stage 2/3 full gradients) stay on torch's allocator."""
+        if stepped and self.host_huge_pages and torch.device(device).type == "cpu":
+            return host_zeros((numel,), dtype)
+        return torch.zeros(numel, dtype=dtype, device=device)
+
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int] | None]:
         """Trainable parameters in bucket order, and their units (stage 3 overrides)."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad], None
@@ -194,7 +209,8 @@ class ZeroOptimizer:
             and self.stage < 3
             and self.delayed is None
         )
-        flat_param = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        # Stages 1/2 in fp32 without DPU: the master is a view of this buffer, stepped in place.
+        flat_param = self._zeros(padded, first.dtype, first.device, stepped=aliased)
         master_full = None
         if not aliased:
             master_full = torch.zeros(padded, dtype=torch.float32, device=first.device)
@@ -211,10 +227,11 @@ class ZeroOptimizer:
         elif aliased:
             master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
         else:
-            master = nn.Parameter(master_full[lo:hi].clone())
+            master = self._zeros(hi - lo, torch.float32, first.device, stepped=True)
+            master = nn.Parameter(master.copy_(master_full[lo:hi]))
         grad_shard = None
         if self.release_gradients:
-            grad_shard = torch.zeros(hi - lo, dtype=first.dtype, device=first.device)
+            grad_shard = self._zeros(hi - lo, first.dtype, first.device, stepped=True)
         return FlatShard(bucket, layout, flat_param, lo, hi, master, grad_shard)
 
     # -- hooks ------------------------------------------------------------------------------

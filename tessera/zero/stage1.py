@@ -43,7 +43,7 @@ class ZeroStage1(ZeroOptimizer):
         if mine.data_ptr() == bucket.buffer[flat.lo :].data_ptr():
             return  # all-reduced in place: the whole buffer holds the group mean
         if flat.grad_shard is None:
-            flat.grad_shard = torch.empty_like(mine)
+            flat.grad_shard = self._zeros(mine.numel(), mine.dtype, mine.device, stepped=True)
         flat.grad_shard.copy_(mine)  # the buffer keeps this rank's local sum (see above)
 
     def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:

@@ -94,6 +94,7 @@ class ZeroStage3(ZeroOptimizer):
         swap_masters: bool = False,
         delayed_update: bool = False,
         delayed_update_after: int = DEFAULT_WARMUP_STEPS,
+        host_huge_pages: bool = False,
     ) -> None:
         self._units = select_units(module, units)
         self._offload_params = offload_params
@@ -103,6 +104,7 @@ class ZeroStage3(ZeroOptimizer):
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
             bucket_cap_mb=2**40, swap_masters=swap_masters or offload_params,
             delayed_update=delayed_update, delayed_update_after=delayed_update_after,
+            host_huge_pages=host_huge_pages,
         )  # fmt: skip
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
         self._unit_of_storage: dict[int, int] = {}
