@@ -17,6 +17,7 @@ import resource
 import shutil
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -392,7 +393,31 @@ def test_train_config_offload_and_activation_checkpointing(tmp_path):
         assert optimizer.defaults[key] == trainer.defaults[key], key
     assert optimizer.folder.path.parent == tmp_path
     optimizer.close()
+    # --offload-moments: the storage of CPUAdam's moments, passed through with the trainer's Adam.
+    from tessera.optim import CPUAdam
+
+    for choice, bf16, rounding in (
+        ("fp32", False, "nearest"),
+        ("bf16", True, "nearest"),
+        ("bf16-stochastic", True, "stochastic"),
+    ):
+        layer = {"strategy": "zero2", "offload": "cpu", "offload_moments": choice}
+        config = build_config(base, layer)
+        make = _offload_optimizer(
+            2, nn.Linear(2, 2), partial(make_optimizer, config), config
+        )
+        optimizer = make([nn.Parameter(torch.zeros(8))])
+        assert isinstance(optimizer, CPUAdam), choice
+        assert optimizer.defaults["bf16_moments"] is bf16, choice
+        assert optimizer.defaults["moments_rounding"] == rounding, choice
+        optimizer.zero_grad()
+        optimizer.param_groups[0]["params"][0].grad = torch.ones(8)
+        optimizer.step()
+        moment = optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"]
+        assert moment.dtype == (torch.bfloat16 if bf16 else torch.float32), choice
     errors = [
+        ({"strategy": "zero2", "offload_moments": "bf16"}, "needs offload cpu, not offload None"),
+        ({"strategy": "zero2", "offload": "cpu", "offload_moments": "fp16"}, "must be one of"),
         ({"strategy": "ddp", "offload": "cpu"}, "needs strategy zero1, zero2 or zero3, not ddp"),
         ({"strategy": "zero2", "offload": "cpu", "optimizer": "sgd"}, "needs optimizer adamw"),
         ({"strategy": "zero2", "offload": "gpu"}, "offload must be cpu, nvme or unset"),

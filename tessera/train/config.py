@@ -36,6 +36,11 @@ __all__ = [
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("naive", "gpipe", "1f1b")
+OFFLOAD_MOMENTS = {  # --offload-moments: the CPUAdam options each choice stands for
+    "fp32": {},
+    "bf16": {"bf16_moments": True},
+    "bf16-stochastic": {"bf16_moments": True, "moments_rounding": "stochastic"},
+}
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -105,6 +110,11 @@ class TrainConfig:
     nvme_buffer_mb: float = _option(64.0, "offload nvme: memory of the streaming buffers, MB.")
     offload_params: bool = _option(
         False, "offload nvme with zero3: the parameter partitions go to nvme_dir too."
+    )
+    offload_moments: str = _option(
+        "fp32",
+        "offload cpu: how CPUAdam stores Adam's two moments: fp32, bf16 (round to nearest: fewer "
+        "bytes per step, an accuracy cost) or bf16-stochastic (stochastic rounding, unbiased).",
     )
     delayed_update: bool = _option(
         False,
@@ -227,6 +237,16 @@ class TrainConfig:
             raise ConfigError("nvme_dir and offload_params need offload nvme")
         if self.offload_params and self.strategy != "zero3":
             raise ConfigError("offload_params moves ZeRO-3's parameter partitions: use zero3")
+        if self.offload_moments not in OFFLOAD_MOMENTS:
+            raise ConfigError(
+                f"offload_moments must be one of {', '.join(OFFLOAD_MOMENTS)}, "
+                f"got {self.offload_moments!r}"
+            )
+        if self.offload_moments != "fp32" and self.offload != "cpu":
+            raise ConfigError(
+                f"offload_moments={self.offload_moments} is CPUAdam's storage: it needs offload "
+                f"cpu, not offload {self.offload}"
+            )
         if self.delayed_update and self.offload != "cpu":  # as tessera.zero.delayed checks
             raise ConfigError(
                 "delayed_update overlaps ZeRO-Offload's host step with the next forward/backward:"

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.optim.offload import host_optimizer
 from tessera.runtime.context import Context
+from tessera.train.config import OFFLOAD_MOMENTS
 from tessera.train.strategy import Engine, OptimizerFactory
 from tessera.zero.api import STAGES, full_state_dict
 from tessera.zero.checkpoint import load_shards, save_shard
@@ -137,6 +138,8 @@ def _offload_optimizer(
         offload_params=config.offload_params,
         mixed_precision=config.mixed_precision,
     )
+    # --offload-moments (offload cpu only, the config checks): how CPUAdam stores the moments
+    kwargs.update(OFFLOAD_MOMENTS[getattr(config, "offload_moments", "fp32")])
     return partial(optimizer_class, **kwargs)
 
 
