@@ -7,9 +7,10 @@ reused, the all-gather receives are posted while the reduce-scatter still runs, 
 segment of a chunk is shorter than the others.
 
 The oracle is the ring's reduction order written out in the test from every rank's input (each
-rank regenerates the others' from their seeds): chunk c (`tensor_split` sizes) holds rank c+1's value, plus rank c+2's, ..., plus
-rank c's, added left to right in the working dtype. The results must equal it bit for bit: the
-order is fixed, so any other result is a misplaced or missing segment, not rounding.
+rank regenerates the others' from their seeds): chunk c (`tensor_split` sizes) holds rank c+1's
+value, plus rank c+2's, ..., plus rank c's, added left to right in the working dtype. The
+results must equal it bit for bit: the order is fixed, so any other result is a misplaced or
+missing segment, not rounding.
 One spawn of 3 ranks: the world (p = 3) and the 2-rank group [0, 2] (global rank 2 is its
 group rank 1).
 """

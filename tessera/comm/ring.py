@@ -69,7 +69,7 @@ def _receive_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     A fresh `torch.empty` of a multi-MB buffer is a fresh mmap whose pages fault in on first
     touch, on every call: ~1 ms of page faults per 8 MB here, against ~16 ms for the whole 16 MB
     allreduce. The buffer lives as long as the thread: about one chunk (n/p elements), at least
-`RECEIVES_AHEAD` segments.
+    `RECEIVES_AHEAD` segments.
     """
     buffers = _local.__dict__.setdefault("buffers", {})
     buf = buffers.get(dtype)
