@@ -1,10 +1,10 @@
 """The ring's segment streams: many segments per chunk, uneven and empty chunks, 2 and 3 ranks.
 
-The ring cuts each chunk into segments of `ring.SEGMENT_BYTES` (2 MB), so the suite's other
-ring tests, on small tensors, send one segment per chunk. Here the ranks shrink the segments to
-a few elements, so that every chunk is many segments, the reduce-scatter's scratch slots are
-reused, the all-gather receives are posted while the reduce-scatter still runs, and the last
-segment of a chunk is shorter than the others.
+The ring cuts each chunk into segments of `ring.RING_SEGMENT_BYTES` (8 MB), so the suite's
+other ring tests, on small tensors, send one segment per chunk. Here the ranks shrink the
+segments to a few elements, so that every chunk is many segments, the reduce-scatter's scratch
+slots are reused, the all-gather receives are posted while the reduce-scatter still runs, and
+the last segment of a chunk is shorter than the others.
 
 The oracle is the ring's reduction order written out in the test from every rank's input (each
 rank regenerates the others' from their seeds): chunk c (`tensor_split` sizes) holds rank c+1's
@@ -31,7 +31,7 @@ LENGTHS = (0, 1, 2, 7, 61, 300)
 """Fewer elements than ranks (empty chunks), one segment, and many segments per chunk."""
 
 SEGMENT_CASES = ((12, 2), (20, 3), (4, 2))
-"""(SEGMENT_BYTES, RECEIVES_AHEAD): 3 and 5 float32 per segment, or one element per segment."""
+"""(RING_SEGMENT_BYTES, RECEIVES_AHEAD): 3 or 5 float32 per segment, or one element each."""
 
 
 def _ring_order(parts: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -66,7 +66,7 @@ def _rank_segments() -> list[str]:
             continue
         me = members.index(ctx.rank)
         for seg_bytes, ahead in SEGMENT_CASES:
-            ring.SEGMENT_BYTES, ring.RECEIVES_AHEAD = seg_bytes, ahead
+            ring.RING_SEGMENT_BYTES, ring.RECEIVES_AHEAD = seg_bytes, ahead
             for n in LENGTHS:
                 for op, dtype in (("sum", torch.float32), ("max", torch.int64)):
                     case = f"p={len(members)} seg={seg_bytes} ahead={ahead} n={n} {op} {dtype}"
