@@ -25,9 +25,10 @@ __all__ = ["Comm", "GroupInfo", "group_info"]
 
 _DATA_TAG = 0
 _CHECK_TAG = 0x7E55  # descriptors travel on their own tag: never mixed up with data
-SECOND_TAG = 1
+SECOND_TAG = 0x7E56
 """A second data tag: messages on it are matched apart from those on the first, so an algorithm
-can post receives of a later phase before all receives of the earlier one are posted."""
+can post receives of a later phase before all receives of the earlier one are posted (far from
+the small tags pipeline links use for micro-batches)."""
 
 
 @dataclass(frozen=True)
