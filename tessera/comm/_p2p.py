@@ -25,6 +25,10 @@ __all__ = ["Comm", "GroupInfo", "group_info"]
 
 _DATA_TAG = 0
 _CHECK_TAG = 0x7E55  # descriptors travel on their own tag: never mixed up with data
+SECOND_TAG = 0x7E56
+"""A second data tag: messages on it are matched apart from those on the first, so an algorithm
+can post receives of a later phase before all receives of the earlier one are posted (far from
+the small tags pipeline links use for micro-batches)."""
 
 
 @dataclass(frozen=True)
@@ -130,21 +134,26 @@ class Comm:
             raise
 
     # ---------------------------------------------------------------------------- messages
-    def isend(self, tensor: torch.Tensor, peer: int) -> dist.Work | None:
-        """Start sending `tensor` (contiguous) to group rank `peer`; empty tensors send nothing."""
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = _DATA_TAG) -> dist.Work | None:
+        """Start sending `tensor` (contiguous) to group rank `peer`; empty tensors send nothing.
+
+        `tag`: the first data tag or `SECOND_TAG`; a receive matches the sends of its tag only.
+        """
         if tensor.numel() == 0:
             return None
         self.verify()  # no data before the descriptors agree (see the module docstring)
-        work = dist.isend(tensor, self.info.global_rank(peer), group=self.info.group, tag=_DATA_TAG)
+        work = dist.isend(tensor, self.info.global_rank(peer), group=self.info.group, tag=tag)
         self._pending.append(work)
         return work
 
-    def irecv(self, tensor: torch.Tensor, peer: int) -> tuple[dist.Work, int] | None:
+    def irecv(
+        self, tensor: torch.Tensor, peer: int, tag: int = _DATA_TAG
+    ) -> tuple[dist.Work, int] | None:
         """Start receiving into `tensor` (contiguous) from group rank `peer`; wait with `wait`."""
         if tensor.numel() == 0:
             return None
         self.verify()
-        work = dist.irecv(tensor, self.info.global_rank(peer), group=self.info.group, tag=_DATA_TAG)
+        work = dist.irecv(tensor, self.info.global_rank(peer), group=self.info.group, tag=tag)
         return work, peer
 
     def wait(self, handle: tuple[dist.Work, int] | None) -> None:
@@ -152,6 +161,16 @@ class Comm:
         self.verify()
         if handle is not None:
             self._wait(handle[0], handle[1])
+
+    def wait_sent(self, work: dist.Work | None, peer: int) -> None:
+        """Wait until a send started by `isend` is out (its buffer may then be written to).
+
+        The send leaves the list `finish` waits on: gloo counts completions per buffer, so a
+        second wait on the same send would wait for a completion that never comes.
+        """
+        if work is not None:
+            self._pending.remove(work)
+            self._wait(work, peer)
 
     def send(self, tensor: torch.Tensor, peer: int) -> None:
         """Send and return once the message is out (the buffer may then be reused)."""
