@@ -466,7 +466,8 @@ def test_masked_input_is_the_protocol_formula_computed_independently():
     person="tessera-sa-mask") and PRG the AES-256-CTR keystream from counter block 0^96 || 2,
     recomputed here with hashlib, `cryptography`'s CTR mode and Python integers for the ring;
     N(u) the neighbours the server sent u (all others, or a subset). The shares u sent v open
-    under BLAKE2b-256(X25519(c_u, C_v) || min(C_u, C_v) || max(C_u, C_v), person="tessera-sa-share")."""
+    under BLAKE2b-256(X25519(c_u, C_v) || min(C_u, C_v) || max(C_u, C_v),
+    person="tessera-sa-share")."""
     import hashlib
 
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey

@@ -8,9 +8,9 @@ addition wraps exactly mod 2^64) and sends
     y_u = x_u + PRG(b_u) + sum_{v in N(u), v > u} PRG(s_uv) - sum_{v in N(u), v < u} PRG(s_uv)
 
 where N(u) are u's neighbours (every other client by default; see `_graph`), s_uv = s_vu is the
-hash of the X25519 agreement of u's and v's mask keys (`_agree`) and b_u a private seed. The pairwise
-masks cancel in the sum over all clients. PRG(seed) is the AES-256-CTR keystream under key `seed`
-from the counter block 0^96 || 2, read as little-endian uint64; it is computed as the AES-GCM
+hash of the X25519 agreement of u's and v's mask keys (`_agree`) and b_u a private seed. The
+pairwise masks cancel in the sum over all clients. PRG(seed) is the AES-256-CTR keystream under
+key `seed` from the counter block 0^96 || 2, read as little-endian uint64; it is the AES-GCM
 encryption of zeros under the all-zero nonce (whose ciphertext is exactly that keystream, NIST SP
 800-38D: GCTR from inc32(J0)), tag dropped, because OpenSSL's stitched AES-GCM runs faster here
 than its plain CTR mode (7 against 13 us for the benchmark's 4,811 coordinates). Rounds:
