@@ -219,7 +219,9 @@ class SecAggClient:
         self._c_public = self._c_key.public_key().public_bytes_raw()
         self._s_public = self._s_key.public_key().public_bytes_raw()
         self._seed = os.urandom(32)  # b_u
-        self._held: dict[int, np.ndarray] = {}  # sender -> its (s_sk share, b share) rows
+        # sender -> its (s_sk share, b share) as the wire bytes of `_shamir.share_to_bytes`,
+        # checked on arrival; the unmask round sends them as they are
+        self._held: dict[int, tuple[bytes, bytes]] = {}
         self._roster: dict[int, tuple[bytes, bytes]] = {}
         # KA(c_u, C_v) = KA(c_v, C_u): the key u encrypts its shares for v with is the key v
         # encrypted its shares for u with, so u agrees it (and sets up its cipher) once per partner.
@@ -247,9 +249,10 @@ class SecAggClient:
             [self._s_key.private_bytes_raw(), self._seed], [v + 1 for v in holders], threshold
         )
         out, encoded = {}, shares.astype(">u4")  # big-endian words, converted once
-        for v, share, share_bytes in zip(holders, shares, encoded):
+        for v, share_bytes in zip(holders, encoded):
             if v == self.client_id:
-                self._held[v] = share
+                own = share_bytes.tobytes()
+                self._held[v] = own[: _shamir.SHARE_BYTES], own[_shamir.SHARE_BYTES :]
                 continue
             key = _agree(self._c_key, self._c_public, self._roster[v][0], _SHARES)
             cipher = self._share_ciphers[v] = AESGCM(key)
@@ -284,12 +287,11 @@ class SecAggClient:
                     f"secure aggregation: a bad or misrouted share record from {sender}"
                 )
             records.append(record[_ROUTING.size :])
-        if records:  # all shares parsed and checked in one numpy pass
-            shares = np.frombuffer(b"".join(records), dtype=">u4").astype(np.uint64)
-            if (shares >= _shamir.PRIME).any():
+        if records:  # all shares checked in one numpy pass, kept as bytes
+            if (np.frombuffer(b"".join(records), dtype=">u4") >= _shamir.PRIME).any():
                 raise SecureAggregationError("secure aggregation: a share outside the field")
-            shares = shares.reshape(len(records), 2, _shamir.CHUNKS)
-            self._held.update(zip(inbox, shares))
+            half = _shamir.SHARE_BYTES
+            self._held.update((u, (r[:half], r[half:])) for u, r in zip(inbox, records))
         report = np.asarray(report, dtype=np.uint64)
         masked = np.add(report, _prg(self._seed, len(report)))  # a new array: report untouched
         for v, (_, s_public) in self._roster.items():
@@ -304,10 +306,10 @@ class SecAggClient:
         as `{"s": {client: bytes}, "b": {client: bytes}}` for the clients it holds shares of."""
         if set(dropped) & set(survivors):
             raise SecureAggregationError("secure aggregation: a client both dropped and survived")
-        held, to_bytes = self._held, _shamir.share_to_bytes
+        held = self._held
         return {
-            "s": {v: to_bytes(held[v][0]) for v in dropped if v in held},
-            "b": {u: to_bytes(held[u][1]) for u in survivors if u in held},
+            "s": {v: held[v][0] for v in dropped if v in held},
+            "b": {u: held[u][1] for u in survivors if u in held},
         }
 
 
