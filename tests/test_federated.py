@@ -409,6 +409,9 @@ def test_secure_sum_fails_cleanly_beyond_the_threshold():
     assert result.total.tolist() == _exact_sum(reports, survivors, 20)
     with pytest.raises(ValueError, match="non-participants"):
         secure_sum({99: reports[3]}, participants=PARTICIPANTS)
+    with pytest.raises(ValueError, match=r"reports of different shapes \[\(19,\), \(20,\)\]"):
+        secure_sum({**reports, PARTICIPANTS[0]: reports[PARTICIPANTS[0]][:19]},
+                   participants=PARTICIPANTS)  # fmt: skip
     with pytest.raises(ValueError, match="threshold 6 must be in 1..5, the holders"):
         secure_sum(reports, participants=PARTICIPANTS, neighbours=4, threshold=6)
     # SecAgg+: 9 of 12 report, far above the threshold overall, but one client lost 3 of its 4

@@ -490,10 +490,13 @@ def secure_sum(
     rosters = {u: server.neighbourhood(u) for u in clients}
     outboxes = {u: c.share_keys(rosters[u], server.threshold) for u, c in clients.items()}
     inboxes = server.route_shares(outboxes)
-    masked = {
-        u: clients[u].masked_input(quantize(report, frac_bits), inboxes[u])
-        for u, report in reports.items()
-    }
+    # Quantisation is elementwise, so every client's is done in one pass over the stacked
+    # reports (the same ring elements each would compute alone, at one call's overhead).
+    shapes = {tuple(report.shape) for report in reports.values()}
+    if len(shapes) > 1:
+        raise ValueError(f"secure aggregation: reports of different shapes {sorted(shapes)}")
+    quantized = quantize(torch.stack(list(reports.values())), frac_bits) if reports else ()
+    masked = {u: clients[u].masked_input(ring, inboxes[u]) for u, ring in zip(reports, quantized)}
     dropped, survivors = server.collect_masked(masked)
     responses = {u: clients[u].unmask(dropped, survivors) for u in survivors}
     total = server.finish(responses)
