@@ -219,8 +219,8 @@ class SecAggClient:
         self._c_public = self._c_key.public_key().public_bytes_raw()
         self._s_public = self._s_key.public_key().public_bytes_raw()
         self._seed = os.urandom(32)  # b_u
-        # sender -> its (s_sk share, b share) as the wire bytes of `_shamir.share_to_bytes`,
-        # checked on arrival; the unmask round sends them as they are
+        # sender -> its (s_sk share, b share) as wire bytes (`_shamir.share_from_bytes` reads
+        # them), checked on arrival; the unmask round sends them as they are
         self._held: dict[int, tuple[bytes, bytes]] = {}
         self._roster: dict[int, tuple[bytes, bytes]] = {}
         # KA(c_u, C_v) = KA(c_v, C_u): the key u encrypts its shares for v with is the key v
