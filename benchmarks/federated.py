@@ -596,8 +596,8 @@ def _write(result: dict, args) -> None:
                 text += (
                     f"; the protocol (`secure_sum`, timed in the rounds) {protocol:.1f} ms, so "
                     f"{protocol - floor['ms']:.1f} ms for everything else in it (AES-GCM "
-                    f"keystream masks and share encryption, HKDF, Shamir sharing and recovery, "
-                    f"quantisation) and {overhead - protocol:.1f} ms outside it"
+                    f"keystream masks and share encryption, pair-key hashing, Shamir sharing and "
+                    f"recovery, quantisation) and {overhead - protocol:.1f} ms outside it"
                 )
             parts.append(text)
         floor = floors[SECURE]

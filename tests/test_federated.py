@@ -409,6 +409,9 @@ def test_secure_sum_fails_cleanly_beyond_the_threshold():
     assert result.total.tolist() == _exact_sum(reports, survivors, 20)
     with pytest.raises(ValueError, match="non-participants"):
         secure_sum({99: reports[3]}, participants=PARTICIPANTS)
+    with pytest.raises(ValueError, match=r"reports of different shapes \[\(19,\), \(20,\)\]"):
+        secure_sum({**reports, PARTICIPANTS[0]: reports[PARTICIPANTS[0]][:19]},
+                   participants=PARTICIPANTS)  # fmt: skip
     with pytest.raises(ValueError, match="threshold 6 must be in 1..5, the holders"):
         secure_sum(reports, participants=PARTICIPANTS, neighbours=4, threshold=6)
     # SecAgg+: 9 of 12 report, far above the threshold overall, but one client lost 3 of its 4
@@ -462,13 +465,17 @@ def test_a_masked_input_is_not_the_clients_update(ids, neighbours):
 
 def test_masked_input_is_the_protocol_formula_computed_independently():
     """y_u = x_u + PRG(b_u) + sum_{v in N(u), v > u} PRG(s_uv) - sum_{v in N(u), v < u} PRG(s_uv)
-    mod 2^64, with s_uv = HKDF-SHA256(X25519(s_u, S_v)) and PRG the AES-256-CTR keystream from
-    counter block 0^96 || 2, recomputed here with `cryptography`'s HKDF and CTR mode and Python
-    integers for the ring; N(u) the neighbours the server sent u (all others, or a subset)."""
-    from cryptography.hazmat.primitives import hashes
+    mod 2^64, with s_uv = BLAKE2b-256(X25519(s_u, S_v) || min(S_u, S_v) || max(S_u, S_v),
+    person="tessera-sa-mask") and PRG the AES-256-CTR keystream from counter block 0^96 || 2,
+    recomputed here with hashlib, `cryptography`'s CTR mode and Python integers for the ring;
+    N(u) the neighbours the server sent u (all others, or a subset). The shares u sent v open
+    under BLAKE2b-256(X25519(c_u, C_v) || min(C_u, C_v) || max(C_u, C_v),
+    person="tessera-sa-share")."""
+    import hashlib
+
     from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     length = 37  # not a multiple of the AES block: the keystream's tail is used too
 
@@ -478,16 +485,25 @@ def test_masked_input_is_the_protocol_formula_computed_independently():
         stream = encryptor.update(bytes(8 * length))
         return [int.from_bytes(stream[8 * i : 8 * i + 8], "little") for i in range(length)]
 
+    def pair_key(private, public: bytes, purpose: bytes) -> bytes:
+        own = private.public_key().public_bytes_raw()
+        shared = private.exchange(X25519PublicKey.from_public_bytes(public))
+        data = shared + min(own, public) + max(own, public)
+        return hashlib.blake2b(data, digest_size=32, person=purpose).digest()
+
     def mask_seed(client: SecAggClient, public: bytes) -> bytes:
-        shared = client._s_key.exchange(X25519PublicKey.from_public_bytes(public))
-        hkdf = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"tessera secagg mask")
-        return hkdf.derive(shared)
+        return pair_key(client._s_key, public, b"tessera-sa-mask")
 
     ids = [3, 8, 13, 21, 34]
     for neighbours in (None, 2):
         server = SecAggServer(ids, threshold=2, neighbours=neighbours)
         clients, inboxes, _, _ = _run_round(server, _reports(length, ids=ids), [])
         reports = {u: quantize(_reports(length, ids=ids)[u]) for u in ids}
+        for v, inbox in inboxes.items():
+            for u, ciphertext in inbox.items():  # opens, and names sender and recipient
+                key = pair_key(clients[v]._c_key, server.roster[u][0], b"tessera-sa-share")
+                record = AESGCM(key).decrypt(ciphertext[:12], ciphertext[12:], None)
+                assert record[:16] == u.to_bytes(8, "big") + v.to_bytes(8, "big")
         for u in ids:
             for partners in (None, [v for v in ids if v != 13]):  # 13 left after round 1
                 others = [

@@ -95,14 +95,10 @@ def random_elements(shape: tuple[int, ...]) -> np.ndarray:
     return values.reshape(shape)
 
 
-def share_to_bytes(share: np.ndarray) -> bytes:
-    """One secret's share (CHUNKS field elements) as fixed-width big-endian bytes."""
-    return np.asarray(share, dtype=">u4").tobytes()
-
-
 def share_from_bytes(data: bytes) -> np.ndarray:
-    """Inverse of `share_to_bytes` (of several shares concatenated: their words in a row);
-    refuses a length that is not whole shares or a value outside the field."""
+    """The field elements of shares on the wire: each share is its CHUNKS elements as 4-byte
+    big-endian words (`SHARE_BYTES`), several shares concatenated; refuses a length that is not
+    whole shares or a value outside the field."""
     if not data or len(data) % SHARE_BYTES:
         raise ValueError(f"shamir: a share is {SHARE_BYTES} bytes, got {len(data)}")
     share = np.frombuffer(data, dtype=">u4").astype(np.uint64)
