@@ -12,6 +12,7 @@ through `tessera train` in test_resume.py.)
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -440,21 +441,22 @@ def test_train_config_offload_and_activation_checkpointing(tmp_path):
             build_config(base, layer)
 
 
-def _probe_a_32_mib_allocation() -> tuple[int, int]:
-    block = []
-    growth = _peak_rss_growth(lambda: block.append(torch.ones(8 * 2**20)))
-    return growth, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def test_peak_rss_helper_measures_a_real_allocation(run_ranks):
+def test_peak_rss_helper_measures_a_real_allocation():
     """The RSS probe the budget test relies on sees 32 MiB being touched.
 
-    Probed in a fresh rank process, as the budget test measures: in pytest's own process, memory
-    that earlier tests freed (and glibc kept) would serve the allocation without any growth.
+    The pages come from a fresh anonymous mapping, one byte written per page: memory that earlier
+    tests freed (and glibc kept, or a forked rank inherited) can neither serve them nor add to them.
     """
-    [(growth, max_rss)] = run_ranks(_probe_a_32_mib_allocation, 1)
-    assert 32 * 2**20 <= growth < 40 * 2**20, growth
-    assert max_rss > 0
+    size = 32 * 2**20
+    with mmap.mmap(-1, size) as pages:
+
+        def touch_every_page() -> None:
+            for offset in range(0, size, mmap.PAGESIZE):
+                pages[offset] = 1
+
+        growth = _peak_rss_growth(touch_every_page)
+    assert size <= growth < size + 4 * 2**20, growth
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 0
 
 
 # --- swap_idle (GeePS): idle blocks' parameters in files, the next `keep` prefetched ----------
