@@ -13,6 +13,7 @@ import torch.distributed as dist
 __all__ = [
     "ALGORITHMS",
     "OPS",
+    "PAIRWISE",
     "SUPPORTED_DTYPES",
     "accumulate_dtype",
     "check_op",
@@ -71,20 +72,21 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+PAIRWISE = {
+    "sum": torch.add,
+    "mean": torch.add,  # summed, then divided by `finish_mean`
+    "max": torch.maximum,
+    "min": torch.minimum,
+    "product": torch.mul,
+}
+"""`PAIRWISE[op](a, b, out=c)`: c = a (op) b elementwise, for every op `check_op` accepts."""
+
+
 def combine(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
     """`acc = acc (op) other`, elementwise and in place; mean sums (divided at the end)."""
     if acc.numel() == 0:
         return
-    if op in ("sum", "mean"):
-        acc.add_(other)
-    elif op == "max":
-        torch.maximum(acc, other, out=acc)
-    elif op == "min":
-        torch.minimum(acc, other, out=acc)
-    elif op == "product":
-        acc.mul_(other)
-    else:  # pragma: no cover - check_op ran first
-        raise ValueError(op)
+    PAIRWISE[op](acc, other, out=acc)
 
 
 def finish_mean(buf: torch.Tensor, op: str, world: int) -> None:

@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm import _futex, _shm_files, diagnostics
-from tessera.comm._ops import accumulate_dtype, combine, finish_mean
+from tessera.comm._ops import PAIRWISE, accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
 from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
 
@@ -87,8 +87,6 @@ _SLEEPING = 80  # int64 word: 1 while the rank sleeps (poll() or futex) and want
 _ARRIVALS_AT = 1024  # byte of the header page: the futex barrier's uint32 arrival counter
 _MASK32, _HALF32 = 0xFFFFFFFF, 1 << 31
 _DESC = diagnostics.DESCRIPTOR_LEN
-_PAIRWISE = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum}
-_PAIRWISE["product"] = torch.mul  # a op b into `out`: what `combine` does to a copy of a
 
 
 def _round_up(value: int, unit: int) -> int:
@@ -382,7 +380,7 @@ class ShmGroup:
                 acc = mine.to(acc_dtype)
                 others = [other.to(acc_dtype) for other in others]
             elif others:
-                acc = _PAIRWISE[op](mine, others.pop(0), out=out[start:stop])
+                acc = PAIRWISE[op](mine, others.pop(0), out=out[start:stop])
             else:
                 acc = out[start:stop].copy_(mine)
             for other in others:
