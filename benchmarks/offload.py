@@ -142,7 +142,7 @@ def largest_per_mode(budget_mb: float, widths: list[int], nvme_dir: str) -> dict
     for mode in ("none", "cpu", "nvme"):
         start = found["none"]["width"] if mode != "none" and "none" in found else widths[0]
         for width in [w for w in widths if w >= start]:  # offload fits at least what none fits
-            result = tessera.launch(offload_trial, 1, width, mode, nvme_dir, timeout_s=1800)[0]
+            result = tessera.launch(offload_trial, 1, width, mode, nvme_dir, deadline_s=1800)[0]
             result["fits"] = result["peak_rss_mb"] <= budget_mb
             trials.append(result)
             print(

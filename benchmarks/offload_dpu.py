@@ -130,7 +130,7 @@ def main() -> None:
     for tokens in args.tokens:
         for world in args.worlds:
             shape = argparse.Namespace(**{**vars(args), "tokens": tokens})
-            result = tessera.launch(_rank, world, shape, timeout_s=1800)[0]
+            result = tessera.launch(_rank, world, shape, deadline_s=1800)[0]
             rows.append({"ranks": world, "tokens": tokens, **result})
     load_after = os.getloadavg()
     report = {

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     rounds = 4 if args.quick else args.rounds
     results = []
     for num_stages, ms in plan:
-        result = tessera.launch(_bench, num_stages, num_stages, ms, rounds, timeout_s=1800)[0]
+        result = tessera.launch(_bench, num_stages, num_stages, ms, rounds, deadline_s=1800)[0]
         print(f"{num_stages} stages: one process {result['one_process_ms']:.1f} ms/step")
         if num_stages == 2:
             from tessera.viz.timeline import pipeline_timeline
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
         results.append(result)
     from tessera.viz.timeline import pipeline_timeline
 
-    events = tessera.launch(_wavefront, 4, 1024, 16, timeout_s=600)[0]
+    events = tessera.launch(_wavefront, 4, 1024, 16, deadline_s=600)[0]
     title = "wavefront LSTM (hidden 1024, batch 32), 4 layers on 4 ranks, 16 time steps"
     pipeline_timeline(events, DOCS / "wavefront_lstm.png", title=title)
     lines = _table(results)
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     breakdown = _breakdown(results)
     print("\n".join(breakdown))
     # the link alone: an 8-row and a 32-row activation of this model (m = 8 and m = 2)
-    link_rows = tessera.launch(_links, 2, [16 << 10, 64 << 10, 1 << 20], 8, timeout_s=600)[0]
+    link_rows = tessera.launch(_links, 2, [16 << 10, 64 << 10, 1 << 20], 8, deadline_s=600)[0]
     link_lines = _links_table(link_rows)
     print("\n".join(link_lines))
     for result in results:

@@ -177,7 +177,7 @@ def main() -> None:
     print("| ranks | size | thread | " + " | ".join(f"{v} µs" for v in names) + f" | {ratios} |")
     print("|---|---|---|" + "---|" * (2 * len(names) - 1))
     for world in args.worlds:
-        result = tessera.launch(_rank, world, sizes, args.rounds, args.phases, timeout_s=1800)[0]
+        result = tessera.launch(_rank, world, sizes, args.rounds, args.phases, deadline_s=1800)[0]
         for row in result["rows"]:
             mb = row["bytes"] / (1 << 20)
             cells = " | ".join(f"{row[v] * 1e6:.0f}" for v in names)

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args(argv)
     steps, rounds = (2, 2) if args.quick else (5, 4)
-    rows = [tessera.launch(_bench, 2, name, steps, rounds, timeout_s=900)[0] for name in PLANS]
+    rows = [tessera.launch(_bench, 2, name, steps, rounds, deadline_s=900)[0] for name in PLANS]
     lines = [
         "| module | one process ms | tessera ms | torch ms | ratio | collectives tessera / torch | "
         "tessera MB/step (closed form) |",

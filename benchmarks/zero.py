@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args(argv)
     steps, rounds = (2, 2) if args.quick else (3, 8)
-    result = tessera.launch(_compare, 2, steps, rounds, timeout_s=1200)[0]
+    result = tessera.launch(_compare, 2, steps, rounds, deadline_s=1200)[0]
     result["machine"] = (
         f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"load average {os.getloadavg()[0]:.0f} at the end (other jobs share the cores)"

@@ -44,14 +44,18 @@ class RankFailedError(TesseraError):
 
 
 class LaunchTimeout(TesseraError, TimeoutError):
-    """Local ranks did not finish within the launcher's deadline."""
+    """Local ranks did not finish within the whole-run deadline the caller asked for.
 
-    def __init__(self, timeout_s: float, unfinished_ranks: list[int]) -> None:
-        self.timeout_s = timeout_s
+    A deadline is not a hang detector: the ranks may simply need longer. A wait between ranks
+    that never completes raises `CollectiveTimeout` in the rank instead, naming the operation.
+    """
+
+    def __init__(self, deadline_s: float, unfinished_ranks: list[int]) -> None:
+        self.deadline_s = deadline_s
         self.unfinished_ranks = unfinished_ranks
         super().__init__(
-            f"ranks {unfinished_ranks} did not finish within {timeout_s:.0f} s; they were stopped. "
-            "Likely cause: a rank waits in a collective that another rank never called."
+            f"ranks {unfinished_ranks} had not finished at the run's deadline_s of "
+            f"{deadline_s:.0f} s; they were stopped"
         )
 
 

@@ -15,9 +15,9 @@ SPAWN_TIMEOUT_S = 120.0
 
 @pytest.fixture
 def run_ranks() -> Callable[..., list[Any]]:
-    """`run_ranks(fn, nproc, *args)`: `tessera.launch` with the suite's hard timeout."""
+    """`run_ranks(fn, nproc, *args)`: `tessera.launch` with the suite's hard deadline."""
 
-    def run(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = SPAWN_TIMEOUT_S):
-        return tessera.launch(fn, nproc, *args, timeout_s=timeout_s)
+    def run(fn: Callable[..., Any], nproc: int, *args: Any, deadline_s: float = SPAWN_TIMEOUT_S):
+        return tessera.launch(fn, nproc, *args, deadline_s=deadline_s)
 
     return run

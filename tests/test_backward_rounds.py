@@ -198,4 +198,4 @@ def _gradient_after_its_bucket_was_reduced() -> None:
 def test_a_gradient_that_cannot_be_reduced_any_more_names_its_parameter(run_ranks):
     expected = r"parameter 'aux.weight' received a second gradient after its bucket was launched"
     with pytest.raises(RankFailedError, match=expected):
-        run_ranks(_gradient_after_its_bucket_was_reduced, 2, timeout_s=60)
+        run_ranks(_gradient_after_its_bucket_was_reduced, 2, deadline_s=60)

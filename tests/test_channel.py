@@ -188,7 +188,7 @@ def pipeline_links_worker(private_dir: str) -> dict:
 
 def test_pipeline_sends_over_shared_memory_on_one_host_and_gloo_otherwise(run_ranks):
     with tempfile.TemporaryDirectory() as private_dir:
-        ranks = run_ranks(pipeline_links_worker, 2, private_dir, timeout_s=90)
+        ranks = run_ranks(pipeline_links_worker, 2, private_dir, deadline_s=90)
     assert [r["shm"]["transport"] for r in ranks] == ["shm", "shm"]
     assert all(r["shm"]["shm_bytes"] > 0 for r in ranks)  # activations one way, gradients back
     assert [r[c]["transport"] for r in ranks for c in ("other host", "off")] == ["gloo"] * 4

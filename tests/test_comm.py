@@ -302,7 +302,7 @@ def test_collectives_match_torch(world, subgroup):
         world,
         cases,
         subgroup,
-        timeout_s=SPAWN_TIMEOUT_S,
+        deadline_s=SPAWN_TIMEOUT_S,
         env=ENV,
     )
     assert counts[0] >= len(cases)
@@ -332,7 +332,7 @@ def _rank_shared_buffer() -> list:
 
 def test_shared_buffer_all_reduce():
     world = 3
-    results = tessera.launch(_rank_shared_buffer, world, timeout_s=60, env=ENV)
+    results = tessera.launch(_rank_shared_buffer, world, deadline_s=60, env=ENV)
     scale = sum(range(1, world + 1))
     for rank_results in results:
         for entry in rank_results[:-1]:
@@ -367,7 +367,7 @@ def _rank_absent() -> str:
 
 def test_timeout_names_the_missing_rank():
     start = time.monotonic()
-    results = tessera.launch(_rank_absent, 3, timeout_s=60)
+    results = tessera.launch(_rank_absent, 3, deadline_s=60)
     assert time.monotonic() - start < 30
     for rank in (0, 1):
         assert len(results[rank]) == 2, results[rank]
@@ -426,7 +426,7 @@ def _rank_mismatch() -> list[str]:
 
 
 def test_mismatch_is_reported():
-    results = tessera.launch(_rank_mismatch, 2, timeout_s=60, env=ENV)
+    results = tessera.launch(_rank_mismatch, 2, deadline_s=60, env=ENV)
     for rank_messages in results:
         names = [m.split(":")[0] for m in rank_messages]
         assert names == [
@@ -461,7 +461,7 @@ def _rank_history_and_calibration() -> tuple:
 
 
 def test_history_records_calls_and_calibration_is_shared():
-    results = tessera.launch(_rank_history_and_calibration, 2, timeout_s=60, env=ENV)
+    results = tessera.launch(_rank_history_and_calibration, 2, deadline_s=60, env=ENV)
     for records, params, chosen in results:
         (seq1, kind1, algo1, shape1, site1), (seq2, kind2, *_rest) = records
         assert (kind1, algo1, shape1, kind2) == ("all_reduce", "ring", (3,), "broadcast")

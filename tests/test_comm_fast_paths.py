@@ -107,7 +107,7 @@ def _rank_fast_paths() -> dict:
 
 
 def test_shm_spin_and_ring_buffer_keep_results_exact_and_waits_bounded():
-    results = tessera.launch(_rank_fast_paths, 2, timeout_s=SPAWN_TIMEOUT_S, env=ENV)
+    results = tessera.launch(_rank_fast_paths, 2, deadline_s=SPAWN_TIMEOUT_S, env=ENV)
     assert results[0]["ring_wrong"] == [] and results[1]["ring_wrong"] == [], results
     # the waiting rank spins (yielding) on the main thread only, never on a side thread
     assert results[1]["yields"]["side"] == 0 and results[1]["yields"]["main"] > 0, results

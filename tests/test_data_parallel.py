@@ -447,7 +447,7 @@ def _unused_without_flag() -> None:
 
 def test_unused_parameter_without_the_flag_names_it(run_ranks):
     with pytest.raises(RankFailedError, match=r"received no gradient in this backward: unused\."):
-        run_ranks(_unused_without_flag, 2, timeout_s=60)
+        run_ranks(_unused_without_flag, 2, deadline_s=60)
 
 
 def _bad_inputs() -> list[str]:

@@ -73,7 +73,7 @@ def _record(path: Path) -> dict:
 
 def test_a_rank_that_stops_is_named_and_every_rank_dumps(run_ranks, tmp_path):
     with pytest.raises(RankFailedError) as stopped:
-        run_ranks(_one_rank_stops, 3, str(tmp_path), timeout_s=90)
+        run_ranks(_one_rank_stops, 3, str(tmp_path), deadline_s=90)
     reports = json.loads(str(stopped.value).split("REPORT", 1)[1].splitlines()[0])
     for rank in (0, 1):
         for kind in KINDS:
@@ -129,7 +129,7 @@ def test_the_trainer_names_a_rank_stuck_in_a_save_and_dumps_into_its_run_folder(
     )
     hold = {"TESSERA_TEST_PAUSE": f"write:{tmp_path}/*state.pt"}
     with pytest.raises(RankFailedError) as failed:
-        tessera.launch(train_worker, 2, config, str(tmp_path), False, env=hold, timeout_s=90)
+        tessera.launch(train_worker, 2, config, str(tmp_path), False, env=hold, deadline_s=90)
     message = str(failed.value).splitlines()[0]
     assert message.startswith("rank 1 failed: CollectiveTimeout"), message
     assert "ranks [0] have not reached 'checkpoint of step 1: files written'" in message

@@ -123,7 +123,7 @@ def test_hybrid_meshes_train_the_gpt_like_one_process(run_ranks):
     # zero=2 its gradients too, reduced bucket by bucket during the stage's W pass (ZeRO-2)
     degrees = [(2, 2, 1, 0), (1, 2, 2, 0), (2, 1, 2, 0), (1, 1, 4, 0), (1, 4, 1, 0)]
     degrees += [(2, 1, 2, 1), (2, 2, 1, 1), (2, 1, 2, 2), (2, 2, 1, 2)]
-    assert run_ranks(hybrid_worker, 4, degrees, timeout_s=180) == [True] * 4
+    assert run_ranks(hybrid_worker, 4, degrees, deadline_s=180) == [True] * 4
 
 
 def test_mesh_must_multiply_to_the_world_size():

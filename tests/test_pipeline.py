@@ -438,7 +438,7 @@ def pipeline_worker(out_dir: str) -> list:
 
 
 def test_pipeline_schedules_on_two_stages_equal_one_process(run_ranks, tmp_path):
-    idle = run_ranks(pipeline_worker, 2, str(tmp_path), timeout_s=120)
+    idle = run_ranks(pipeline_worker, 2, str(tmp_path), deadline_s=120)
     assert all(0 <= f < 1 for rank in idle for fractions in rank for f in fractions)
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     trace = json.loads((tmp_path / "timeline.json").read_text())
@@ -448,7 +448,7 @@ def test_pipeline_schedules_on_two_stages_equal_one_process(run_ranks, tmp_path)
 
 @pytest.mark.slow
 def test_pipeline_schedules_on_three_stages_equal_one_process(run_ranks, tmp_path):
-    run_ranks(pipeline_worker, 3, str(tmp_path), timeout_s=150)
+    run_ranks(pipeline_worker, 3, str(tmp_path), deadline_s=150)
 
 
 # ------------------------------------- tied parameters over several stage sets, gradient clipping
@@ -582,7 +582,7 @@ def _check_tied_groups(schedule_name: str, defer: bool) -> dict:
 
 
 def test_two_tied_groups_on_different_stage_sets_equal_one_process(run_ranks):
-    for stages in zip(*run_ranks(tied_groups_worker, 4, timeout_s=120)):  # per configuration
+    for stages in zip(*run_ranks(tied_groups_worker, 4, deadline_s=120)):  # per configuration
         holders = {0: [0, 3], 1: [1, 3]}  # parameter positions 0 (a) and 1 (b)
         for position, ranks in holders.items():
             assert all(position in stages[r] for r in ranks)

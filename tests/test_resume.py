@@ -177,7 +177,7 @@ def _assert_same_run(resumed: Path, straight: Path) -> None:
 )
 def test_every_strategy_resumes_bit_for_bit_with_adamw(run_ranks, tmp_path, runs):
     nproc = RUNS[runs[0]].get("nproc", 2)
-    run_ranks(_train_three_ways, nproc, runs, str(tmp_path), timeout_s=600)
+    run_ranks(_train_three_ways, nproc, runs, str(tmp_path), deadline_s=600)
     for run in runs:
         _straight_runs.setdefault(run, tmp_path / run / "straight")
         _assert_same_run(tmp_path / run / "split", tmp_path / run / "straight")

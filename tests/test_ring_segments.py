@@ -89,5 +89,5 @@ def _rank_segments() -> list[str]:
 
 
 def test_ring_segments_are_exact_in_ring_order():
-    results = tessera.launch(_rank_segments, 3, timeout_s=SPAWN_TIMEOUT_S, env=ENV)
+    results = tessera.launch(_rank_segments, 3, deadline_s=SPAWN_TIMEOUT_S, env=ENV)
     assert results == [[], [], []], results

@@ -69,7 +69,7 @@ def test_launch_deadline_names_unfinished_ranks(run_ranks):
     with pytest.raises(LaunchTimeout) as info:
         # The deadline must outlast starting both ranks (about 2 s each, up to 10 s on a loaded
         # 2-core machine), so that only the hanging rank is unfinished when it expires.
-        run_ranks(_rank_one_hangs, 2, timeout_s=12)
+        run_ranks(_rank_one_hangs, 2, deadline_s=12)
     assert info.value.unfinished_ranks == [1]
 
 
@@ -144,7 +144,7 @@ def test_fork_start_method_runs_functions_defined_anywhere():
         dist.all_reduce(value)
         return value.item()
 
-    assert tessera.launch(local_function, 2, start_method="fork", timeout_s=60) == [3.0, 3.0]
+    assert tessera.launch(local_function, 2, start_method="fork", deadline_s=60) == [3.0, 3.0]
     with pytest.raises(ValueError, match="start_method must be"):
         tessera.launch(local_function, 2, start_method="thread")
 
@@ -185,3 +185,18 @@ def test_ranks_are_spawned_when_variables_read_at_process_start_changed(monkeypa
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert launch_module.process_context().get_start_method() == "spawn"
     assert launch_module.process_context("fork").get_start_method() == "fork"
+
+
+def _sleep_then_report(seconds: float) -> float:
+    ctx = tessera.init()
+    time.sleep(seconds)
+    return ctx.timeout_s
+
+
+def test_launch_timeout_is_the_per_wait_bound_not_a_run_deadline():
+    # timeout_s reaches every rank as the bound of each wait; a run longer than it is not
+    # stopped (before, launch's timeout_s was a whole-run deadline that killed it).
+    bounds = tessera.launch(_sleep_then_report, 2, 3.0, timeout_s=1.5, deadline_s=120)
+    assert bounds == [1.5, 1.5]
+    with pytest.raises(ValueError, match="deadline_s"):
+        tessera.launch(_sleep_then_report, 1, 0.0, deadline_s=0)

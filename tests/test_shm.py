@@ -189,7 +189,7 @@ def test_names_are_random_squatters_are_skipped_and_dead_jobs_swept(run_ranks):
         fd = os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         os.close(fd)
     try:
-        results = run_ranks(_rank_files, world, stale, timeout_s=SPAWN_TIMEOUT_S)
+        results = run_ranks(_rank_files, world, stale, deadline_s=SPAWN_TIMEOUT_S)
         kept = [os.path.exists(os.path.join("/dev/shm", n)) for n in (live, elsewhere)]
     finally:
         for name in [*stale, live, elsewhere]:
@@ -241,7 +241,7 @@ def test_sigterm_during_setup_leaves_no_file(run_ranks, tmp_path):
 
     def run() -> None:
         try:
-            run_ranks(_rank_stalls_in_setup, 2, str(tmp_path), timeout_s=SPAWN_TIMEOUT_S)
+            run_ranks(_rank_stalls_in_setup, 2, str(tmp_path), deadline_s=SPAWN_TIMEOUT_S)
             outcome.append("finished")
         except Exception as exc:  # noqa: BLE001 - the ranks are meant to die
             outcome.append(exc)
@@ -384,7 +384,7 @@ def _one_sgd_step(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def apart_results(tmp_path_factory):
     private = tmp_path_factory.mktemp("other-host-shm")
-    results = tessera.launch(_rank_apart, 3, str(private), timeout_s=SPAWN_TIMEOUT_S, env=ENV)
+    results = tessera.launch(_rank_apart, 3, str(private), deadline_s=SPAWN_TIMEOUT_S, env=ENV)
     return results, private
 
 

@@ -163,7 +163,7 @@ def _rank_barriers() -> dict:
 
 
 def test_futex_and_pipe_barriers_match_torch_lose_no_wakeup_and_time_out():
-    results = tessera.launch(_rank_barriers, WORLD, timeout_s=SPAWN_TIMEOUT_S, env=ENV)
+    results = tessera.launch(_rank_barriers, WORLD, deadline_s=SPAWN_TIMEOUT_S, env=ENV)
     late = {rank: result["late"] for rank, result in enumerate(results)}
     assert all(v == {"futex": [], "pipe": []} for v in late.values()), f"lost wake-up: {late}"
     for rank, result in enumerate(results):

@@ -269,7 +269,7 @@ def tp_worker():
 
 
 def test_tensor_parallel_layers_equal_dense_modules_on_two_ranks(run_ranks):
-    assert run_ranks(tp_worker, 2, timeout_s=120) == [True, True]
+    assert run_ranks(tp_worker, 2, deadline_s=120) == [True, True]
 
 
 def test_plan_errors_before_any_communication():

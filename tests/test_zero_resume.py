@@ -241,7 +241,7 @@ def _save_and_load(folder: str) -> dict:
 def test_aborted_save_leaves_nothing_that_breaks_the_next_save(run_ranks, tmp_path):
     folder = tmp_path / "ck"
     with pytest.raises(Exception, match="rank 2 dies"):  # noqa: B017 - RankFailedError
-        run_ranks(_aborted_save, 3, str(folder), timeout_s=60)
+        run_ranks(_aborted_save, 3, str(folder), deadline_s=60)
     # The folder holds no shard of the failed save: a save on another world size lands whole.
     assert not folder.exists() or not list(folder.glob("rank-*"))
     result = run_ranks(_save_and_load, 2, str(folder))[0]

@@ -183,7 +183,7 @@ def run(sizes: tuple[int, ...], worlds: tuple[int, ...], repeats: int) -> dict:
     }
     for world in worlds:
         start = time.perf_counter()
-        out = tessera.launch(_bench_rank, world, list(sizes), repeats, timeout_s=3600)[0]
+        out = tessera.launch(_bench_rank, world, list(sizes), repeats, deadline_s=3600)[0]
         out["seconds"] = time.perf_counter() - start
         results["worlds"].append(out)
     return results

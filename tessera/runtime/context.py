@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 __all__ = ["Context", "DEFAULT_TIMEOUT_S", "default_timeout_s", "init", "shutdown"]
 
+TIMEOUT_VARIABLE = "TESSERA_TIMEOUT_S"
+"""The environment variable that carries the bound of every wait to processes a job starts."""
+
 DEFAULT_TIMEOUT_S = 300.0
 """Default bound of every blocking wait (5 minutes); TESSERA_TIMEOUT_S overrides it."""
 

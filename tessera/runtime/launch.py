@@ -9,8 +9,10 @@ path for rendezvous: no TCP port to pick, so parallel runs cannot collide. The f
 Failure handling is the point of this module. A rank that raises sends its traceback to the
 parent; the parent then stops the other ranks (which are usually blocked in a collective waiting
 for the failed one) and raises `RankFailedError` naming the rank. A rank that dies without a word
-(killed, segfault) is reported by its exit code. The whole run has a deadline: past it every
-rank is stopped and `LaunchTimeout` names the ranks that had not finished.
+(killed, segfault) is reported by its exit code. Two bounds, never confused: `timeout_s` means
+what it means everywhere in tessera, the bound of each blocking wait between ranks (handed to
+every rank, where `tessera.init()` reads it); `deadline_s`, off unless asked, bounds the whole
+run: past it every rank is stopped and `LaunchTimeout` names the ranks that had not finished.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from tessera.errors import LaunchTimeout, RankFailedError
+from tessera.runtime.context import TIMEOUT_VARIABLE
 
 __all__ = ["launch", "process_context"]
 
@@ -99,7 +102,8 @@ def launch(
     fn: Callable[..., Any],
     nproc: int,
     *args: Any,
-    timeout_s: float | None = 300.0,
+    timeout_s: float | None = None,
+    deadline_s: float | None = None,
     env: dict[str, str] | None = None,
     start_method: str = "forkserver",
 ) -> list[Any]:
@@ -113,14 +117,18 @@ def launch(
     with an `if __name__ == "__main__":` guard). In a notebook, where functions are not
     importable, pass `start_method="fork"` (Linux, macOS): ranks then inherit `fn` from this
     process.
-    `env` adds environment variables to every rank. Raises `RankFailedError` for the first rank
-    that raised (its traceback included) and `LaunchTimeout` past `timeout_s` seconds (`None`: no
-    deadline for the whole run; blocking waits inside it still time out by the group's timeout).
+    `env` adds environment variables to every rank. `timeout_s` bounds each blocking wait of the
+    ranks (a collective, a receive; None: the ranks' default, `tessera.runtime.default_timeout_s`),
+    exactly as `tessera.init(timeout_s=...)` would; a wait past it raises `CollectiveTimeout` in
+    the rank, naming it and the operation. `deadline_s` bounds the whole run (None, the default:
+    a run may take as long as it needs). Raises `RankFailedError` for the first rank that raised
+    (its traceback included) and `LaunchTimeout` past `deadline_s` seconds.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    if timeout_s is not None and timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    for name, value in (("timeout_s", timeout_s), ("deadline_s", deadline_s)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
     context = process_context(start_method)
@@ -128,6 +136,8 @@ def launch(
     store_dir = tempfile.mkdtemp(prefix="tessera-launch-")
     init_file = os.path.join(store_dir, "store")
     environment = {**os.environ, **(env or {})}
+    if timeout_s is not None:  # what `tessera.init()` reads in each rank
+        environment[TIMEOUT_VARIABLE] = str(float(timeout_s))
     processes = [
         context.Process(
             target=_rank_main,
@@ -139,7 +149,7 @@ def launch(
     try:
         for process in processes:
             process.start()
-        return _collect(processes, results, timeout_s)
+        return _collect(processes, results, deadline_s)
     finally:
         stop_processes(processes)
         shutil.rmtree(store_dir, ignore_errors=True)
@@ -182,18 +192,20 @@ def process_context(start_method: str = "forkserver") -> Any:
     return context
 
 
-def _collect(processes: list[mp.Process], results: mp.Queue, timeout_s: float | None) -> list[Any]:
+def _collect(
+    processes: list[mp.Process], results: mp.Queue, deadline_s: float | None
+) -> list[Any]:
     nproc = len(processes)
     values: dict[int, Any] = {}
     failures: list[tuple[int, str, str]] = []
-    deadline = time.monotonic() + (timeout_s if timeout_s is not None else float("inf"))
+    deadline = time.monotonic() + (deadline_s if deadline_s is not None else float("inf"))
     silent_seen_at: float | None = None
     while len(values) + len(failures) < nproc:
         now = time.monotonic()
         if now >= deadline:
             if failures:
                 break
-            raise LaunchTimeout(timeout_s or 0.0, [r for r in range(nproc) if r not in values])
+            raise LaunchTimeout(deadline_s or 0.0, [r for r in range(nproc) if r not in values])
         try:
             message = results.get(timeout=min(0.2, deadline - now))
         except queue_module.Empty:

@@ -191,7 +191,6 @@ def supervise(
                 run_config,
                 str(run_dir),
                 resume,
-                timeout_s=None,
                 env=_rank_env(restart),
             )[0]
         except (RankFailedError, LaunchTimeout) as exc:
