@@ -21,3 +21,15 @@ def run_ranks() -> Callable[..., list[Any]]:
         return tessera.launch(fn, nproc, *args, deadline_s=deadline_s)
 
     return run
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip `gpu`-marked tests, with the reason, where CUDA is absent (they run on GPU hosts)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine (runs on GPU hosts)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -479,3 +479,18 @@ def test_bad_arguments_raise_before_any_message():
         comm.all_reduce(x, algorithm="carrier-pigeon")
     with pytest.raises(ValueError, match="algorithm must be"):
         comm.broadcast(x, 0, algorithm="butterfly")
+
+
+def test_device_tensors_never_reach_shared_memory():
+    # "auto" resolves to the backend's own collective (NCCL) for a device tensor, and an explicit
+    # "shm" is refused instead of copying device memory through the host. The meta device stands
+    # in for CUDA here: the rule looks only at `tensor.device.type`.
+    from tessera.comm.api import _for_device
+
+    on_device = torch.empty(4, device="meta")
+    assert _for_device(on_device, "auto") == "native"
+    assert _for_device(on_device, "ring") == "ring"
+    with pytest.raises(ValueError, match="moves host memory"):
+        _for_device(on_device, "shm")
+    host = torch.empty(4)
+    assert _for_device(host, "auto") == "auto" and _for_device(host, "shm") == "shm"

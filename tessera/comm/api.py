@@ -85,6 +85,24 @@ def _same_host(info: GroupInfo) -> bool:
     return info.size == 1 or shm_group(info).same_host
 
 
+def _for_device(tensor: torch.Tensor, algorithm: str) -> str:
+    """The algorithm for `tensor`'s device: a device tensor never reaches shared memory.
+
+    The shared-memory transport copies host memory, and the cost model is fitted to the host's
+    links, so for a CUDA (or other device) tensor "auto" means the backend's own collective
+    (NCCL): it moves device memory directly. Point-to-point algorithms (ring, tree, ...) still
+    run on device tensors when asked; "shm" is refused rather than silently copying to the host.
+    """
+    if tensor.device.type == "cpu":
+        return algorithm
+    if algorithm == "shm":
+        raise ValueError(
+            f"algorithm 'shm' moves host memory; this tensor is on {tensor.device}: use 'auto' "
+            "(the backend's own collective, NCCL on CUDA) or a point-to-point algorithm"
+        )
+    return "native" if algorithm == "auto" else algorithm
+
+
 _choices: dict[tuple, str] = {}
 
 
@@ -149,6 +167,7 @@ def all_reduce(
     if info.size == 1:
         _start("all_reduce", tensor, op, "native" if algorithm == "auto" else algorithm, info)
         return tensor
+    algorithm = _for_device(tensor, algorithm)
     if algorithm == "auto":
         algorithm = _auto_all_reduce(tensor, info)
     seq, descriptor = _start("all_reduce", tensor, op, algorithm, info)
@@ -204,6 +223,7 @@ def reduce(
     if info.size == 1:
         _start("reduce", tensor, op, "native" if algorithm == "auto" else algorithm, info, root)
         return tensor
+    algorithm = _for_device(tensor, algorithm)
     if algorithm == "auto":
         algorithm = "shm" if _same_host(info) else "tree"
     if algorithm not in ("tree", "master_worker", "native"):
@@ -248,6 +268,7 @@ def broadcast(
     if info.size == 1:
         _start("broadcast", tensor, "", "native" if algorithm == "auto" else algorithm, info, root)
         return tensor
+    algorithm = _for_device(tensor, algorithm)
     if algorithm == "auto":
         algorithm = "shm" if _same_host(info) else "tree"
     seq, descriptor = _start("broadcast", tensor, "", algorithm, info, root)
@@ -328,6 +349,7 @@ def all_gather(
         if src.data_ptr() != flat.data_ptr():
             flat.copy_(src)
         return out
+    algorithm = _for_device(tensor, algorithm)
     if algorithm == "auto":
         algorithm = _auto_half("all_gather", flat.numel() * flat.element_size(), info)
     if algorithm == "shm" and not shm_group(info).same_host:
@@ -381,6 +403,7 @@ def reduce_scatter(
     if p == 1:
         _start("reduce_scatter", tensor, op, "native" if algorithm == "auto" else algorithm, info)
         return tensor.clone()
+    algorithm = _for_device(tensor, algorithm)
     if algorithm == "auto":
         algorithm = _auto_half("reduce_scatter", tensor.numel() * tensor.element_size(), info)
     if algorithm == "shm" and not shm_group(info).same_host:
