@@ -17,7 +17,8 @@ from tessera.comm.api import (
     same_host,
     shared_buffer,
 )
-from tessera.comm.cost import CostParams, calibrate, choose, predict
+from tessera.comm.calibrate import calibrate
+from tessera.comm.cost import CostParams, choose, predict
 from tessera.comm.diagnostics import history, set_checks
 from tessera.comm.flight_recorder import dump_on_failure, set_dump_dir
 

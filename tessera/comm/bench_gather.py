@@ -102,9 +102,8 @@ def run(sizes: tuple[int, ...], worlds: tuple[int, ...], repeats: int) -> dict:
         "rows": [],
     }
     for world in worlds:
-        results["rows"] += tessera.launch(_bench_rank, world, list(sizes), repeats, deadline_s=3600)[
-            0
-        ]
+        ranks = tessera.launch(_bench_rank, world, list(sizes), repeats, deadline_s=3600)
+        results["rows"] += ranks[0]
     return results
 
 

@@ -1,4 +1,6 @@
-"""The alpha-beta-gamma cost model of every allreduce, `calibrate`, and the choice of "auto".
+"""The alpha-beta-gamma cost model of every allreduce and the choice of "auto" (pure: no I/O).
+
+Its parameters are fitted on a live group by `tessera.comm.calibrate` (calibrate.py).
 
 α: seconds per message (latency, including Python's per-message overhead), β: seconds per byte
 sent, γ: seconds per byte reduced (Hockney's model extended by Thakur, Rabenseifner & Gropp
@@ -10,20 +12,16 @@ and α_native for gloo's own (C++) ring, whose per-message cost is lower than ou
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass, replace
-
-import torch
-import torch.distributed as dist
+from dataclasses import dataclass
 
 __all__ = [
     "CostParams",
     "DEFAULT_PARAMS",
     "KINDS",
-    "calibrate",
     "choose",
     "params_for",
     "predict",
+    "set_params",
 ]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -158,54 +156,6 @@ def params_for(key: str) -> CostParams:
     return _calibrated.get(key, DEFAULT_PARAMS)
 
 
-def _typical_time(fn, repeats: int) -> float:
-    # The median of back-to-back calls: what a collective costs in use on this machine,
-    # scheduling and Python overhead included (a quiet best case was 3-10x too optimistic).
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def calibrate(group: dist.ProcessGroup | None = None, *, repeats: int = 15) -> CostParams:
-    """Fit α, β, γ, μ, σ and α_native on the live group; cache and return them.
-
-    Collective: every rank of `group` must call it. Each parameter comes from the median of
-    `repeats` runs of the operation it describes: α from tessera's binomial-tree allreduce of
-    one element (2⌈lg p⌉ messages), α_native from gloo's allreduce of one element, β from
-    gloo's allreduce of 4 MB (every rank sending at once; at least 2μ, as a message is copied at
-    least twice), γ and μ from a local `add_` and `copy_` of 16 MB, σ from tessera's shm
-    allreduce of one element (two barriers). Rank 0's numbers are broadcast, so every rank
-    makes the same choices.
-    """
-    from tessera.comm import api  # late: api imports this module
-    from tessera.comm._p2p import group_info
-
-    info = group_info(group)
-    big = torch.ones(4 << 20)  # 16 MB
-    other = torch.ones(4 << 20)
-    gamma = _typical_time(lambda: big.add_(other), repeats) / big.nbytes
-    mu = _typical_time(lambda: big.copy_(other), repeats) / big.nbytes
-    values = dict(asdict(DEFAULT_PARAMS), gamma=gamma, mu=mu)
-    if info.size > 1:
-        p = info.size
-        one, large = torch.zeros(1), torch.zeros(1 << 20)  # 4 B, 4 MB
-        tree = _typical_time(lambda: api.all_reduce(one, algorithm="tree", group=group), repeats)
-        values["alpha"] = tree / (2 * math.ceil(math.log2(p)))
-        t_small = _typical_time(lambda: dist.all_reduce(one, group=group), repeats)
-        values["alpha_native"] = t_small / (2 * (p - 1))
-        t_large = _typical_time(lambda: dist.all_reduce(large, group=group), max(3, repeats // 3))
-        moved = 2 * large.nbytes * (p - 1) / p
-        reduced = large.nbytes * (p - 1) / p * gamma
-        values["beta"] = max(2 * mu, (t_large - t_small - reduced) / moved)
-        if api._same_host(info):
-            shm = _typical_time(lambda: api.all_reduce(one, algorithm="shm", group=group), repeats)
-            values["sigma"] = shm / 2
-    names = ("alpha", "beta", "gamma", "mu", "sigma", "alpha_native")
-    shared = torch.tensor([float(values[k]) for k in names], dtype=torch.float64)
-    dist.broadcast(shared, info.global_rank(0), group=group)
-    params = replace(DEFAULT_PARAMS, **dict(zip(names, shared.tolist())))
-    _calibrated[info.key] = params
-    return params
+def set_params(key: str, params: CostParams) -> None:
+    """Use `params` for the group `key` from now on (what `comm.calibrate` measured)."""
+    _calibrated[key] = params

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from tessera.comm import diagnostics
 from tessera.errors import CollectiveTimeout
-from tessera.runtime.context import default_timeout_s
+from tessera.runtime.context import default_timeout_s, on_shutdown
 
 __all__ = [
     "CommStream",
@@ -223,3 +223,4 @@ def close_streams() -> None:
 
 
 atexit.register(close_streams)
+on_shutdown(close_streams)  # before the process group they use is destroyed

@@ -14,12 +14,21 @@ import ctypes
 import datetime
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "DEFAULT_TIMEOUT_S", "default_timeout_s", "init", "shutdown"]
+__all__ = [
+    "Context",
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_VARIABLE",
+    "default_timeout_s",
+    "init",
+    "on_shutdown",
+    "shutdown",
+]
 
 TIMEOUT_VARIABLE = "TESSERA_TIMEOUT_S"
 """The environment variable that carries the bound of every wait to processes a job starts."""
@@ -185,10 +194,23 @@ def init(backend: str | None = None, *, timeout_s: float | None = None) -> Conte
     return _current_context()
 
 
-def shutdown() -> None:
-    """Stop the communication streams, then leave the process group (no-op if none was joined)."""
-    from tessera.comm.stream import close_streams  # late: tessera.comm imports this module
+_before_shutdown: list[Callable[[], None]] = []
 
-    close_streams()
+
+def on_shutdown(callback: Callable[[], None]) -> None:
+    """Run `callback` in `shutdown()` before the process group is left (registered once).
+
+    Layers above the runtime (the communication streams) register what must stop while the group
+    still exists; the runtime calls them without importing those layers.
+    """
+    if callback not in _before_shutdown:
+        _before_shutdown.append(callback)
+
+
+def shutdown() -> None:
+    """Run the `on_shutdown` callbacks (the communication streams stop), then leave the process
+    group (no-op if none was joined)."""
+    for callback in list(_before_shutdown):
+        callback()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,131 @@
+"""The layers of DESIGN.md hold: nothing imports upward, and no module import cycle exists.
+
+Imports are read from the source (every `import` statement, at module level or inside a
+function), so a cycle hidden behind a function-level import counts as a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tessera
+
+PACKAGE = Path(tessera.__file__).parent
+
+LAYERS = {
+    # layer 4: what users run
+    "train": 4, "plan": 4, "viz": 4, "cli": 4, "__main__": 4,
+    # layer 3: one entry point
+    "strategies": 3,
+    # layer 2: the strategy libraries
+    "data_parallel": 2, "zero": 2, "pipeline": 2, "tensor_parallel": 2,
+    "parameter_server": 2, "federated": 2, "mesh": 2,
+    # layer 1: mechanisms shared by the strategies
+    "comm": 1, "memory": 1, "optim": 1, "checkpoint": 1, "clip": 1, "flat": 1, "_atomic": 1,
+    # layer 0: processes, errors, data
+    "runtime": 0, "models": 0, "data": 0, "errors": 0,
+}  # fmt: skip
+"""Layer of each top-level part of the package (DESIGN.md, "Layout")."""
+
+MIXES = {("pipeline", "tensor_parallel"), ("pipeline", "zero"), ("pipeline", "data_parallel")}
+"""Strategy libraries allowed to use another's public API, where the mix is the point (DESIGN.md:
+the dp x tp x pp hybrid composes pipeline, tensor parallelism and ZeRO/DDP inside stages)."""
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The tessera modules `path` imports, anywhere in it (TYPE_CHECKING blocks excepted)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    type_only = {
+        id(node)
+        for stmt in ast.walk(tree)
+        if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test)
+        for body in stmt.body
+        for node in ast.walk(body)
+    }
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("tessera"):
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph = {name: _imports(path, name, modules) for name, path in paths.items()}
+    # a package's __init__ importing its own submodules is how packages re-export: not an edge
+    # that can close a cycle through the package's own modules
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (t.startswith(name + ".") and name in paths)}
+    return graph
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_part_has_a_layer():
+    parts = {_part(m) for m in _graph()} - {"__init__"}
+    assert parts <= set(LAYERS), f"give these a layer in DESIGN.md and here: {parts - set(LAYERS)}"
+
+
+def test_nothing_imports_upward():
+    upward = []
+    for module, targets in sorted(_graph().items()):
+        source = _part(module)
+        if source == "__init__":
+            continue  # the public API re-exports from every layer
+        for target in sorted(targets):
+            dest = _part(target)
+            if dest == "__init__" or dest == source:
+                continue
+            if LAYERS[dest] > LAYERS[source] or (
+                LAYERS[dest] == LAYERS[source] == 2 and (source, dest) not in MIXES
+            ):
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_even_through_function_level_imports():
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
