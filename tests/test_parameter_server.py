@@ -459,15 +459,20 @@ def _assert_same(a: object, b: object, where: str) -> None:
         assert a == b, where
 
 
+def _crashing_net_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if step == 2:
+        raise RuntimeError("planted crash at step 2")
+    return _net_batch(worker, step)
+
+
 def test_a_restarted_run_resumes_from_the_server_checkpoints(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     kwargs = dict(optimizer_fn=_adamw, num_servers=2, num_workers=1, consistency="bsp",
                   steps=4, timeout_s=30)
     full = run(_net, _net_loss, _net_batch, checkpoint_dir=straight, checkpoint_every=2, **kwargs)
-    for server in range(2):  # the restarted run finds only the checkpoint after 2 clocks
-        (resumed / f"server-{server}").mkdir(parents=True)
-        name = f"server-{server}/applied-{2:010d}.pt"
-        (resumed / name).write_bytes((straight / name).read_bytes())
+    with pytest.raises(RankFailedError, match="planted crash at step 2"):
+        run(_net, _net_loss, _crashing_net_batch, checkpoint_dir=resumed, checkpoint_every=2,
+            **kwargs)  # the restarted run finds only the checkpoint after 2 clocks
     again = run(_net, _net_loss, _net_batch, checkpoint_dir=resumed, **kwargs)
     assert sorted(r["clock"] for r in again.log) == [2, 3]  # it did resume, not restart
     _assert_same(again.state_dict, full.state_dict, "params")
@@ -492,6 +497,8 @@ def test_bad_input_is_refused_before_any_process_starts(monkeypatch):
         run(*args, slow_workers={0: 0.5})
     with pytest.raises(ConfigError, match="checkpoint_every must be an integer >= 0"):
         run(*args, checkpoint_every=-1)
+    with pytest.raises(ConfigError, match="keep_checkpoints must be an integer >= 1, got 0"):
+        run(*args, keep_checkpoints=0)
     with pytest.raises(ConfigError, match="num_servers=6 exceeds the model's 5 parameter"):
         run(*args, num_servers=6)  # checked on the caller, before spawning
     monkeypatch.setenv("RANK", "0")
@@ -531,9 +538,9 @@ def test_a_read_held_back_too_long_raises_pstimeout_naming_the_slowest_worker():
     server.push(0, 0, [torch.zeros(3)], 0.0)
     stop = threading.Event()
 
-    def alive_but_stuck() -> None:  # worker 1 answers heartbeats but never pushes
+    def alive_but_stuck() -> None:  # worker 1 keeps calling (not hung) but never pushes
         while not stop.is_set():
-            server.heartbeat(1)
+            server.start_clock(1)
             time.sleep(0.02)
 
     beating = threading.Thread(target=alive_but_stuck)
@@ -558,7 +565,7 @@ def _asp_servers(folder, clocks_done=None):
         server = ShardServer(
             server=s, pieces=[torch.tensor([4.0, 8.0, 16.0])], policy=ASP(), num_workers=2,
             optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5), timeout_s=30.0,
-            layout=[("w", 0, 3)], checkpoint_dir=str(folder), checkpoint_every=1,
+            layout=[("w", 0, 3)], checkpoint_dir=str(folder), checkpoint_every=1, num_servers=2,
         )
         servers.append(server)
     return servers
@@ -570,7 +577,7 @@ def _update(server: ShardServer, worker: int, clock: int) -> None:
 
 
 def test_asp_shards_checkpoint_every_n_clocks_and_resume_without_applying_twice(tmp_path):
-    from tessera.parameter_server.checkpoint import KEEP, latest_common_version, load_shard
+    from tessera.parameter_server.checkpoint import latest_common_version, load_shard
 
     # Two shards see the gradients of 2 workers in different orders, then the run crashes.
     first, second = _asp_servers(tmp_path)
@@ -598,7 +605,7 @@ def test_asp_shards_checkpoint_every_n_clocks_and_resume_without_applying_twice(
     for server in restarted:
         assert torch.equal(server.pieces[0].detach(), expected), server.server
         assert server.clocks == [4, 4] and server.version == 8
-    # Saved again at versions 6 and 8; a server keeps only its newest KEEP files.
-    for s in range(2):
-        kept = sorted(f.name for f in (tmp_path / f"server-{s}").iterdir())
-        assert kept == [f"applied-{v:010d}.pt" for v in (6, 8)] and KEEP == 2
+    # Saved again at versions 6 and 8; server 0 saved 8 first, when 6 was the newest version
+    # common to both, so it kept 6; server 1 saved 8 when 8 was common, and kept only 8.
+    kept = [sorted(f.name for f in (tmp_path / f"server-{s}").iterdir()) for s in range(2)]
+    assert kept == [[f"applied-{v:010d}.pt" for v in (6, 8)], [f"applied-{8:010d}.pt"]]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.parameter_server.checkpoint import latest_common_version, load_shard
+from tessera.parameter_server.checkpoint import load_shard, resume_version
 from tessera.parameter_server.coordinator import Coordinator, fetch_result
 from tessera.parameter_server.policy import ConsistencyPolicy, aggregates, resolve_policy
 from tessera.parameter_server.result import PSResult
@@ -39,9 +39,12 @@ from tessera.parameter_server.worker import run_worker
 __all__ = ["DEFAULT_TIMEOUT_S", "TOKEN_ENV", "run"]
 
 DEFAULT_TIMEOUT_S = 60.0
-"""A worker silent this long is lost; every wait is bounded by a small multiple of it."""
+"""A worker silent this long is lost; every wait is bounded by a small multiple of it, except a
+finished worker's wait for the run's result, which lasts while the others train (each poll of it
+bounded, so a dead coordinator is an error)."""
 TOKEN_ENV = "TESSERA_PS_TOKEN"
-"""Environment variable holding the shared token when `run` gets none."""
+"""Environment variable holding the run token when `run` gets none (a guard against a worker of
+another run joining by mistake; not a security boundary: the RPC world must be trusted)."""
 
 _log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class _RunConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2
 
 
 def run(
@@ -81,6 +85,7 @@ def run(
     timeout_s: float | None = None,
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 0,
+    keep_checkpoints: int = 2,
 ) -> PSResult:
     """Train `model_fn()` for `steps` updates per worker; the final parameters and the log.
 
@@ -89,13 +94,19 @@ def run(
     (default `SGD(lr=lr)`). All must be module-level functions (they are pickled). `consistency`
     is "bsp", "asp", "ssp" (= `SSP(2)`) or `BSP()`, `ASP()`, `SSP(staleness=K)`. `slow_workers
     ={worker: factor}` makes workers `factor` times slower. `token` (else $TESSERA_PS_TOKEN, else a
-    fresh random one when spawning) must be presented by every peer. `timeout_s` (default 60):
-    a worker silent this long is lost (error under BSP, dropped under ASP/SSP); a read held back
-    by the policy fails after 2x it, so one step of the slowest worker must take less.
+    fresh random one when spawning): the servers serve only workers of the same token, so a worker
+    of another run started on the same rendezvous is refused. It is no security boundary: any
+    process in the RPC world can run code on a server (see `transport`), so the world must be a
+    trusted network; spawned locally it listens on loopback only. `timeout_s` (default 60): a
+    worker silent this long, or making no call but heartbeats for 2x it (hung), is lost (error
+    naming it and its last call under BSP, dropped under ASP/SSP); a read held back by the policy
+    fails after 2x it; so one step of the slowest worker must take less than 2x it.
     `checkpoint_dir`: servers save their shards there (if `checkpoint_every` > 0, every that many
     clocks under BSP and every that many x W applied gradients under ASP/SSP; in every mode at the
     end) and a run finding checkpoints there resumes from them: each worker continues from its
-    saved clock up to `steps` (see `checkpoint` for how ASP's unaligned shards resume exactly).
+    smallest saved clock over the servers up to `steps` (see `checkpoint` for how ASP's unaligned
+    shards resume exactly). Each server keeps its files from the `keep_checkpoints`-th newest
+    version common to all servers on, so a crash at any moment leaves a version to resume from.
     """
     config = _validate(
         model_fn, loss_fn, data_fn, optimizer_fn, lr, num_servers, num_workers, consistency,
@@ -104,7 +115,10 @@ def run(
     if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
             or checkpoint_every < 0:
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
-    config = replace(config, checkpoint_every=checkpoint_every,
+    if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) \
+            or keep_checkpoints < 1:
+        raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {keep_checkpoints!r}")
+    config = replace(config, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                      checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -115,8 +129,9 @@ def run(
                 f"{num_servers + num_workers} must equal the world size {world_size}"
             )
         if token is None:
-            _log.warning("parameter server without a token: set %s to authenticate peers",
-                         TOKEN_ENV)
+            _log.warning("parameter server without a token: a worker of another run joining this "
+                         "rendezvous would be served; set %s to tell runs apart (this is no "
+                         "security boundary: the RPC world must be a trusted network)", TOKEN_ENV)
         config = replace(config, token=token or "")
         return _rank_main(config, int(os.environ["RANK"]), world_size, _world_init_method())
     plan_shards(model_fn(), num_servers)  # too many servers for the model: fail before spawning
@@ -175,9 +190,10 @@ def _rank_main(config: _RunConfig, rank: int, world_size: int, init_method: str)
             policy=config.policy, num_workers=config.num_workers, timeout_s=config.timeout_s,
             layout=[(p.name, p.start, p.stop) for p in plan.shards[rank]],
             checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
+            num_servers=config.num_servers, keep_checkpoints=config.keep_checkpoints,
         )
         if config.checkpoint_dir is not None:
-            version = latest_common_version(config.checkpoint_dir, config.num_servers)
+            version = resume_version(config.checkpoint_dir, config.num_servers, rank)
             if version is not None:
                 server.restore(load_shard(config.checkpoint_dir, rank, version, server.layout))
         coordinator = Coordinator(server, plan, config.num_servers) if rank == 0 else None

@@ -13,9 +13,15 @@ the workers' clocks on that server. On resume a worker restarts from the smalles
 over the servers, and a server skips a gradient it had applied already (`ShardServer.push`): every
 worker's update reaches every shard exactly once across the restart.
 
-Resume picks the largest V for which every server has a file. A server keeps its last two files
-(`KEEP`): servers are never a whole interval apart (a worker's push goes to all of them before its
-next update), so the newest common V is always among them.
+Resume picks the largest V for which every server has a file (none while some server has never
+saved: the run then starts afresh). Which files a server keeps: every file from the `keep`-th
+newest version common to all servers on (`keep` >= 1), and nothing older. Servers save at different
+moments (under ASP a worker that dies between its pushes to two servers leaves them a gradient
+apart for the rest of the run), so a fixed count of newest files per server could delete the only
+common version before a newer one exists; this rule never leaves the folder without one. On resume
+from V each server deletes its files newer than V (and on a fresh start, all of them): they belong
+to the run that crashed, and a later file of the same number from the resumed run must not be mixed
+with them.
 """
 
 from __future__ import annotations
@@ -30,27 +36,45 @@ import torch
 from tessera._atomic import write_atomically
 from tessera.errors import CheckpointError
 
-__all__ = ["KEEP", "latest_common_version", "load_shard", "save_shard"]
+__all__ = ["latest_common_version", "load_shard", "resume_version", "save_shard"]
 
 FORMAT = "tessera-parameter-server-shard-v1"
 _NAME = re.compile(r"applied-(\d+)\.pt$")
-KEEP = 2
-"""Shard files a server keeps; older ones are deleted once a newer one is written."""
 
 
 def _path(folder: str | Path, server: int, version: int) -> Path:
     return Path(folder) / f"server-{server}" / f"applied-{version:010d}.pt"
 
 
-def save_shard(folder: str | Path, server: int, state: dict[str, Any]) -> Path:
-    """Write server `server`'s `state` (pieces, optimizer, clocks, layout, version) atomically."""
+def save_shard(folder: str | Path, server: int, state: dict[str, Any], num_servers: int,
+               keep: int = 1) -> Path:
+    """Write server `server`'s `state` (pieces, optimizer, clocks, layout, version) atomically,
+    then delete its files older than the `keep`-th newest version common to all `num_servers`
+    servers (a version no other server has, or one older than all `keep`, is never resumed)."""
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buffer)
     path = write_atomically(_path(folder, server, state["version"]),
                             lambda f: f.write(buffer.getvalue()))
-    for old in sorted(_versions(folder, server))[:-KEEP]:
-        _path(folder, server, old).unlink(missing_ok=True)
+    common = sorted(set.intersection(*(_versions(folder, s) for s in range(num_servers))))
+    if common:
+        oldest_kept = common[-min(keep, len(common))]
+        for old in _versions(folder, server):
+            if old < oldest_kept:
+                _path(folder, server, old).unlink(missing_ok=True)
     return path
+
+
+def resume_version(folder: str | Path, num_servers: int, server: int) -> int | None:
+    """The version server `server` resumes from (None: start afresh), after deleting its files
+    newer than it (all of them on a fresh start): they hold the state of the run that crashed.
+
+    Every server calls this before any of them saves again; a deletion here removes only files
+    newer than the newest common version, so the servers all find the same one."""
+    version = latest_common_version(folder, num_servers)
+    for newer in _versions(folder, server):
+        if version is None or newer > version:
+            _path(folder, server, newer).unlink(missing_ok=True)
+    return version
 
 
 def _versions(folder: str | Path, server: int) -> set[int]:
@@ -58,16 +82,22 @@ def _versions(folder: str | Path, server: int) -> set[int]:
     return {int(m.group(1)) for f in files if (m := _NAME.search(f.name))}
 
 
+def _newest_common(folder: str | Path, num_servers: int) -> int | None:
+    common = set.intersection(*(_versions(folder, server) for server in range(num_servers)))
+    return max(common, default=None)
+
+
 def latest_common_version(folder: str | Path, num_servers: int) -> int | None:
-    """The largest V every server saved, or None when `folder` holds no checkpoint."""
+    """The largest V every server saved; None when some server has saved nothing (no complete
+    checkpoint: start afresh)."""
     found = [_versions(folder, server) for server in range(num_servers)]
-    if not any(found):
+    if not all(found):
         return None
-    common = set.intersection(*found)
-    if not common:
+    common = _newest_common(folder, num_servers)
+    if common is None:  # only by hand: saving never deletes the last common version
         raise CheckpointError(f"{folder}: the servers' checkpoints share no version "
                               f"({[sorted(f)[-3:] for f in found]}); cannot resume consistently")
-    return max(common)
+    return common
 
 
 def load_shard(folder: str | Path, server: int, version: int, layout: list) -> dict[str, Any]:

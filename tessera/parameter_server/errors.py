@@ -8,7 +8,8 @@ __all__ = ["GradientShapeError", "PSTimeout", "PeerRefused", "WorkerLost"]
 
 
 class PeerRefused(TesseraError, PermissionError):
-    """A peer called without the shared token (or after being dropped); it was not served."""
+    """A peer called with another run's token or none (or after being dropped); it was not
+    served. A guard against mixed-up jobs, not a security boundary (see `transport`)."""
 
 
 class GradientShapeError(TesseraError, ValueError):

@@ -7,14 +7,21 @@ SSP) applies each gradient on arrival scaled by 1/W, so one clock of all W worke
 as far as one BSP step.
 
 State is guarded by one condition variable: a pull the policy holds back waits on it (woken by
-every applied gradient), bounded by the timeout. While it waits the server checks liveness: a
-worker silent (no call, no heartbeat) for `timeout_s` is lost: under BSP that is an error naming
-it (the others would wait forever); under ASP and SSP it is dropped, logged as an event, and the
-bound then counts live workers only.
+every applied gradient), bounded by the timeout. While it waits, and while server 0 waits for the
+workers to finish, the server checks liveness. A worker is lost when it is silent (no call, no
+heartbeat) for `timeout_s`, or hung: alive (its heartbeat thread beats) but making no other call
+for `HANG_FACTOR` x `timeout_s` (a worker blocked in a pull here counts as progressing: the
+server holds it). Under BSP a lost worker is an error naming it and its last call (the others
+would wait forever); under ASP and SSP it is dropped, logged as an event, and the bound then
+counts live workers only. So no wait depends on a worker coming back.
+
+Checkpoints are written outside the lock: the state is copied under it, then serialised and
+written (one save at a time) while heartbeats, pulls and pushes of other workers go on.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -28,10 +35,13 @@ from tessera.parameter_server.checkpoint import save_shard
 from tessera.parameter_server.errors import GradientShapeError, PeerRefused, PSTimeout, WorkerLost
 from tessera.parameter_server.policy import ConsistencyPolicy, aggregates
 
-__all__ = ["ShardServer"]
+__all__ = ["HANG_FACTOR", "ShardServer"]
 
 _log = logging.getLogger(__name__)
 _POLL_S = 0.1  # how often a held-back pull re-checks liveness while it waits
+HANG_FACTOR = 2.0
+"""A worker whose only calls for `HANG_FACTOR` x `timeout_s` are heartbeats is hung: one step
+(pull, compute, push) must take less than that, as a read held back by the policy already must."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +66,12 @@ class ShardServer:
         layout: list | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_every: int = 0,
+        num_servers: int = 1,
+        keep_checkpoints: int = 1,
     ) -> None:
         self.server = server
+        self.num_servers = num_servers
+        """Servers of the run: a checkpoint is kept until a newer one is common to all of them."""
         self.pieces = [p.detach().clone().requires_grad_(True) for p in pieces]
         self.optimizer = optimizer_fn(self.pieces)
         self.policy = policy
@@ -73,19 +87,24 @@ class ShardServer:
         self.worker_stats: dict[int, Any] = {}
         self.events: list[dict[str, Any]] = []
         self._last_seen = [time.monotonic()] * num_workers
+        self._last_progress = [time.monotonic()] * num_workers  # any call but a heartbeat
+        self._last_call = ["none"] * num_workers
         self._reads: dict[int, _Read] = {}
         self._pending: dict[int, dict[int, tuple[list[torch.Tensor], _Read, float]]] = {}
         self._cond = threading.Condition()
+        self._save_lock = threading.Lock()  # one save at a time, outside `_cond`
         self.layout = layout or []
         """`(name, start, stop)` of each piece: what a checkpoint must match."""
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
+        self.keep_checkpoints = keep_checkpoints
+        """Versions common to all servers kept (with any newer file): see `checkpoint`."""
 
     # --- called by workers (through the transport) -------------------------------------------
     def pull(self, worker: int, clock: int) -> list[torch.Tensor]:
         """This shard's parameters for worker `worker` at `clock`, once the policy allows."""
         with self._cond:
-            self._admit(worker, "pull")
+            self._admit(worker, "pull", f"pull of clock {clock}")
             started = time.monotonic()
             while not self.policy.may_read(clock, self._min_live_clock()):
                 self._drop_silent(f"pull of clock {clock} by worker {worker}")
@@ -96,7 +115,8 @@ class ShardServer:
                         f"{2 * self.timeout_s:g} s for worker {slowest} (at clock "
                         f"{self.clocks[slowest]}) to progress"
                     )
-                self._last_seen[worker] = time.monotonic()  # waiting here is a sign of life
+                # Waiting here is a sign of life, and of progress: the server holds the worker.
+                self._last_seen[worker] = self._last_progress[worker] = time.monotonic()
                 self._cond.wait(timeout=_POLL_S)
             self._reads[worker] = _Read(clock, self._min_live_clock(), self.version)
             return [p.detach().clone() for p in self.pieces]
@@ -104,7 +124,7 @@ class ShardServer:
     def push(self, worker: int, clock: int, grads: list[torch.Tensor], loss: float) -> None:
         """Apply (or, under BSP, buffer) worker `worker`'s gradient for its update `clock`."""
         with self._cond:
-            self._admit(worker, "push")
+            self._admit(worker, "push", f"push of clock {clock}")
             self._check_shapes(worker, grads)
             read = self._reads.pop(worker, None)
             if read is None or read.clock != clock:
@@ -112,20 +132,24 @@ class ShardServer:
                                    f"without reading it first (read: {read})")
             if clock < self.clocks[worker]:
                 return  # applied here before a restart (see `checkpoint`): not twice
+            due = False
             if aggregates(self.policy):
                 bucket = self._pending.setdefault(clock, {})
                 bucket[worker] = (grads, read, loss)
                 if len(bucket) == self.num_workers - len(self.dropped):
                     self._apply_mean(clock, self._pending.pop(clock))
+                    due = self.checkpoint_every > 0 and (clock + 1) % self.checkpoint_every == 0
             else:
                 self._apply([g / self.num_workers for g in grads])
                 self._record(worker, read, loss)
                 self.clocks[worker] = clock + 1
                 self.version += 1
                 every = self.checkpoint_every * self.num_workers
-                if self.checkpoint_dir is not None and every and self.version % every == 0:
-                    save_shard(self.checkpoint_dir, self.server, self.state())
+                due = every > 0 and self.version % every == 0
             self._cond.notify_all()
+            state = self.state() if due and self.checkpoint_dir is not None else None
+        if state is not None:  # outside the lock: a long write starves no heartbeat
+            self._save(state)
 
     def heartbeat(self, worker: int) -> None:
         """A sign of life from a worker busy computing."""
@@ -135,7 +159,7 @@ class ShardServer:
     def finish(self, worker: int, stats: Any = None) -> None:
         """Worker `worker` completed all its updates; `stats` are its measurements."""
         with self._cond:
-            self._admit(worker, "finish")
+            self._admit(worker, "finish", "finish")
             self.done.add(worker)
             self.worker_stats[worker] = stats
             self._cond.notify_all()
@@ -144,14 +168,15 @@ class ShardServer:
         """Updates of worker `worker` this shard has applied (0 unless restored from a
         checkpoint); the worker resumes from the smallest over the servers."""
         with self._cond:
-            self._admit(worker, "start_clock")
+            self._admit(worker, "start_clock", "start_clock")
             return self.clocks[worker]
 
     def save_checkpoint(self) -> None:
         """Write this shard's state now (the coordinator calls it when training ended)."""
-        with self._cond:
-            if self.checkpoint_dir is not None:
-                save_shard(self.checkpoint_dir, self.server, self.state())
+        if self.checkpoint_dir is not None:
+            with self._cond:
+                state = self.state()
+            self._save(state)
 
     def on_refused(self, peer: str, method: str) -> None:
         """The transport refused `peer` (wrong token): log it, serve nothing."""
@@ -160,7 +185,9 @@ class ShardServer:
 
     # --- called locally ------------------------------------------------------------------------
     def wait_finished(self) -> None:
-        """Block until every worker finished or was dropped (lost workers are detected here)."""
+        """Block until every worker finished or was dropped; lost and hung workers are detected
+        here, so this returns (or, under BSP, raises `WorkerLost`) within about
+        `HANG_FACTOR` x `timeout_s` of the last progress of any worker."""
         with self._cond:
             while len(self.done | self.dropped) < self.num_workers:
                 self._drop_silent("waiting for the workers to finish")
@@ -177,15 +204,16 @@ class ShardServer:
             }
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint holds: pieces, optimizer state, clocks, version and layout."""
+        """What a checkpoint holds: pieces, optimizer state, clocks, version and layout (copies:
+        the optimizer updates its state tensors in place after this returns)."""
         return {
             "server": self.server, "version": self.version, "clocks": list(self.clocks),
             "pieces": [p.detach().clone() for p in self.pieces], "layout": self.layout,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's `state` (see `checkpoint.load_shard`)."""
+        """Continue from a checkpoint's `state` (see `checkpoint.resume_version`, `load_shard`)."""
         with self._cond, torch.no_grad():
             for piece, saved in zip(self.pieces, state["pieces"], strict=True):
                 piece.copy_(saved)
@@ -194,13 +222,28 @@ class ShardServer:
             self.version = state["version"]
 
     # --- internals -----------------------------------------------------------------------------
-    def _admit(self, worker: int, method: str) -> None:
+    def _admit(self, worker: int, method: str, call: str | None = None) -> None:
+        """Check `worker` may call; `call` (None for a heartbeat) is recorded as progress."""
         if not 0 <= worker < self.num_workers:
             raise ValueError(f"server {self.server}: {method} from unknown worker {worker}")
         if worker in self.dropped:
-            raise PeerRefused(f"server {self.server}: worker {worker} was dropped after "
-                              f"{self.timeout_s:g} s of silence; its {method} is refused")
-        self._last_seen[worker] = time.monotonic()
+            raise PeerRefused(f"server {self.server}: worker {worker} was dropped "
+                              f"({self._drop_reason(worker)}); its {method} is refused")
+        now = time.monotonic()
+        self._last_seen[worker] = now
+        if call is not None:
+            self._last_progress[worker] = now
+            self._last_call[worker] = call
+
+    def _drop_reason(self, worker: int) -> str:
+        reasons = [e["reason"] for e in self.events
+                   if e["event"] == "dropped" and e["worker"] == worker]
+        return reasons[-1] if reasons else f"after {self.timeout_s:g} s of silence"
+
+    def _save(self, state: dict[str, Any]) -> None:
+        with self._save_lock:
+            save_shard(self.checkpoint_dir, self.server, state, self.num_servers,
+                       self.keep_checkpoints)
 
     def _check_shapes(self, worker: int, grads: list[torch.Tensor]) -> None:
         expected = [tuple(p.shape) for p in self.pieces]
@@ -230,13 +273,24 @@ class ShardServer:
         return min(self._live(), key=behind)
 
     def _drop_silent(self, operation: str) -> None:
+        """Drop (ASP, SSP) or raise for (BSP) each live worker silent or hung past its bound."""
         now = time.monotonic()
+        hang_s = HANG_FACTOR * self.timeout_s
         for worker in self._live():
-            silent_s = now - self._last_seen[worker]
-            if worker in self.done or silent_s <= self.timeout_s:
+            if worker in self.done:
                 continue
-            text = (f"server {self.server}: worker {worker} silent for {silent_s:.1f} s "
-                    f"(timeout {self.timeout_s:g} s) during {operation}")
+            silent_s = now - self._last_seen[worker]
+            idle_s = now - self._last_progress[worker]
+            if silent_s > self.timeout_s:
+                text = (f"server {self.server}: worker {worker} silent for {silent_s:.1f} s "
+                        f"(timeout {self.timeout_s:g} s; last call: {self._last_call[worker]}) "
+                        f"during {operation}")
+            elif idle_s > hang_s:
+                text = (f"server {self.server}: worker {worker} made no progress for "
+                        f"{idle_s:.1f} s (heartbeats only; last call: {self._last_call[worker]}; "
+                        f"a step must take less than {hang_s:g} s) during {operation}")
+            else:
+                continue
             if aggregates(self.policy):
                 raise WorkerLost(text + "; BSP cannot go on without it", worker)
             self.dropped.add(worker)
@@ -261,9 +315,6 @@ class ShardServer:
             self._record(worker, bucket[worker][1], bucket[worker][2])
             self.clocks[worker] = clock + 1
         self.version += len(workers)
-        if self.checkpoint_dir is not None and self.checkpoint_every > 0 \
-                and (clock + 1) % self.checkpoint_every == 0:
-            save_shard(self.checkpoint_dir, self.server, self.state())
 
     def _record(self, worker: int, read: _Read, loss: float) -> None:
         self.log.append({

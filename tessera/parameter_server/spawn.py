@@ -3,7 +3,9 @@
 Why not `tessera.launch`: it treats any rank that dies as the end of the run and stops the others,
 which is right for collectives (the survivors would hang) but wrong here: under ASP and SSP a dead
 worker is dropped by the servers and training goes on. This launcher gives each process the same
-environment (RANK, WORLD_SIZE, a FileStore rendezvous file, so no TCP port to pick) and reports:
+environment (RANK, WORLD_SIZE, a FileStore rendezvous file in a folder only this user can read,
+so no TCP port to pick; TensorPipe's listeners on loopback only, so no other machine can reach
+them) and reports:
 
 - an exception on any server, or on any worker under BSP: `RankFailedError` naming the process
   (`server-S` / `worker-W`) with its traceback, after which the others are stopped;
@@ -30,6 +32,8 @@ from tessera.runtime.launch import decode_result, encode_result, process_context
 __all__ = ["spawn_local"]
 
 _POLL_S = 0.2
+LOOPBACK_ENV = "TP_SOCKET_IFNAME"
+"""TensorPipe's choice of network interface; a local run sets it to loopback."""
 _GRACE_S = 1.0
 
 
@@ -40,6 +44,9 @@ def _child(entry: Callable[..., Any], config: Any, rank: int, world_size: int, i
     os.environ.update(environment)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), TESSERA_PS_INIT_FILE=init_file)
+    # Every peer is on this machine: TensorPipe listens on loopback only, not on the interface
+    # the host name resolves to (or one TP_SOCKET_IFNAME names), so no other machine can connect.
+    os.environ[LOOPBACK_ENV] = "lo"
     name = peer_name(rank, config.num_servers)
     try:
         value = entry(config, rank, world_size, f"file://{init_file}")

@@ -16,7 +16,8 @@ whose step does not shrink with its gradient, gets lr/W. Not applied: `grad_clip
 clip its own slice's gradient, which is not the clipping of the mean; said in the config's help).
 
 Checkpoints: the servers write their shards to `RUN/servers/` every `checkpoint_every` clocks
-(under ASP/SSP every `checkpoint_every` x W applied gradients) and at the end; `checkpoint.pt`
+(under ASP/SSP every `checkpoint_every` x W applied gradients) and at the end, keeping the
+`keep_checkpoints` newest versions common to all servers (and any newer file); `checkpoint.pt`
 records the run (tokenizer, config, the step reached and, at the end, the assembled weights).
 `--resume RUN` restarts from the newest shard version every server holds.
 """
@@ -200,6 +201,7 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
         timeout_s=config.timeout_s,
         checkpoint_dir=servers_dir,
         checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
     )
     wall_s = time.perf_counter() - started
     if not main:

@@ -1,4 +1,5 @@
-"""Calls between parameter-server processes: `torch.distributed.rpc` (TensorPipe) with a token.
+"""Calls between parameter-server processes: `torch.distributed.rpc` (TensorPipe), tagged with a
+run token.
 
 PyTorch's RPC framework was built for the parameter-server paradigm: a worker calls a function on
 a server process and gets tensors back, many calls in flight at once, each served on a thread of
@@ -6,11 +7,22 @@ the server's pool (so a pull that must wait for a straggler blocks one thread, n
 This module is the whole dependency on it: `Transport.call_async(rank, method, *args)` runs
 `method` on the object the process at `rank` registered with `serve`, and returns a future.
 
-Authentication: every call carries the caller's token; the receiving side compares it in constant
-time with its own before touching the served object. A caller without it gets `PeerRefused` and
-the refusal goes to the served object's `on_refused` (which logs it). The token is a shared secret
-against a stray or misconfigured process in the same rendezvous, not against a network attacker
-(TensorPipe traffic is not encrypted).
+Trust model: the RPC world is a trusted network, as PyTorch documents for `torch.distributed.rpc`.
+Any process of the world can call any importable function on any other (`rpc.rpc_sync("server-0",
+os.getpid)` works without going through this module), TensorPipe unpickles a call's arguments
+before any code of ours runs, and its traffic is neither authenticated nor encrypted. So a peer
+in the world can run code on a server, read the parameters or change them, token or not; tessera
+has no security boundary here. What narrows the world: `run` spawning locally binds TensorPipe to
+loopback (no other machine can connect; a process of this machine can) and puts the rendezvous
+file in a folder only this user can read; under torchrun the world is whoever the launcher admits,
+so run it on a network you trust.
+
+The token is a guard against mixed-up jobs, not against attackers: every call made through this
+module carries the caller's token, and the receiving side compares it with its own (bytes, in
+constant time) before touching the served object. A worker of another run (another token) that
+joined this rendezvous by mistake gets `PeerRefused` on its first call, is logged through the
+served object's `on_refused`, is never served, and is dropped by the servers as silent; the run
+goes on.
 
 Every wait is bounded: each call by `rpc_timeout_s`, and a timed-out or broken call raises
 `PSTimeout` naming the peer and the operation.
@@ -45,7 +57,8 @@ def peer_name(rank: int, num_servers: int) -> str:
 
 
 def serve(obj: Any) -> None:
-    """Make `obj`'s public methods callable by authenticated peers of this process."""
+    """Make `obj`'s public methods callable through `Transport.call` by peers presenting this run's
+    token (a guard against a worker of another run, not access control: see the module note)."""
     global _SERVED
     _SERVED = obj
 
@@ -63,7 +76,7 @@ _ERRORS_BY_NAME = {cls.__name__: cls for cls in (
 
 
 def _dispatch(method: str, caller: str, token: str, args: tuple) -> Any:
-    """Runs on the callee: check the token, then call `method` on the served object."""
+    """Runs on the callee: check the run token, then call `method` on the served object."""
     try:
         return _checked_call(method, caller, token, args)
     except TesseraError as exc:

@@ -2,7 +2,13 @@
 
 Pulls and pushes go to all S servers at once (asynchronous RPCs, then one wait), so a step's
 communication takes about as long as the largest shard's, not the sum. A background thread sends
-heartbeats, so a worker computing a long step is not mistaken for a dead one.
+heartbeats, so a worker computing a long step is not mistaken for a dead one; a worker whose only
+calls are heartbeats for 2 x `timeout_s` is taken for hung (`server.HANG_FACTOR`), so one step
+must take less than that.
+
+A resumed worker starts from the smallest of its clocks over the servers: under ASP and SSP the
+servers saved their shards at different moments, and a server that is behind must still receive
+the gradients in between (the others skip those they applied already).
 
 A worker listed in `slow_workers` with factor f sleeps (f - 1) times its compute time (data,
 forward, backward) after each compute: the straggler of the benchmarks and tests, on purpose.
