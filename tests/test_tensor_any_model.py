@@ -21,7 +21,7 @@ from _tolerance import check_close, to_float64
 from torch import nn
 
 import tessera
-from tessera.strategies.tensor import build, build_tensor
+from tessera.strategies.tensor import build, build_tensor, gather_batch
 from tessera.tensor_parallel import (
     ColumnParallelConv1D,
     ColumnParallelEmbedding,
@@ -325,12 +325,28 @@ def _check_dense_state_round_trip():
     assert all(torch.equal(back[k], other[k]) for k in other)
 
 
+def _check_gather_batch():
+    """Shards of different lengths gather in rank order (dicts per key, pairs per element); a
+    shard of another trailing shape raises on every rank instead of mismatching the collective."""
+    rank = tessera.init().rank
+    rows = 3 - rank  # rank 0: 3 rows, rank 1: 2
+    shard = {"ids": torch.full((rows, 2), rank), "pair": (torch.arange(rows) + 10 * rank, "tag")}
+    full = gather_batch(shard, WORLD, torch.device("cpu"))
+    assert torch.equal(full["ids"], torch.tensor([[0, 0]] * 3 + [[1, 1]] * 2))
+    assert (
+        torch.equal(full["pair"][0], torch.tensor([0, 1, 2, 10, 11])) and full["pair"][1] == "tag"
+    )
+    with pytest.raises(ValueError, match="batch shards differ beyond dim 0"):
+        gather_batch(torch.zeros(2, 3 + rank), WORLD, torch.device("cpu"))
+
+
 def any_model_worker() -> bool:
     tessera.init(timeout_s=60.0)
     _check_mlp()
     _check_gpt2()
     _check_bert()
     _check_errors()
+    _check_gather_batch()
     _check_dense_state_round_trip()
     return True
 

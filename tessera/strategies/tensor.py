@@ -11,6 +11,10 @@ shard of the global batch (as for data parallelism); `train_step` all-gathers th
 on dim 0 in rank order, dicts key by key, pairs element by element), so each rank runs forward
 and backward on the global batch and the returned loss is the global batch's mean loss.
 
+Randomness: dropout in a replicated region draws its mask from each rank's generator, so the
+ranks' copies stay equal only if every rank seeds torch alike (the equivalence tests use dropout
+0; Megatron-LM forks a separate tensor-parallel RNG for the split regions).
+
 Gradient norm: a split parameter's shards are disjoint, so each rank adds its shard's squared
 sum; a replicated parameter has the same gradient on every rank (f all-reduces the gradient
 entering each split region), so only rank 0 adds it. The sum over ranks is the dense model's
