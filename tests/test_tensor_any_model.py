@@ -21,6 +21,7 @@ from _tolerance import check_close, to_float64
 from torch import nn
 
 import tessera
+from tessera.models import GPT, GPTConfig
 from tessera.strategies.tensor import build, build_tensor, gather_batch
 from tessera.tensor_parallel import (
     ColumnParallelConv1D,
@@ -323,6 +324,12 @@ def _check_dense_state_round_trip():
     load_full_state_dict(model, other)
     back = full_state_dict(model)
     assert all(torch.equal(back[k], other[k]) for k in other)
+    # a Conv1D split by columns with its output gathered: the dense output, whole on every rank
+    conv = transformers.pytorch_utils.Conv1D(6, 4)
+    split = parallelize(nn.Sequential(copy.deepcopy(conv)), {"0": "column_gather"})
+    assert isinstance(split[0], ColumnParallelConv1D) and split[0].weight.shape == (4, 3)
+    x = torch.randn(2, 5, 4)
+    torch.testing.assert_close(split(x), conv(x))
 
 
 def _check_gather_batch():
@@ -379,3 +386,42 @@ def test_policy_is_checked_when_made():
     with pytest.raises(AttributeError):
         policy.plan = None  # frozen
     assert TensorPolicy().plan is None
+
+
+def test_plans_refused_before_any_change():
+    """Instances the split layers cannot reproduce are refused at planning, naming the module."""
+
+    def refused(model: nn.Module, plan: dict[str, str], message: str) -> None:
+        before = {name: type(m) for name, m in model.named_modules()}
+        with pytest.raises(ValueError, match=message):
+            parallelize(model, plan)
+        assert {name: type(m) for name, m in model.named_modules()} == before
+
+    def with_linear(**children: nn.Module) -> nn.Module:  # a Linear planned (and valid) first
+        return nn.ModuleDict({"first": nn.Linear(4, 4), **children})
+
+    refused(
+        with_linear(e=nn.Embedding(6, 4, max_norm=1.0)),
+        {"first": "column", "e": "embedding"},
+        "e: an Embedding with max_norm renormalises whole rows",
+    )
+    refused(
+        with_linear(e=nn.Embedding(6, 4, padding_idx=0)),
+        {"first": "column", "e": "vocab"},
+        "e: the vocabulary split takes no padding_idx",
+    )
+    config = transformers.GPT2Config(n_embd=8, n_head=2, add_cross_attention=True)
+    cross = transformers.models.gpt2.modeling_gpt2.GPT2Attention(
+        config, is_cross_attention=True, layer_idx=0
+    )
+    refused(
+        nn.ModuleDict({"attn": cross}),
+        {"attn.c_attn": "column", "attn.c_proj": "row"},
+        "attn: a cross-attention GPT2Attention",
+    )
+    gpt = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    refused(
+        gpt,
+        {"blocks.0.attn.qkv": "column", "blocks.0.attn.proj": "row"},
+        "blocks.0.attn: tessera's CausalSelfAttention .* parallelize_gpt",
+    )

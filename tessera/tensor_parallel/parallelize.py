@@ -74,13 +74,31 @@ Group = dist.ProcessGroup | None
 @dataclass(frozen=True)
 class _Kind:
     """One module type a style splits: how to recognise it, which weight dimension it splits,
-    and `build(module, group, paired, chunks)` (`paired`: a column conv whose output channels a
-    row conv takes split; `chunks`: blocks of a fused projection)."""
+    `build(module, group, paired, chunks)` (`paired`: a column conv whose output channels a
+    row conv takes split; `chunks`: blocks of a fused projection), and `check(module, name)`,
+    which raises ValueError for an instance the layer cannot reproduce (run before any change)."""
 
     name: str
     matches: Callable[[nn.Module], bool]
     dim: int
     build: Callable[[nn.Module, Group, bool, int], nn.Module]
+    check: Callable[[nn.Module, str], None] = lambda module, name: None
+
+
+def _check_embedding_columns(embedding: nn.Module, name: str) -> None:
+    if embedding.max_norm is not None:
+        raise ValueError(
+            f"{name}: an Embedding with max_norm renormalises whole rows, which no rank holds "
+            f"when split by columns"
+        )
+
+
+def _check_embedding_rows(embedding: nn.Module, name: str) -> None:
+    if embedding.padding_idx is not None or embedding.max_norm is not None:
+        raise ValueError(
+            f"{name}: the vocabulary split takes no padding_idx and no max_norm (style "
+            f"'embedding' keeps padding_idx)"
+        )
 
 
 def _is(cls: type) -> Callable[[nn.Module], bool]:
@@ -110,6 +128,7 @@ _KINDS: dict[str, tuple[_Kind, ...]] = {
             lambda m, g, paired, _: ChannelParallelConv2d.from_dense(
                 m, group=g, gather_output=not paired
             ),
+            check_splittable_conv,
         ),
     ),
     "column_gather": (
@@ -134,7 +153,11 @@ _KINDS: dict[str, tuple[_Kind, ...]] = {
             "Conv1D", is_hf_conv1d, 0, lambda m, g, _, c: RowParallelConv1D.from_dense(m, group=g)
         ),
         _Kind(
-            "Conv2d", _is(nn.Conv2d), 1, lambda m, g, _, c: RowParallelConv2d.from_dense(m, group=g)
+            "Conv2d",
+            _is(nn.Conv2d),
+            1,
+            lambda m, g, _, c: RowParallelConv2d.from_dense(m, group=g),
+            check_splittable_conv,
         ),
     ),
     "embedding": (
@@ -143,6 +166,7 @@ _KINDS: dict[str, tuple[_Kind, ...]] = {
             _is(nn.Embedding),
             1,
             lambda m, g, _, c: ColumnParallelEmbedding.from_dense(m, group=g),
+            _check_embedding_columns,
         ),
     ),
     "vocab": (
@@ -151,6 +175,7 @@ _KINDS: dict[str, tuple[_Kind, ...]] = {
             _is(nn.Embedding),
             0,
             lambda m, g, _, c: VocabParallelEmbedding.from_dense(m, group=g),
+            _check_embedding_rows,
         ),
         _LINEAR_COLUMN,
     ),
@@ -226,8 +251,7 @@ def _match_plan(module: nn.Module, plan: Mapping[str, str]) -> list[_Target]:
                     f"{name} is a {type(sub).__name__}, which style {style!r} cannot split; "
                     f"style {style!r} takes {allowed}"
                 )
-            if kind.name == "Conv2d":
-                check_splittable_conv(sub, name)
+            kind.check(sub, name)
             targets.append(_Target(name, style, sub, kind))
     return sorted(targets, key=lambda target: order[target.name])
 
