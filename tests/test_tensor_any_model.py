@@ -241,6 +241,21 @@ def _check_gpt2():
     _compare(engine, dense, dense64, batches, momentum, what="gpt2, SGD momentum")
 
 
+def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _check_tessera_gpt():
+    """plan=None on tessera's own GPT: `parallelize_gpt` (heads and MLPs split)."""
+    torch.manual_seed(4)
+    batches = [(torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8))) for _ in range(2)]
+    momentum = partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    config = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    engine, dense, dense64 = _engine(lambda: GPT(config), momentum, loss_fn=_gpt_loss)
+    assert engine.module.blocks[0].attn.n_head == 1  # ParallelCausalSelfAttention, local heads
+    _compare(engine, dense, dense64, batches, momentum, what="tessera GPT, SGD momentum")
+
+
 def _check_bert():
     torch.manual_seed(3)
     batches = []
@@ -351,6 +366,7 @@ def any_model_worker() -> bool:
     tessera.init(timeout_s=60.0)
     _check_mlp()
     _check_gpt2()
+    _check_tessera_gpt()
     _check_bert()
     _check_errors()
     _check_gather_batch()
