@@ -2,9 +2,10 @@
 
 Megatron-LM's column/row split (Shoeybi et al. 2019): `mappings.py` (the f and g autograd
 Functions), `layers.py` (parallel Linear, Embedding, Hugging Face Conv1D, Conv2d),
-`cross_entropy.py` (loss over split logits), `parallelize.py` (apply a plan to a dense module,
-gather the dense state back), `heads.py` (attention modules split by heads), `plans.py` (built-in
-plans: tessera's GPT via `gpt.py`, Hugging Face GPT-2 and BERT), `policy.py` (`TensorPolicy`).
+`cross_entropy.py` (loss over split logits), `styles.py` (what each plan style splits),
+`parallelize.py` (apply a plan to a dense module, gather the dense state back), `heads.py`
+(attention modules split by heads), `plans.py` (built-in plans: tessera's GPT via `gpt.py`,
+Hugging Face GPT-2 and BERT), `policy.py` (`TensorPolicy`).
 """
 
 from tessera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy

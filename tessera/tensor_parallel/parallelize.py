@@ -39,7 +39,7 @@ raises one ValueError naming the module, before any module is changed or any mes
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
 
@@ -49,137 +49,10 @@ from torch import nn
 
 from tessera.tensor_parallel._comm import all_gather_dim, group_size
 from tessera.tensor_parallel.heads import HeadSplit, head_split_of
-from tessera.tensor_parallel.layers import (
-    ChannelParallelConv2d,
-    ColumnParallelConv1D,
-    ColumnParallelEmbedding,
-    ColumnParallelLinear,
-    RowParallelConv1D,
-    RowParallelConv2d,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    _Parallel,
-    check_splittable_conv,
-    is_hf_conv1d,
-    shard,
-)
+from tessera.tensor_parallel.layers import _Parallel, shard
+from tessera.tensor_parallel.styles import KINDS, STYLES, Group, Kind
 
 __all__ = ["STYLES", "full_state_dict", "load_full_state_dict", "parallelize"]
-
-STYLES = ("column", "row", "vocab", "column_gather", "embedding")
-
-Group = dist.ProcessGroup | None
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """One module type a style splits: how to recognise it, which weight dimension it splits,
-    `build(module, group, paired, chunks)` (`paired`: a column conv whose output channels a
-    row conv takes split; `chunks`: blocks of a fused projection), and `check(module, name)`,
-    which raises ValueError for an instance the layer cannot reproduce (run before any change)."""
-
-    name: str
-    matches: Callable[[nn.Module], bool]
-    dim: int
-    build: Callable[[nn.Module, Group, bool, int], nn.Module]
-    check: Callable[[nn.Module, str], None] = lambda module, name: None
-
-
-def _check_embedding_columns(embedding: nn.Module, name: str) -> None:
-    if embedding.max_norm is not None:
-        raise ValueError(
-            f"{name}: an Embedding with max_norm renormalises whole rows, which no rank holds "
-            f"when split by columns"
-        )
-
-
-def _check_embedding_rows(embedding: nn.Module, name: str) -> None:
-    if embedding.padding_idx is not None or embedding.max_norm is not None:
-        raise ValueError(
-            f"{name}: the vocabulary split takes no padding_idx and no max_norm (style "
-            f"'embedding' keeps padding_idx)"
-        )
-
-
-def _is(cls: type) -> Callable[[nn.Module], bool]:
-    return lambda module: type(module) is cls  # a subclass may override forward: not ours to split
-
-
-_LINEAR_COLUMN = _Kind(
-    "Linear",
-    _is(nn.Linear),
-    0,
-    lambda m, g, _, c: ColumnParallelLinear.from_dense(m, group=g, chunks=c),
-)
-_CONV1D_COLUMN = _Kind(
-    "Conv1D",
-    is_hf_conv1d,
-    1,
-    lambda m, g, _, c: ColumnParallelConv1D.from_dense(m, group=g, chunks=c),
-)
-_KINDS: dict[str, tuple[_Kind, ...]] = {
-    "column": (
-        _LINEAR_COLUMN,
-        _CONV1D_COLUMN,
-        _Kind(
-            "Conv2d",
-            _is(nn.Conv2d),
-            0,
-            lambda m, g, paired, _: ChannelParallelConv2d.from_dense(
-                m, group=g, gather_output=not paired
-            ),
-            check_splittable_conv,
-        ),
-    ),
-    "column_gather": (
-        _Kind(
-            "Linear",
-            _is(nn.Linear),
-            0,
-            lambda m, g, _, c: ColumnParallelLinear.from_dense(m, group=g, gather_output=True),
-        ),
-        _Kind(
-            "Conv1D",
-            is_hf_conv1d,
-            1,
-            lambda m, g, _, c: ColumnParallelConv1D.from_dense(m, group=g, gather_output=True),
-        ),
-    ),
-    "row": (
-        _Kind(
-            "Linear", _is(nn.Linear), 1, lambda m, g, _, c: RowParallelLinear.from_dense(m, group=g)
-        ),
-        _Kind(
-            "Conv1D", is_hf_conv1d, 0, lambda m, g, _, c: RowParallelConv1D.from_dense(m, group=g)
-        ),
-        _Kind(
-            "Conv2d",
-            _is(nn.Conv2d),
-            1,
-            lambda m, g, _, c: RowParallelConv2d.from_dense(m, group=g),
-            check_splittable_conv,
-        ),
-    ),
-    "embedding": (
-        _Kind(
-            "Embedding",
-            _is(nn.Embedding),
-            1,
-            lambda m, g, _, c: ColumnParallelEmbedding.from_dense(m, group=g),
-            _check_embedding_columns,
-        ),
-    ),
-    "vocab": (
-        _Kind(
-            "Embedding",
-            _is(nn.Embedding),
-            0,
-            lambda m, g, _, c: VocabParallelEmbedding.from_dense(m, group=g),
-            _check_embedding_rows,
-        ),
-        _LINEAR_COLUMN,
-    ),
-}
 
 
 @dataclass
@@ -189,7 +62,7 @@ class _Target:
     name: str
     style: str
     module: nn.Module
-    kind: _Kind
+    kind: Kind
     chunks: int = 1
 
 
@@ -244,9 +117,9 @@ def _match_plan(module: nn.Module, plan: Mapping[str, str]) -> list[_Target]:
                 )
             chosen[name] = pattern
             sub = named[name]
-            kind = next((k for k in _KINDS[style] if k.matches(sub)), None)
+            kind = next((k for k in KINDS[style] if k.matches(sub)), None)
             if kind is None:
-                allowed = [k.name for k in _KINDS[style]]
+                allowed = [k.name for k in KINDS[style]]
                 raise ValueError(
                     f"{name} is a {type(sub).__name__}, which style {style!r} cannot split; "
                     f"style {style!r} takes {allowed}"
