@@ -154,7 +154,7 @@ def _two_ranks() -> dict:
 
 
 def test_mappings_attention_wavefront_checks_and_context_on_two_ranks(run_ranks):
-    assert STYLES == ("column", "row", "vocab", "column_gather")
+    assert STYLES == ("column", "row", "vocab", "column_gather", "embedding")
     with pytest.raises(ValueError, match="unknown tensor-parallel style"):
         parallelize(nn.Sequential(nn.Linear(2, 2)), {"0": "diagonal"})
     results = run_ranks(_two_ranks, 2)

@@ -11,6 +11,12 @@ Megatron-LM (Shoeybi et al. 2019) with t ranks:
 - `ChannelParallelConv2d`: output channels split (each rank convolves the whole input with its
   filters: the partially connected split of Krizhevsky et al. 2012's two-GPU CNN); the channels
   are all-gathered after it unless the next layer takes them split.
+- `ColumnParallelEmbedding`: the table split by columns (the embedding dimension): every rank
+  looks up every id in its `C/t` columns and the slices are all-gathered (torch's `ColwiseParallel`
+  on an `nn.Embedding`; `VocabParallelEmbedding` is Megatron's split of the rows instead).
+- `ColumnParallelConv1D` / `RowParallelConv1D`: Hugging Face's `Conv1D` (GPT-2's layers,
+  `y = x W + b` with W of shape `(in, out)`, the transpose of `nn.Linear`'s): the same two splits,
+  so a column split slices W's dimension 1 and a row split its dimension 0.
 - `RowParallelConv2d`: input channels split, the convolution's analogue of `RowParallelLinear`:
   a convolution is a sum over input channels, so rank i convolves its channel slice with its
   slice of every filter and the partial maps are summed (g). After a `ChannelParallelConv2d`
@@ -39,10 +45,14 @@ from tessera.tensor_parallel.mappings import (
 
 __all__ = [
     "ChannelParallelConv2d",
+    "ColumnParallelConv1D",
+    "ColumnParallelEmbedding",
     "ColumnParallelLinear",
+    "RowParallelConv1D",
     "RowParallelConv2d",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "is_hf_conv1d",
     "shard",
 ]
 
@@ -170,6 +180,123 @@ class VocabParallelEmbedding(_Parallel):
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_parallel(out, self.group)
+
+
+class ColumnParallelEmbedding(_Parallel):
+    """An embedding table split by columns: rank i holds dimensions `[i C/t, (i+1) C/t)` of every
+    id's vector; the looked-up slices are all-gathered, so the output is replicated.
+
+    Unlike `VocabParallelEmbedding` it keeps `padding_idx` (a row's columns are padding on every
+    rank alike) and needs no masking of foreign ids. `max_norm` renormalises whole rows, whose
+    norm no rank sees, so it is refused.
+    """
+
+    shard_dims = {"weight": 1}
+
+    def __init__(self, embedding: nn.Embedding, *, group=None) -> None:
+        super().__init__()
+        self._setup(group)
+        if embedding.max_norm is not None:
+            raise ValueError(
+                "ColumnParallelEmbedding: max_norm renormalises whole rows; unsupported"
+            )
+        self.weight = nn.Parameter(shard(embedding.weight.detach(), 1, group))  # (V, C / t)
+        self.padding_idx = embedding.padding_idx
+        self.scale_grad_by_freq, self.sparse = embedding.scale_grad_by_freq, embedding.sparse
+
+    @classmethod
+    def from_dense(
+        cls, embedding: nn.Embedding, *, group: dist.ProcessGroup | None = None
+    ) -> ColumnParallelEmbedding:
+        """Split `embedding` by columns (its weights sliced)."""
+        return cls(embedding, group=group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids `(...)` -> embeddings `(..., C)`, replicated."""
+        local = F.embedding(
+            ids, self.weight, self.padding_idx, None, 2.0, self.scale_grad_by_freq, self.sparse
+        )
+        return gather_from_tensor_parallel(local, self.group, -1)
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """True for Hugging Face's `transformers.pytorch_utils.Conv1D`, recognised by its class name
+    and module so that tessera never imports transformers for a model that has none."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.split(".")[0] == "transformers"
+
+
+def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x W (+ b)` over the last dimension, as `Conv1D.forward` computes it (one addmm)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
+    return y.view(*x.shape[:-1], weight.shape[1])
+
+
+class ColumnParallelConv1D(_Parallel):
+    """Hugging Face's `Conv1D` with W's columns (output features) split; y split unless
+    `gather_output`. Keeps Conv1D's `(in, out)` layout, so its state has the dense keys."""
+
+    shard_dims = {"weight": 1, "bias": 0}
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None, gather_output=False
+    ) -> None:
+        super().__init__()
+        self._setup(group)
+        self.weight = nn.Parameter(weight)  # (in, out / t)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.nx, self.nf = weight.shape  # Conv1D's names, local sizes
+        self.gather_output = gather_output
+
+    @classmethod
+    def from_dense(
+        cls,
+        conv: nn.Module,
+        *,
+        group: dist.ProcessGroup | None = None,
+        gather_output: bool = False,
+        chunks: int = 1,
+    ) -> ColumnParallelConv1D:
+        """Split a `Conv1D` by output features (`chunks`: each of that many blocks, as q/k/v)."""
+        weight = shard(conv.weight.detach(), 1, group, chunks)
+        bias = shard(conv.bias.detach(), 0, group, chunks) if conv.bias is not None else None
+        layer = cls(weight, bias, group=group, gather_output=gather_output)
+        layer.chunks = chunks
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., in)` replicated -> `(..., out / t)` (or `(..., out)` gathered)."""
+        y = _conv1d(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        return gather_from_tensor_parallel(y, self.group, -1) if self.gather_output else y
+
+
+class RowParallelConv1D(_Parallel):
+    """Hugging Face's `Conv1D` with W's rows (input features) split; partial outputs summed,
+    the bias (replicated) added once after the sum."""
+
+    shard_dims = {"weight": 0}
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None) -> None:
+        super().__init__()
+        self._setup(group)
+        self.weight = nn.Parameter(weight)  # (in / t, out)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.nx, self.nf = weight.shape
+
+    @classmethod
+    def from_dense(
+        cls, conv: nn.Module, *, group: dist.ProcessGroup | None = None
+    ) -> RowParallelConv1D:
+        """Split a `Conv1D` by input features (its weights sliced, not re-initialised)."""
+        weight = shard(conv.weight.detach(), 0, group)
+        bias = conv.bias.detach().clone() if conv.bias is not None else None
+        return cls(weight, bias, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`(..., in / t)` split -> `(..., out)` replicated."""
+        y = reduce_from_tensor_parallel(_conv1d(x, self.weight, None), self.group)
+        return y + self.bias if self.bias is not None else y
 
 
 class ChannelParallelConv2d(_Parallel):
