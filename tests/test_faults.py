@@ -173,6 +173,29 @@ def test_exhausted_restarts_stop_the_run_with_every_failure_listed(tmp_path, mon
     assert not isinstance(plain.value, RestartsExhausted)
 
 
+def test_a_run_folder_whose_checkpoints_all_fail_verification_restarts_from_scratch(
+    tmp_path, monkeypatch
+):
+    # A run saved step 3; then its only checkpoint rots. `--resume --max-restarts 1`: the first
+    # launch finds nothing that verifies and fails; the restart must start from step 0 (as the
+    # README promises), not try the rotten checkpoint again, and end where the first run did.
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    changes = {"strategy": "single", "nproc": 1, "steps": 3, "out": str(tmp_path)}
+    run_training(build_config(TINY, changes))
+    first = _final_state(tmp_path)
+    state = latest_checkpoint(tmp_path)
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 1
+    state.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        run_training(build_config(TINY, changes), resume=True, max_restarts=1)
+    _assert_equal(_final_state(tmp_path), first, "from scratch")
+    assert [step for step, _ in _losses(tmp_path)] == [1, 2, 3]  # the old records went
+    events = read_events(tmp_path / "metrics.jsonl", "restart")
+    assert [(e["step"], e["restart"]) for e in events] == [(0, 1)]
+    assert "cannot resume" in events[0]["cause"]
+
+
 @pytest.mark.parametrize(
     ("spec", "named"),
     [
