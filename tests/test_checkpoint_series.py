@@ -197,7 +197,11 @@ def test_the_trainer_resumes_from_the_newest_verified_checkpoint_or_refuses(tmp_
     rotten.write_bytes(bytes(data))
     with pytest.warns(RuntimeWarning, match=f"{rotten} is corrupt: checksum mismatch"):
         _resume(tmp_path / "r", 4)
-    _resume(tmp_path / "old", 4)
+    # The old run was killed in the middle of a metrics line: the resume drops it, says so.
+    with (tmp_path / "old/metrics.jsonl").open("a") as file:
+        file.write('{"step": 3, "lo')
+    with pytest.warns(RuntimeWarning, match="metrics.jsonl:4: dropping a line"):
+        _resume(tmp_path / "old", 4)
     straight = _weights(tmp_path / "straight")
     for run in ("r", "old"):
         assert [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] == [1, 2, 3, 4]
