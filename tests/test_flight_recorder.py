@@ -202,3 +202,39 @@ def test_a_rank_stuck_inside_a_gloo_collective_dumps_on_sigterm(run_ranks, tmp_p
 
 def _main_stack(record: dict) -> str:
     return next(stack for name, stack in record["stacks"].items() if name.startswith("MainThread"))
+
+
+def _answer_usr1_then_fork(root: str) -> None:
+    import os
+    import signal
+    import sys
+
+    set_dump_dir(root)
+    install_signal_dump()
+    record = Path(root) / "hang-rank-0.json"
+    os.kill(os.getpid(), signal.SIGUSR1)  # a question: answered, and the process goes on
+    deadline = time.monotonic() + 20
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answered = record.read_text()
+    child = os.fork()
+    if child == 0:  # a forked child (a data-loader worker) stopped by SIGTERM: only it ends
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        os._exit(3)  # not reached: SIGTERM ended it
+    _, status = os.waitpid(child, 0)
+    time.sleep(1.0)  # time for a wrongly woken watcher of this process to act
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGTERM
+    assert record.read_text() == answered  # the child's record went nowhere new either
+    sys.exit(0 if json.loads(answered)["reason"].startswith("signal SIGUSR1") else 5)
+
+
+def test_sigusr1_is_answered_and_a_forked_childs_signal_does_not_reach_its_parent(tmp_path):
+    import multiprocessing
+
+    process = multiprocessing.get_context("fork").Process(
+        target=_answer_usr1_then_fork, args=(str(tmp_path),)
+    )
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0  # -15: the child's SIGTERM woke the parent's watcher
