@@ -60,7 +60,9 @@ class MetricsLog:
 
     def __init__(self, path: Path, *, resume_from_step: int = 0) -> None:
         self.path = path
-        kept = [r for r in _read_lines(path) if "event" in r or r["step"] <= resume_from_step]
+        kept = [
+            r for r in _read_lines(path) if "event" in r or r.get("step", 0) <= resume_from_step
+        ]
 
         def fill(file: BinaryIO) -> None:
             for record in kept:
@@ -88,7 +90,7 @@ def _read_lines(path: str | Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             record = None
-        if isinstance(record, dict) and ("event" in record or isinstance(record.get("step"), int)):
+        if isinstance(record, dict):  # a torn line parses as nothing, or not as an object
             records.append(record)
             continue
         warnings.warn(
