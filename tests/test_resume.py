@@ -296,6 +296,10 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_resume_goes_on(t
         file.write("\x00\x00{garbage\n")
     with pytest.warns(RuntimeWarning, match="metrics.jsonl:6: dropping"):
         assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    ps = tmp_path / "ps.jsonl"  # the parameter server's lines (read on its resume) have no step
+    ps.write_text('{"kind": "worker", "worker": 0}\n{"kind": "gra')
+    with pytest.warns(RuntimeWarning, match="ps.jsonl:2: dropping"):
+        assert read_metrics(ps) == [{"kind": "worker", "worker": 0}]
 
 
 def _rewrite_and_die(path: str) -> None:
