@@ -85,6 +85,53 @@ def test_a_checkpoint_that_fails_its_checksum_gives_way_to_the_previous_one(tmp_
     assert len(caught) == 2
 
 
+def _rot(folder: Path) -> None:
+    """Flip one byte of a checkpoint's state file (same size: only the checksum can tell)."""
+    state = folder / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[0] ^= 1
+    state.write_bytes(bytes(data))
+
+
+def test_prune_counts_only_checkpoints_that_verify(tmp_path):
+    # An earlier run saved up to step 30, whose checkpoint then rotted; the resumed run went on
+    # from step 20 and now commits step 25 with keep=1. Step 30 must not take step 25's place.
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=3)
+    _rot(tmp_path / "checkpoints/step-00000030")
+    _save(tmp_path, 25, keep=1)
+    assert _steps(tmp_path) == [30, 25]  # the rotten one stays, uncounted; 20 and 10 went
+    with pytest.warns(RuntimeWarning, match="step-00000030.* checksum mismatch"):
+        assert latest_checkpoint(tmp_path).parent.name == "step-00000025"
+    # keep=2 keeps the two newest that verify; a rotten one between them is not counted either.
+    _save(tmp_path, 26, keep=2)
+    _rot(tmp_path / "checkpoints/step-00000026")
+    _save(tmp_path, 27, keep=2)
+    assert _steps(tmp_path) == [30, 27, 26, 25]
+    _save(tmp_path, 28, keep=2)  # older than the oldest kept: deleted, verified or not
+    assert _steps(tmp_path) == [30, 28, 27]
+    # Saving the rotten step again replaces it, and it counts from then on.
+    _save(tmp_path, 30, keep=2)
+    assert _steps(tmp_path) == [30, 28]
+    assert series.verify(tmp_path / "checkpoints/step-00000030")["step"] == 30
+
+
+def test_the_old_format_checkpoint_stays_until_keep_new_ones_verify(tmp_path):
+    # A run folder of the legacy layout: checkpoint.pt and its ZeRO shard folder zero/.
+    legacy = tmp_path / series.LEGACY_CHECKPOINT
+    legacy.write_bytes(b"legacy checkpoint")
+    (tmp_path / "zero/step-00000004").mkdir(parents=True)
+    (tmp_path / "zero/step-00000004/rank-0.pt").write_bytes(b"legacy shard")
+    _save(tmp_path, 5, keep=2)
+    assert legacy.is_file() and (tmp_path / "zero/step-00000004/rank-0.pt").is_file()
+    _rot(tmp_path / "checkpoints/step-00000005")  # two new checkpoints, one of them verifies
+    _save(tmp_path, 6, keep=2)
+    assert legacy.is_file() and (tmp_path / "zero").is_dir()
+    _save(tmp_path, 7, keep=2)  # two verified ones now: the legacy checkpoint goes, shards too
+    assert not legacy.exists() and not (tmp_path / "zero").exists()
+    assert _steps(tmp_path) == [7, 6]
+
+
 def test_every_hashed_share_is_needed_and_keep_must_be_positive(tmp_path):
     partial = series.begin_save(tmp_path, 5)
     for name in ("state.pt", "zero/a", "zero/b"):
@@ -150,7 +197,11 @@ def test_the_trainer_resumes_from_the_newest_verified_checkpoint_or_refuses(tmp_
     rotten.write_bytes(bytes(data))
     with pytest.warns(RuntimeWarning, match=f"{rotten} is corrupt: checksum mismatch"):
         _resume(tmp_path / "r", 4)
-    _resume(tmp_path / "old", 4)
+    # The old run was killed in the middle of a metrics line: the resume drops it, says so.
+    with (tmp_path / "old/metrics.jsonl").open("a") as file:
+        file.write('{"step": 3, "lo')
+    with pytest.warns(RuntimeWarning, match="metrics.jsonl:4: dropping a line"):
+        _resume(tmp_path / "old", 4)
     straight = _weights(tmp_path / "straight")
     for run in ("r", "old"):
         assert [r["step"] for r in read_metrics(tmp_path / run / "metrics.jsonl")] == [1, 2, 3, 4]

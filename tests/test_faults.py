@@ -173,6 +173,29 @@ def test_exhausted_restarts_stop_the_run_with_every_failure_listed(tmp_path, mon
     assert not isinstance(plain.value, RestartsExhausted)
 
 
+def test_a_run_folder_whose_checkpoints_all_fail_verification_restarts_from_scratch(
+    tmp_path, monkeypatch
+):
+    # A run saved step 3; then its only checkpoint rots. `--resume --max-restarts 1`: the first
+    # launch finds nothing that verifies and fails; the restart must start from step 0 (as the
+    # README promises), not try the rotten checkpoint again, and end where the first run did.
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    changes = {"strategy": "single", "nproc": 1, "steps": 3, "out": str(tmp_path)}
+    run_training(build_config(TINY, changes))
+    first = _final_state(tmp_path)
+    state = latest_checkpoint(tmp_path)
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 1
+    state.write_bytes(bytes(data))
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        run_training(build_config(TINY, changes), resume=True, max_restarts=1)
+    _assert_equal(_final_state(tmp_path), first, "from scratch")
+    assert [step for step, _ in _losses(tmp_path)] == [1, 2, 3]  # the old records went
+    events = read_events(tmp_path / "metrics.jsonl", "restart")
+    assert [(e["step"], e["restart"]) for e in events] == [(0, 1)]
+    assert "cannot resume" in events[0]["cause"]
+
+
 @pytest.mark.parametrize(
     ("spec", "named"),
     [
@@ -267,6 +290,39 @@ def test_slow_and_hang_faults_in_one_process(tmp_path, monkeypatch):
     with pytest.raises(InjectedFault, match="rank 1: injected fault 1:3:raise"):
         raised.at_step(3)
     raised.at_step(3)  # fired once per run folder: a second pass goes on
+
+
+def test_a_logged_step_lasts_as_long_as_its_slowest_rank():
+    from tessera.train.loop import _record
+
+    def rank(loss: float, step_s: float, comm_s: float) -> dict[str, float]:
+        measured = {"loss": loss, "step_s": step_s, "comm_s": comm_s, "peak_mem_mb": 1.0}
+        return {**measured, "model_state_mb": -1.0}
+
+    # Rank 1 waited in the gradient all-reduce for a straggler, rank 0 was the straggler.
+    record = _record(7, [rank(2.0, 0.25, 0.0625), rank(4.0, 2.0, 1.5)], tokens=1000, lr=0.5)
+    assert record["step_s"] == 2.0 and record["tokens_per_s"] == 500.0
+    assert record["comm_s"] == 1.5 and record["compute_s"] == 0.5
+    assert record["loss"] == 3.0 and record["step"] == 7 and record["lr"] == 0.5
+    assert "model_state_mb" not in record  # not measured by every rank
+
+
+def test_the_logged_rates_follow_a_slowed_rank(tmp_path, monkeypatch):
+    # From step 2 on rank 1 runs 10x slower: it sleeps before each step, and rank 0 waits for it
+    # inside the step's all-reduce. A synchronous step lasts as long as its slowest rank, so the
+    # logged steps account for most of the run's time, sleeps included; taking the fastest
+    # rank's time (rank 1 measures only its own compute) would log a tenth of it.
+    monkeypatch.setenv(FAULT_ENV, "1:2:slow")
+    summary = run_training(_config("ddp", tmp_path))
+    assert [(r["rank"], r["kind"]) for r in fired_faults(tmp_path)] == [(1, "slow")]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert sum(r["step_s"] for r in records) > 0.5 * summary["wall_s"]  # about 0.9; fastest: 0.05
+    tokens = TINY["batch_size"] * TINY["model"]["block_size"]
+    for record in records:
+        assert record["tokens_per_s"] == pytest.approx(tokens / record["step_s"])
+    for key in ("step_s", "tokens_per_s"):  # the summary: the median of the records
+        middle = sorted(r[key] for r in records)[STEPS // 2 - 1 : STEPS // 2 + 1]
+        assert summary[key] == pytest.approx(sum(middle) / 2), key
 
 
 def test_bad_restart_options_and_fault_specs_fail_the_command_before_any_rank(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 from pathlib import Path
 
@@ -140,3 +141,100 @@ def test_the_trainer_names_a_rank_stuck_in_a_save_and_dumps_into_its_run_folder(
     assert stuck["reason"].startswith("signal SIGTERM")
     assert "pause_point" in "".join(stuck["stacks"].values())  # where it was stuck
     assert not list((tmp_path / "checkpoints").iterdir())[0].name.startswith("step-")
+
+
+NATIVE_WAIT_S = 60.0
+"""The stuck ranks' own timeouts: far beyond the test, so only a signal ends them."""
+
+
+def _two_ranks_stuck_in_gloo(root: str) -> None:
+    import os
+    import signal
+
+    from tessera.comm import set_checks
+
+    ctx = tessera.init()
+    install_signal_dump()
+    set_dump_dir(root)
+    set_checks(False)  # no descriptor exchange first: the wait is inside gloo's all_reduce
+    long = datetime.timedelta(seconds=NATIVE_WAIT_S)
+    with_1 = dist.new_group([0, 1], timeout=long)
+    with_2 = dist.new_group([0, 2], timeout=long)
+    pids: list[int] = [0] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    x = torch.ones(5)
+    if ctx.rank == 1:  # through tessera.comm: gloo's all_reduce, then a native work.wait()
+        all_reduce(x, algorithm="native", group=with_1, timeout=NATIVE_WAIT_S)
+    elif ctx.rank == 2:  # torch.distributed directly: gloo blocks inside C++
+        dist.all_reduce(x, group=with_2)
+    # Rank 0 never calls either, and stays alive (its connections open): the others stay stuck
+    # in their native waits until it sends them SIGTERM, as a launcher would.
+    time.sleep(3.0)
+    for pid in pids[1:]:
+        os.kill(pid, signal.SIGTERM)
+    time.sleep(NATIVE_WAIT_S / 2)  # the launcher stops this rank once a stuck one has ended
+    raise RuntimeError("the stuck ranks did not end on SIGTERM")
+
+
+def test_a_rank_stuck_inside_a_gloo_collective_dumps_on_sigterm(run_ranks, tmp_path):
+    with pytest.raises(RankFailedError) as ended:
+        run_ranks(_two_ranks_stuck_in_gloo, 3, str(tmp_path), timeout_s=90)
+    # The Python handler cannot run (the main threads never leave gloo): the watcher thread
+    # writes each record while the main thread is still stuck (its stack says where), then
+    # ends its rank by SIGTERM itself. (Before: the records came only once rank 0 gave up and
+    # its exit broke the waits, NATIVE_WAIT_S / 2 later, from inside the Python handler.)
+    message = str(ended.value).splitlines()[0]
+    assert re.match(r"rank [12] failed: process exited with code -15 without reporting", message)
+    through_tessera = _record(tmp_path / "hang-rank-1.json")
+    assert through_tessera["reason"].startswith("signal SIGTERM")
+    last = through_tessera["collectives"][-1]
+    assert (last["kind"], last["algorithm"], last["shape"]) == ("all_reduce", "native", [5])
+    assert last["group_ranks"] == [0, 1]
+    waiting = through_tessera["waiting"]  # stuck in that very collective, since rank 0's signal
+    assert waiting["seq"] == last["seq"] and waiting["waited_s"] < NATIVE_WAIT_S / 4, waiting
+    main = _main_stack(through_tessera)
+    assert "work.wait(" in main and "_on_signal" not in main, main
+    direct = _record(tmp_path / "hang-rank-2.json")
+    assert direct["reason"].startswith("signal SIGTERM")
+    main = _main_stack(direct)
+    assert "dist.all_reduce(x, group=with_2)" in main and "_on_signal" not in main, main
+
+
+def _main_stack(record: dict) -> str:
+    return next(stack for name, stack in record["stacks"].items() if name.startswith("MainThread"))
+
+
+def _answer_usr1_then_fork(root: str) -> None:
+    import os
+    import signal
+    import sys
+
+    set_dump_dir(root)
+    install_signal_dump()
+    record = Path(root) / "hang-rank-0.json"
+    os.kill(os.getpid(), signal.SIGUSR1)  # a question: answered, and the process goes on
+    deadline = time.monotonic() + 20
+    while not record.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answered = record.read_text()
+    child = os.fork()
+    if child == 0:  # a forked child (a data-loader worker) stopped by SIGTERM: only it ends
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(20)
+        os._exit(3)  # not reached: SIGTERM ended it
+    _, status = os.waitpid(child, 0)
+    time.sleep(1.0)  # time for a wrongly woken watcher of this process to act
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGTERM
+    assert record.read_text() == answered  # the child's record went nowhere new either
+    sys.exit(0 if json.loads(answered)["reason"].startswith("signal SIGUSR1") else 5)
+
+
+def test_sigusr1_is_answered_and_a_forked_childs_signal_does_not_reach_its_parent(tmp_path):
+    import multiprocessing
+
+    process = multiprocessing.get_context("fork").Process(
+        target=_answer_usr1_then_fork, args=(str(tmp_path),)
+    )
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0  # -15: the child's SIGTERM woke the parent's watcher

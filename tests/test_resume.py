@@ -11,6 +11,7 @@ environment variable), SIGKILL its whole process group, and resume from what is 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -274,3 +275,57 @@ def test_metrics_log_drops_the_records_past_the_resumed_step(tmp_path):
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
     log.write({"step": 4, "loss": 0.0})
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_path):
+    from tessera.train.metrics import MetricsLog, read_events
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [f'{{"step": {s}, "loss": {s / 10}}}\n' for s in range(1, 5)]
+    lines.insert(2, '{"event": "restart", "step": 2, "rank": 1}\n')
+    torn = '{"step": 5, "lo'  # the run was killed (or the disk filled) in the middle of a line
+    path.write_text("".join(lines) + torn)
+    with pytest.warns(RuntimeWarning, match=r"metrics.jsonl:6: dropping .*'\{\"step\": 5, \"lo'"):
+        log = MetricsLog(path, resume_from_step=3)
+    assert path.read_text() == "".join(lines[:4])  # the torn line and step 4 are gone, on disk
+    log.write({"step": 4, "loss": 0.0})
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    assert [e["rank"] for e in read_events(path, "restart")] == [1]
+    # A reader of a file that still holds one (a run killed, not yet resumed) skips it too.
+    with path.open("a") as file:
+        file.write("\x00\x00{garbage\n")
+    with pytest.warns(RuntimeWarning, match="metrics.jsonl:6: dropping"):
+        assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    ps = tmp_path / "ps.jsonl"  # the parameter server's lines (read on its resume) have no step
+    ps.write_text('{"kind": "worker", "worker": 0}\n{"kind": "gra')
+    with pytest.warns(RuntimeWarning, match="ps.jsonl:2: dropping"):
+        assert read_metrics(ps) == [{"kind": "worker", "worker": 0}]
+
+
+def _rewrite_and_die(path: str) -> None:
+    import json
+
+    from tessera.train import metrics
+
+    calls = []
+
+    def dumps_then_die(record: Any) -> str:  # the 10th record of the rewrite is never written
+        calls.append(record)
+        if len(calls) == 10:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return json.dumps(record)
+
+    metrics.json = type("json", (), {"dumps": staticmethod(dumps_then_die), "loads": json.loads})
+    metrics.MetricsLog(Path(path), resume_from_step=1)
+
+
+def test_a_kill_while_metrics_are_rewritten_on_resume_leaves_the_old_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    text = "".join(f'{{"step": {s}, "loss": {s / 10}}}\n' for s in range(1, 4))
+    text += '{"event": "restart", "step": 1, "rank": 0}\n' * 20
+    path.write_text(text)
+    process = multiprocessing.get_context("fork").Process(target=_rewrite_and_die, args=(path,))
+    process.start()
+    process.join(60)
+    assert process.exitcode == -signal.SIGKILL  # it died inside the rewrite
+    assert path.read_text() == text  # whole, not truncated to what was written before the kill

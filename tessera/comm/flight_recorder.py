@@ -13,8 +13,10 @@ collective times out, the rank writes `DIR/hang-rank-N.json`:
 Who writes it:
 - tessera's own collectives (every algorithm, shm, and "native" gloo through `tessera.comm`) at
   their timeout (`diagnostics.timeout_error`, the shm barrier, ZeRO's stream waits);
-- a stuck rank that can still run Python, on SIGTERM or SIGUSR1 (`install_signal_dump`; the
-  launcher and torchrun send SIGTERM before SIGKILL);
+- any rank on SIGTERM or SIGUSR1 (`install_signal_dump`; the launcher and torchrun send SIGTERM
+  before SIGKILL), even one stuck inside a native wait (a gloo collective, a futex) that never
+  gives the main thread back to Python: a watcher thread, woken through the signal module's
+  wakeup fd, writes the record while the main thread stays where it is stuck;
 - code calling `torch.distributed` directly (gloo's own timeout raises a RuntimeError):
   inside `dump_on_failure()`, which the trainer wraps around its loop; with `reached(label)`
   at points every rank passes, that timeout becomes a CollectiveTimeout naming the ranks that
@@ -28,6 +30,7 @@ call must not litter the current folder.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import json
 import os
@@ -113,6 +116,9 @@ def _stacks() -> dict[str, str]:
 
 _written: set[Path] = set()
 """Records this process wrote: a later, vaguer one (its own SIGTERM) must not replace them."""
+_dump_lock = threading.RLock()
+"""One record written at a time (the signal watcher and the main thread may both dump);
+re-entrant, as a signal handler may interrupt the main thread inside `dump`."""
 
 
 def dump(
@@ -128,6 +134,11 @@ def dump(
     folder = dump_dir()
     if folder is None:
         return None
+    with _dump_lock:
+        return _dump(folder, reason, waiting, replace)
+
+
+def _dump(folder: Path, reason: str, waiting: dict[str, Any] | None, replace: bool) -> Path | None:
     rank, world_size = _rank()
     path = folder / f"hang-rank-{rank}.json"
     if not replace and path in _written:
@@ -234,13 +245,26 @@ def _name_the_stopped_ranks(exc: RuntimeError) -> CollectiveTimeout | None:
 
 
 _installed: dict[int, Any] = {}
+"""The signals `install_signal_dump` handles, with the handler each had before."""
+_watcher: dict[str, Any] = {}
+"""The watcher thread and its pipe (keys thread, read, write), while one runs."""
 
 
 def install_signal_dump(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
-    """Dump the flight record when one of `signals` arrives (main thread only).
+    """Dump the flight record when one of `signals` arrives (call from the main thread).
 
-    SIGUSR1 dumps and goes on (ask a live process what it is doing); SIGTERM dumps, then ends
-    the process as SIGTERM would have, through the handler that was there before.
+    SIGUSR1 dumps and goes on (ask a live process what it is doing); SIGTERM (any other signal
+    given) dumps, then ends the process as it would have ended: through the handler that was
+    there before, or, when that was the default action, by the signal itself.
+
+    The record is written by a watcher thread that the signal wakes (`signal.set_wakeup_fd`:
+    Python's C-level handler writes the signal's number to a pipe, whichever thread the kernel
+    interrupted), so a rank whose main thread is stuck in a native wait (a gloo collective,
+    a futex), where Python handlers never run, still writes it, with the stack it is stuck in,
+    and still ends on SIGTERM. If the process already uses the wakeup fd (an asyncio loop), only
+    the Python handler dumps, when the main thread next runs Python. A handler that was there
+    before can only run in the main thread: a stuck process whose SIGTERM had one ends only if
+    that handler runs.
     """
     if threading.current_thread() is not threading.main_thread():
         return
@@ -248,16 +272,93 @@ def install_signal_dump(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUS
         if number in _installed:
             continue
         _installed[number] = signal.signal(number, _on_signal)
+    _start_watcher()
+
+
+def _start_watcher() -> None:
+    if _watcher:
+        return
+    read_fd, write_fd = os.pipe()  # close-on-exec: a program started by exec never holds it
+    os.set_blocking(write_fd, False)  # the C-level handler must never block
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    if previous != -1:  # someone else's (an asyncio loop): theirs stays
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    thread = threading.Thread(
+        target=_watch, args=(read_fd,), name="tessera-signal-dump", daemon=True
+    )
+    _watcher.update(thread=thread, read=read_fd, write=write_fd)
+    thread.start()
+
+
+def _forget_watcher_in_child() -> None:
+    """After fork: the child has no watcher thread, and must not wake its parent's."""
+    if not _watcher:
+        return
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread of the child: nothing was set there
+        pass
+    for key in ("read", "write"):
+        os.close(_watcher[key])
+    _watcher.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watcher_in_child)
+
+
+def _watch(read_fd: int) -> None:
+    """The watcher thread: for each signal number read from the wakeup pipe, dump (and end)."""
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for number in data:
+            if number in _installed:  # not SIGINT and others Python also handles
+                _answer(number)
+
+
+def _reason(number: int) -> str:
+    name = signal.Signals(number).name
+    return f"signal {name}: stopped or asked from outside (it may be the rank that hung)"
+
+
+def _answer(number: int) -> None:
+    """Watcher side: write the record; for an ending signal, end the process if nobody will."""
+    # SIGTERM also reaches ranks that failed first (the launcher stops them all): their own
+    # timeout record says more, so it is kept. SIGUSR1 is a question: always answered.
+    dump(_reason(number), replace=number == signal.SIGUSR1)
+    if number == signal.SIGUSR1 or _installed.get(number) is not signal.SIG_DFL:
+        return  # a previous Python handler runs in the main thread (`_on_signal`); SIG_IGN: none
+    _die_by(number)
+
+
+def _die_by(number: int) -> None:
+    """End this process by signal `number`'s default action, from any thread.
+
+    Python's `signal.signal` works only in the main thread, which may be stuck in native code;
+    the C library's `signal` restores the default action from here, then the signal is sent
+    again, so the process ends as it would have without a handler (its parent sees -number).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal(number, None)  # SIG_DFL is the null handler
+    os.kill(os.getpid(), number)
 
 
 def _on_signal(number: int, _frame: Any) -> None:
-    name = signal.Signals(number).name
-    # SIGTERM also reaches ranks that failed first (the launcher stops them all): their own
-    # timeout record says more, so it is kept. SIGUSR1 is a question: always answered.
-    reason = f"signal {name}: stopped or asked from outside (it may be the rank that hung)"
-    dump(reason, replace=number == signal.SIGUSR1)
+    """Main-thread side: runs only when the main thread executes Python again."""
     if number == signal.SIGUSR1:
+        if not _watcher:  # with a watcher, the watcher answers
+            dump(_reason(number), replace=True)
         return
+    dump(_reason(number), replace=False)  # kept if the watcher wrote it already
     previous = _installed.pop(number, signal.SIG_DFL)
     signal.signal(number, previous)
     if callable(previous):

@@ -12,13 +12,15 @@ Layout (`tessera train` run folder):
 A save writes everything into the `.partial` folder, then rank 0 hashes nothing twice: every rank
 hashes a share of the files (`hash_share`), rank 0 writes `manifest.json` atomically and renames
 the folder to `step-N` (a rename is atomic on POSIX; the parent folder is fsync'ed). So a folder
-named `step-N` with a manifest is complete, whatever moment a `kill -9` hit. Older complete
-checkpoints are deleted only after that rename (`prune`), keeping the newest `keep`.
+named `step-N` with a manifest is complete, whatever moment a `kill -9` hit. Older checkpoints
+are deleted only after that rename (`prune`), keeping the newest `keep` that verify: a folder that
+fails verification is not counted, so it never costs a good checkpoint its place.
 
 Reading (`latest_checkpoint`) takes the newest complete checkpoint whose files all match their
 manifest; one that fails (a truncated or flipped file) is skipped with a warning naming the file,
 and the previous one is used. Run folders of older tessera versions hold one `checkpoint.pt`
-beside config.yaml: it is still read, after every checkpoint of the new layout.
+beside config.yaml: it is still read, after every checkpoint of the new layout, and deleted only
+once `keep` verified checkpoints of the new layout exist.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "commit",
     "complete_checkpoints",
     "has_checkpoint",
+    "has_verified_checkpoint",
     "hash_share",
     "latest_checkpoint",
     "partial_folder",
@@ -65,6 +68,20 @@ _LEGACY_SHARDS = "zero"
 FORMAT = "tessera-checkpoint/1"
 _STEP = re.compile(r"step-(\d+)$")
 _CHUNK = 1 << 20
+_verified: dict[str, tuple[tuple[str, int, int, int], ...]] = {}
+"""Folders this process verified (or committed), with the stat of their files at that moment:
+`prune` re-hashes a checkpoint only when one of its files changed since."""
+
+
+def _signature(folder: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """Name, size, mtime and inode of every file of `folder` (a changed file changes one)."""
+    entries = []
+    for path in folder.rglob("*"):
+        if path.is_file():
+            stat = path.stat()
+            name = path.relative_to(folder).as_posix()
+            entries.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return tuple(sorted(entries))
 
 
 def step_folder(run_dir: str | Path, step: int) -> Path:
@@ -151,32 +168,56 @@ def commit(partial: Path, step: int, files: dict[str, dict[str, Any]], **about: 
     os.replace(partial, target)
     fsync_folder(target.parent)
     shutil.rmtree(aside, ignore_errors=True)
+    # The manifest's hashes were read from these very files: they verify as of now.
+    _verified[os.path.abspath(target)] = _signature(target)
     return target
 
 
 def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete complete checkpoints older than the newest `keep`; return what was deleted.
+    """Keep the newest `keep` checkpoints that verify, delete older ones; return what went.
 
     Call only after the newest one is committed: until then the older ones are what a resume
-    would use. A legacy `checkpoint.pt` (and its `zero/` shards) goes once `keep` checkpoints
-    of the per-step layout exist.
+    would use. A folder that fails verification (a corrupt `step-N` left by an earlier run, newer
+    than the one just committed) does not count towards `keep` and is left where it is: a resume
+    skips it with a warning, and saving its step again replaces it. Every complete checkpoint
+    older than the oldest kept one goes, verified or not. A legacy `checkpoint.pt` (and its
+    `zero/` shards) goes once `keep` verified checkpoints of the per-step layout exist; with fewer,
+    nothing is deleted that a resume could still need.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    complete = complete_checkpoints(run_dir)
-    doomed = complete[keep:]
+    kept: list[Path] = []
+    doomed: list[Path] = []
+    for folder in complete_checkpoints(run_dir):  # newest first
+        if len(kept) == keep:
+            doomed.append(folder)
+        elif _verifies(folder):
+            kept.append(folder)
     for folder in doomed:
         # Renamed first, so a kill midway leaves a dotted folder the next save clears, never a
         # `step-N` folder with some files gone.
         aside = folder.parent / f".{folder.name}.old"
         os.replace(folder, aside)
+        _verified.pop(os.path.abspath(folder), None)
         shutil.rmtree(aside, ignore_errors=True)
     legacy = Path(run_dir) / LEGACY_CHECKPOINT
-    if len(complete) >= keep and legacy.is_file():  # older than any of the `keep` kept
+    if len(kept) == keep and legacy.is_file():  # older than any of the `keep` kept
         doomed.append(legacy)
         legacy.unlink()  # first: it names the shard folder below
         shutil.rmtree(Path(run_dir) / _LEGACY_SHARDS, ignore_errors=True)
     return doomed
+
+
+def _verifies(folder: Path) -> bool:
+    """Whether `folder` verifies; hashed again only if a file changed since it last did."""
+    known = _verified.get(os.path.abspath(folder))
+    if known is not None and known == _signature(folder):
+        return True
+    try:
+        verify(folder)
+    except CheckpointError:
+        return False
+    return True
 
 
 def clean_stale(run_dir: str | Path) -> None:
@@ -212,6 +253,15 @@ def has_checkpoint(run_dir: str | Path) -> bool:
     return bool(complete_checkpoints(run_dir)) or (Path(run_dir) / LEGACY_CHECKPOINT).is_file()
 
 
+def has_verified_checkpoint(run_dir: str | Path) -> bool:
+    """Whether a resume of the run folder would find a checkpoint: one that verifies.
+
+    Hashes checkpoints newest first until one verifies (each failure warns, as a resume does).
+    A legacy `checkpoint.pt` counts as found: its header checksum is checked when it is loaded.
+    """
+    return latest_checkpoint(run_dir) is not None
+
+
 def read_manifest(folder: str | Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder (a CheckpointError naming it if unreadable)."""
     path = Path(folder) / MANIFEST_FILE
@@ -231,6 +281,7 @@ def verify(folder: str | Path) -> dict[str, Any]:
     SHA-256 differs, and any file present but not listed (a checkpoint is exactly its manifest).
     """
     folder = Path(folder)
+    signature = _signature(folder)  # before hashing: a file changed meanwhile is hashed again
     manifest = read_manifest(folder)
     files = manifest["files"]
     for name, expected in sorted(files.items()):
@@ -248,6 +299,7 @@ def verify(folder: str | Path) -> dict[str, Any]:
     extra = sorted(set(_files(folder)) - set(files))
     if extra:
         raise CheckpointError(f"{folder} holds files its manifest does not list: {extra}")
+    _verified[os.path.abspath(folder)] = signature
     return manifest
 
 

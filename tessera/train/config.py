@@ -151,7 +151,9 @@ class TrainConfig:
     log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
     checkpoint_every: int = _option(50, "Checkpoint every this many steps (and at the end).")
     keep_checkpoints: int = _option(
-        2, "Complete checkpoints kept; older ones are deleted once a newer one is complete."
+        2,
+        "Checkpoints kept (counting only those that verify); older ones are deleted once a "
+        "newer one is complete.",
     )
     sample_tokens: int = _option(200, "Characters to generate at the end; 0 skips the sample.")
     timeout_s: float = _option(300.0, "Bound in seconds of every blocking wait between ranks.")

@@ -2,6 +2,11 @@
 
 Besides the step records, the file holds event lines (`{"event": "restart", ...}`): what happened
 to the run. `read_metrics` returns the step records only, `read_events` the events.
+
+Durability: records are appended one line per write. A line that is not a whole record (the last
+one, cut short by a kill or a full disk) is dropped with a `RuntimeWarning` naming its line by
+every reader, and for good by the next resume, which rewrites the file atomically (a temporary
+file renamed over it: a kill during the rewrite leaves the old file whole).
 """
 
 from __future__ import annotations
@@ -9,11 +14,14 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
+
+from tessera._atomic import write_atomically
 
 __all__ = ["MetricsLog", "gather_rank_metrics", "peak_memory_mb", "read_events", "read_metrics"]
 
@@ -46,14 +54,21 @@ class MetricsLog:
 
     A run that died after its last checkpoint logged steps that the resumed run will redo;
     keeping both would give two records for one step. Event lines are history: all are kept.
+    A torn line is dropped (with a warning). The file is rewritten atomically, so a kill during
+    the rewrite leaves the previous file, never a truncated one.
     """
 
     def __init__(self, path: Path, *, resume_from_step: int = 0) -> None:
         self.path = path
-        kept = [r for r in _read_lines(path) if "event" in r or r["step"] <= resume_from_step]
-        with path.open("w") as file:
+        kept = [
+            r for r in _read_lines(path) if "event" in r or r.get("step", 0) <= resume_from_step
+        ]
+
+        def fill(file: BinaryIO) -> None:
             for record in kept:
-                file.write(json.dumps(record) + "\n")
+                file.write((json.dumps(record) + "\n").encode())
+
+        write_atomically(path, fill)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record and flush it, so a crash loses at most the current step."""
@@ -62,10 +77,29 @@ class MetricsLog:
 
 
 def _read_lines(path: str | Path) -> list[dict[str, Any]]:
+    """The records of the file, without the lines that are not a whole one (each warned)."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):  # a torn line parses as nothing, or not as an object
+            records.append(record)
+            continue
+        warnings.warn(
+            f"{path}:{number}: dropping a line that is not a whole record (a write cut short "
+            f"by a kill or a full disk?): {line[:60]!r}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return records
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -4,10 +4,12 @@ complete checkpoint of the run folder, up to `--max-restarts` times.
 The supervisor is the launching process. It starts the ranks (`tessera.launch`), and when one
 fails (it raised, it died without a word, or it stopped answering so that its peers' collectives
 timed out) the launcher stops them all and the supervisor starts them again with `resume=True`
-when the run folder holds a checkpoint (from scratch otherwise). The trainer's own resume path
-does the rest, so a restarted run is exactly a `tessera train --resume DIR`: same batches, same
-RNG states, same parameters as a run that never failed. After `max_restarts` restarts the next
-failure stops the run with every failure listed (`RestartsExhausted`).
+when the run folder holds a checkpoint that verifies (from scratch otherwise: a folder whose
+only checkpoints fail verification starts again from step 0 instead of failing every restart).
+The trainer's own resume path does the rest, so a restarted run is exactly a
+`tessera train --resume DIR`: same batches, same RNG states, same parameters as a run that never
+failed. After `max_restarts` restarts the next failure stops the run with every failure listed
+(`RestartsExhausted`).
 
 The restarted trainer writes one `{"event": "restart", "step": S, "rank": R, "cause": ...}` line to
 metrics.jsonl (S: the step it resumed from; R: the rank that failed), which the summary counts.
@@ -153,14 +155,19 @@ def _failure(exc: RankFailedError | LaunchTimeout, world: int) -> Failure:
 
 
 def has_checkpoint(run_dir: Path) -> bool:
-    """Whether the run folder holds a checkpoint to resume, as `tessera train --resume` sees it."""
+    """Whether a restart can resume the run folder: its config is there and a checkpoint verifies.
+
+    A folder whose every checkpoint fails verification (each one warns, naming the bad file) is
+    restarted from scratch, as one without checkpoints is: resuming it would fail every restart.
+    """
+    from tessera.train import checkpoint_series as series
     from tessera.train.run import config_layers_for_resume
 
     try:
         config_layers_for_resume(run_dir)
     except ConfigError:
         return False
-    return True
+    return series.has_verified_checkpoint(run_dir)
 
 
 def _rank_env(restart: dict[str, Any] | None) -> dict[str, str]:
