@@ -609,3 +609,27 @@ def test_asp_shards_checkpoint_every_n_clocks_and_resume_without_applying_twice(
     # common to both, so it kept 6; server 1 saved 8 when 8 was common, and kept only 8.
     kept = [sorted(f.name for f in (tmp_path / f"server-{s}").iterdir()) for s in range(2)]
     assert kept == [[f"applied-{v:010d}.pt" for v in (6, 8)], [f"applied-{8:010d}.pt"]]
+
+
+def test_a_kill_while_ps_metrics_are_rewritten_leaves_the_previous_file(tmp_path):
+    # A resumed ps run rewrites metrics.jsonl whole; killed half-way, the previous file must
+    # remain (a plain write_text left half a file that every later resume failed to read).
+    from tessera import _atomic
+    from tessera.parameter_server import write_metrics
+    from tessera.parameter_server.result import PSResult
+
+    def result(clocks: int) -> PSResult:
+        log = [{"worker": 0, "clock": c, "min_clock": c, "staleness": 0, "time": 0.0,
+                "loss": 1.0} for c in range(clocks)]  # fmt: skip
+        return PSResult({}, log, [], [1.0], [0.0], 1.0)
+
+    write_metrics(result(3), tmp_path, plot=False)
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    pid = os.fork()
+    if pid == 0:  # the child dies by SIGKILL in the middle of the rewrite
+        _atomic.arm_write_crash(lambda: True)
+        write_metrics(result(50), tmp_path, plot=False)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before

@@ -13,6 +13,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+from tessera._atomic import write_atomically
 from tessera.parameter_server.result import PSResult
 
 __all__ = ["staleness_histogram", "write_metrics"]
@@ -35,8 +36,9 @@ def write_metrics(result: PSResult, folder: str | Path, *, plot: bool = True) ->
             "wait_s": None if math.isnan(wait) else wait,
         })
     lines.append({"kind": "staleness_histogram", "counts": staleness_histogram(result)})
-    path = folder / "metrics.jsonl"
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    # atomic: a kill while a resumed run rewrites it leaves the previous file, not half of it
+    path = write_atomically(folder / "metrics.jsonl", lambda file: file.write(text))
     if plot:
         _plot(result, folder / "metrics.png")
     return path
