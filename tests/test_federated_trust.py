@@ -322,6 +322,34 @@ def test_refusals_are_counted_but_their_records_and_logs_are_bounded(caplog):
 # 6. large models deployed
 
 
+class _RssSampler:
+    """The growth of this process's resident memory over a `with` block (sampled every 5 ms
+    from /proc/self/statm by a thread): the block's own peak, whatever ran before it."""
+
+    def __enter__(self) -> _RssSampler:
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.growth = self.peak - self.base
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        import os
+
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _wide_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Linear(10_000, 1_000)  # 10,001,000 parameters: 40 MB in float32
@@ -331,8 +359,6 @@ def test_a_10m_parameter_model_trains_deployed():
     """gRPC's default 4 MiB limit stopped any model over ~524k parameters (float64 vectors). Now
     the limits follow the model's size and vectors travel as float32: one round of two clients
     on a 10M-parameter model gives the simulated model bit for bit, in seconds."""
-    import resource
-
     from tessera.federated.deployed import ServerConfig, serve
 
     g = torch.Generator().manual_seed(1)
@@ -341,26 +367,35 @@ def test_a_10m_parameter_model_trains_deployed():
     settings = dict(local_epochs=1, batch_size=None, lr=0.1, seed=1)
     config = ServerConfig(token="t", rounds=1, clients_per_round=2, quorum=2, round_timeout_s=60,
                           join_timeout_s=60, **settings)  # fmt: skip
+    sampler = _RssSampler()
     began = time.perf_counter()
-    server, grpc_server, port = serve(_wide_model, config)
-    history = _round_with_client_threads(
-        server, grpc_server, f"127.0.0.1:{port}", x, y, parts, model_fn=_wide_model
-    )
+    with sampler:
+        server, grpc_server, port = serve(_wide_model, config)
+        history = _round_with_client_threads(
+            server, grpc_server, f"127.0.0.1:{port}", x, y, parts, model_fn=_wide_model
+        )
     elapsed = time.perf_counter() - began
     numel = 10_001_000
     assert history.reported == [[0, 1]]
     # float32 on the wire: each client got the weights once and sent one update (4 B each)
     assert 2 * 4 * numel < history.bytes_down[0] < 2 * 4 * numel * 1.01
     assert 2 * 4 * numel < history.bytes_up[0] < 2 * 4 * numel * 1.01
+    # Server and two clients in one process: three models (40 MB each), float64 reports and
+    # sums (80 MB each), messages in flight: hundreds of MB, not gigabytes. Seconds on 2 idle
+    # cores; the bound leaves room for a loaded machine.
     assert elapsed < 60, elapsed
-    peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    assert peak_gib < 4, peak_gib  # a few copies of 40-80 MB vectors, not gigabytes
+    assert sampler.growth < 1.5 * 2**30, sampler.growth / 2**20
+    print(f"10M model: {elapsed:.1f} s, resident memory +{sampler.growth / 2**20:.0f} MiB")
     simulated = simulate(
         _wide_model, (x, y), (x[:1], y[:1]), partition=parts, num_clients=2, clients_per_round=2,
         rounds=1, **settings,
     )  # fmt: skip
     for name, value in simulated.state_dict.items():
         assert torch.equal(history.state_dict[name], value), name
+    # one message per vector: past gRPC's 2 GiB ceiling (about 266M parameters) it is refused
+    assert wire.message_limit(266_000_000) < 2**31
+    with pytest.raises(ValueError, match="past gRPC's"):
+        wire.message_limit(267_000_000)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,3 +494,51 @@ def test_secure_sums_that_cannot_be_represented_are_refused():
     with pytest.raises(SecureAggregationError, match="cannot be represented"):
         quantize(torch.tensor([7e8]), count=4)  # four such reports would reach 2.8e9
     assert quantize(torch.tensor([7e8]), count=3).view(np.int64).tolist() == [7e8 * 2**32]
+
+
+def test_secure_rounds_check_the_total_weight(caplog):
+    """Masked reports hide each weight, but the sum's total weight is checked: three honest
+    clients of 6, 10 and 14 samples (30) exceed max_weight 9 per survivor (27), and the round is
+    abandoned, the model kept; with max_weight 10 (30 allowed) the same round counts."""
+    from tessera.federated.deployed import ServerConfig, serve
+
+    x, y = _data(30, seed=11)
+    parts = [np.arange(0, 6), np.arange(6, 16), np.arange(16, 30)]
+    histories = {}
+    for max_weight in (9, 10):
+        config = ServerConfig(token="t", rounds=1, clients_per_round=3, quorum=3,
+                              secure_aggregation=True, round_timeout_s=20, join_timeout_s=60,
+                              batch_size=None, max_weight=max_weight)  # fmt: skip
+        server, grpc_server, port = serve(_odd_model, config)
+        with caplog.at_level(logging.WARNING, logger="tessera.federated.deployed"):
+            histories[max_weight] = _round_with_client_threads(
+                server, grpc_server, f"127.0.0.1:{port}", x, y, parts
+            )
+    assert histories[9].reported == [[]] and histories[10].reported == [[0, 1, 2]]
+    assert "weights sum to 30.0, above max_weight 9" in caplog.text
+    start = _flat(_odd_model().state_dict())
+    assert torch.equal(_flat(histories[9].state_dict), start)
+    assert not torch.equal(_flat(histories[10].state_dict), start)
+
+
+def test_fl_token_command_prints_a_clients_token(tmp_path, capsys, monkeypatch):
+    """The operator's `tessera fl token --client K` gives client K's token from the server's
+    secret (its config's token, or TESSERA_FL_SECRET), which the server accepts for K only."""
+    from tessera.federated.cli import main
+    from tessera.federated.deployed import client_token
+
+    config = tmp_path / "server.yaml"
+    config.write_text("model: test_federated:_odd_model\ntoken: sécret\n")
+    assert main(["token", "--client", "7", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.strip() == client_token("sécret", 7)
+    monkeypatch.setenv("TESSERA_FL_SECRET", SECRET)
+    assert main(["token", "--client", "3"]) == 0
+    token = capsys.readouterr().out.strip()
+    server = _server()
+    send = _sender(server)
+    assert send(3, {"kind": "join"}, token=token)[0]["kind"] == "joined"
+    with pytest.raises(PermissionError, match="UNAUTHENTICATED"):
+        send(4, {"kind": "join"}, token=token)
+    monkeypatch.delenv("TESSERA_FL_SECRET")
+    with pytest.raises(ValueError, match="no secret"):
+        main(["token", "--client", "3"])

@@ -12,10 +12,12 @@ between rounds and leave at any time.
 Who gets in: the server's `token` is a secret only the operator holds; client k presents its own
 token `client_token(token, k)` (an HMAC of its id under the secret, which the operator hands to
 client k, e.g. with `tessera fl token --client k`), compared as bytes in constant time. A token
-speaks for its own id only: a client cannot join, poll or report as another. Messages without a
-valid token are refused before anything else is read; the server counts them and keeps only the
-last `REFUSED_KEPT` reasons, and logs refusals at most once per `REFUSE_LOG_EVERY_S` seconds. TLS is
-used when a certificate and a key are given (one without the other is refused).
+speaks for its own id only: a client cannot join, poll or report as another. A message without a
+valid token is refused before the server acts on it (only its JSON header has been parsed and
+checked; gRPC bounds its size); the server counts refusals, keeps only the last `REFUSED_KEPT`
+reasons and logs at most once per `REFUSE_LOG_EVERY_S` seconds, so peers without a token cannot
+grow its memory or its log. TLS is used when a certificate and a key are given (one without the
+other is refused).
 
 What a client can do to the model: the server refuses a report whose weight (the client's claimed
 sample count) is negative, non-finite or above `max_weight`; with `dp`, every weight must be 1 and
@@ -27,17 +29,17 @@ per survivor, exactly one per survivor with `dp`) and abandons the round otherwi
 of each update rests on the clients. Vectors travel as float32 (`wire_dtype`), in one message
 whose size limit both ends set from the model's size (`wire.message_limit`).
 
-One generic unary gRPC method carries `wire` messages (no generated stubs). With
-`secure_aggregation`, a round runs Bonawitz et al.'s four phases (`_secure_round`) with the same
-`SecAggClient` / `SecAggServer` as simulation (over the complete graph, or SecAgg+'s k-regular one
-with `SecAggConfig(neighbours=k)`: then a client is sent only its neighbours' keys and shares); a
-client that stops after sharing its keys is a dropout whose masks the others' shares remove, and a
-client whose `keys`, `shares` or `unmask` message is malformed is dropped from the round, which
-goes on without it. A client whose own update is non-finite, or too large for the secure sum's
-range, does not report (it drops out). With `dp`, clients clip and the server adds the noise (from
-the OS's CSPRNG; `privacy`), divides by `clients_per_round` and keeps the accountant, as in
-`simulate`: a run over clients 0..n-1 equals the simulated one when `dp.insecure_noise_seed` fixes
-the noise (tests only).
+One generic unary gRPC method carries `wire` messages (no generated stubs); the client side is
+`deployed_client.connect`. With `secure_aggregation`, a round runs Bonawitz et al.'s four phases
+(`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation (over the complete
+graph, or SecAgg+'s k-regular one with `SecAggConfig(neighbours=k)`: then a client is sent only
+its neighbours' keys and shares); a client that stops after sharing its keys is a dropout whose
+masks the others' shares remove, and a client whose `keys`, `shares` or `unmask` message is
+malformed is dropped from the round, which goes on without it. A client whose own update is
+non-finite, or too large for the secure sum's range, does not report (it drops out). With `dp`,
+clients clip and the server adds the noise (from the OS's CSPRNG; `privacy`), divides by
+`clients_per_round` and keeps the accountant, as in `simulate`: a run over clients 0..n-1 equals
+the simulated one when `dp.insecure_noise_seed` fixes the noise (tests only).
 """
 
 from __future__ import annotations
@@ -60,36 +62,33 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from tessera.federated import wire
+from tessera.federated._secure_round import secure_round
 from tessera.federated.aggregate import (
     ALGORITHMS,
     make_report,
     server_step,
-    sum_of_reports,
     sum_to_mean,
     update_problem,
 )
-from tessera.federated.client import client_generator, load_vector, local_update
+from tessera.federated.client import load_vector
+from tessera.federated.deployed_client import connect
 from tessera.federated.privacy import DPConfig, RDPAccountant, clip_update, private_mean
 from tessera.federated.secure_aggregation import (
-    SecAggClient,
     SecAggConfig,
-    SecAggServer,
     SecureAggregationError,
     as_config,
     check_client_id,
-    dequantize,
-    quantize,
 )
 
 __all__ = ["FederatedServer", "ServerConfig", "client_token", "connect", "serve"]
 
 log = logging.getLogger(__name__)
-METHOD = "/tessera.federated.Federated/Call"
+METHOD = wire.METHOD
 REFUSED_KEPT = 64
 """How many refusal reasons `FederatedServer.refused` keeps (the newest; all are counted)."""
 REFUSE_LOG_EVERY_S = 10.0
 """Refusals are logged at most once per this many seconds (with the count since the last log)."""
-WIRE_DTYPES = {"float32": np.float32, "float64": np.float64}
+WIRE_DTYPES = wire.WIRE_DTYPES
 
 
 def client_token(secret: str, client: int) -> str:
@@ -298,8 +297,9 @@ class FederatedServer:
     def _plain_round(self, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
         train = wire.encode({"kind": "train", **self._settings()}, self._global_payload())
         numel, clip = self.vector.numel(), None if self.config.dp is None else self.config.dp.clip
-        reports, collected = {}, self._collect("report", selected, lambda _: train)
-        for u, (header, payload) in sorted(collected.items()):
+        collected = self._collect("report", selected, lambda _: train)
+        total, usable = torch.zeros(numel + 1, dtype=torch.float64), []
+        for u, (header, payload) in sorted(collected.items()):  # summed in client order
             update = torch.from_numpy(payload)
             problem = update_problem(update, numel) or self._weight_problem(float(header["weight"]))
             if problem is not None:
@@ -311,8 +311,10 @@ class FederatedServer:
                     log.warning("federated: client %s sent an update of norm %.6g > clip %.6g; "
                                 "clipped by the server", u, norm, clip)  # fmt: skip
                 update = clip_update(update.to(torch.float64), clip)
-            reports[u] = make_report(update, float(header["weight"]))
-        return sum_of_reports(reports.items(), numel), sorted(reports)
+            total += make_report(update, float(header["weight"]))
+            usable.append(u)
+            del collected[u]  # its payload is summed: free it before the next one
+        return total, usable
 
     def run(self) -> ServerHistory:
         """Run every round; returns the history (the final model in `state_dict`)."""
@@ -339,7 +341,7 @@ class FederatedServer:
             rng.choice(sorted(selected), 0, replace=False)
             try:
                 if c.secagg is not None:
-                    total, usable = _secure_round(self, selected)
+                    total, usable = secure_round(self, selected)
                 else:
                     total, usable = self._plain_round(selected)
             except SecureAggregationError as error:
@@ -366,91 +368,6 @@ class FederatedServer:
         load_vector(self._params, self.vector)
         self.history.state_dict = {k: v.clone() for k, v in self.model.state_dict().items()}
         return self.history
-
-
-def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
-    """Bonawitz et al.'s four rounds over the network (see `secure_aggregation`)."""
-    config = server.config.secagg
-    secagg = SecAggServer(selected, config.threshold, config.neighbours)
-    round_index = server._round
-
-    def ask(kind: str, **fields) -> Callable[[int], bytes]:
-        message = wire.encode({"kind": kind, "round": round_index, **fields})
-        return lambda _: message
-
-    keys = _well_formed(server, "keys", server._collect("keys", selected, ask("keys")),
-                        lambda h: (_public(h["c"]), _public(h["s"])))  # fmt: skip
-    roster = secagg.collect_keys(keys)
-
-    def shares_task(client: int) -> bytes:  # a client gets its neighbours' keys and its own
-        keys = secagg.neighbourhood(client)
-        return wire.encode(
-            {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
-             "count": len(roster),
-             "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in keys.items()}},
-            server._global_payload(),
-        )  # fmt: skip
-
-    outboxes = _well_formed(
-        server, "shares", server._collect("shares", set(roster), shares_task),
-        lambda h: {int(v): bytes.fromhex(c) for v, c in h["outbox"].items()},
-    )  # fmt: skip
-    # Only clients whose shares went out can be unmasked later: they are the partners.
-    partners = sorted(outboxes)
-    secagg.keep_partners(partners)
-    inboxes = secagg.route_shares({u: {v: c for v, c in box.items() if v in secagg.roster}
-                                   for u, box in outboxes.items()})  # fmt: skip
-
-    def masked_task(client: int) -> bytes:
-        inbox = {str(u): c.hex() for u, c in inboxes[client].items()}
-        return wire.encode({"kind": "masked", "round": round_index, "inbox": inbox,
-                            "partners": partners})  # fmt: skip
-
-    masked = server._collect("masked", set(partners), masked_task)
-    dropped, survivors = secagg.collect_masked({u: p for u, (_, p) in masked.items()})
-    unmask = server._collect("unmask", set(survivors), ask("unmask", dropped=dropped,
-                                                         survivors=survivors))  # fmt: skip
-    responses = _well_formed(
-        server, "unmask", unmask,
-        lambda h: {kind: {int(k): bytes.fromhex(v) for k, v in h[kind].items()} for kind in "sb"},
-    )  # fmt: skip
-    total = dequantize(secagg.finish(responses))
-    _check_total_weight(server.config, float(total[-1]), len(survivors))
-    return total, survivors
-
-
-def _public(text: object) -> bytes:
-    """A 32-byte X25519 public key from its hex text (ValueError / TypeError otherwise)."""
-    if not isinstance(text, str) or len(text) != 64:
-        raise ValueError("a public key is 64 hex digits")
-    return bytes.fromhex(text)
-
-
-def _well_formed(server: FederatedServer, kind: str, collected: dict, parse) -> dict:
-    """`{client: parse(header)}` for the clients whose `kind` message parses; a malformed one
-    drops its sender from this round (logged), and the round goes on without it."""
-    parsed = {}
-    for client, (header, _) in sorted(collected.items()):
-        try:
-            parsed[client] = parse(header)
-        except (AttributeError, KeyError, TypeError, ValueError) as error:
-            log.warning("federated server: client %s dropped from round %d: a malformed %s "
-                        "message (%s)", client, server._round, kind, error)  # fmt: skip
-    return parsed
-
-
-def _check_total_weight(config: ServerConfig, weight: float, survivors: int) -> None:
-    """The one check the server can make on masked reports: their total weight."""
-    if config.dp is not None and weight != survivors:
-        raise SecureAggregationError(
-            f"secure aggregation: the reports' weights sum to {weight}, not 1 per each of the "
-            f"{survivors} survivors (DP); a client claimed another weight: round abandoned"
-        )
-    if config.max_weight is not None and not weight <= config.max_weight * survivors:
-        raise SecureAggregationError(
-            f"secure aggregation: the reports' weights sum to {weight}, above max_weight "
-            f"{config.max_weight} for each of the {survivors} survivors: round abandoned"
-        )
 
 
 def serve(
@@ -491,108 +408,3 @@ def serve(
         port = grpc_server.add_insecure_port(address)
     grpc_server.start()
     return server, grpc_server, port
-
-
-def connect(
-    address: str,
-    model_fn: Callable[[], nn.Module],
-    data: tuple[torch.Tensor, torch.Tensor],
-    *,
-    client: int,
-    token: str,
-    root_certificate: bytes | None = None,
-    connect_timeout_s: float = 30.0,
-    idle_timeout_s: float = 900.0,
-    poll_s: float = 0.02,
-) -> int:
-    """Take part in a deployed run as client `client` with `data`; returns the rounds trained.
-
-    `token` is this client's own token, `client_token(secret, client)`, from the operator.
-    Only reports leave the client. Raises `ConnectionError` if no server answers in time,
-    `PermissionError` if the server refuses the token, and `TimeoutError` if the server neither
-    selects this client nor finishes for `idle_timeout_s` (no wait is unbounded).
-    """
-    model, trained = model_fn(), 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    limit = wire.message_limit(sum(p.numel() for p in params))
-    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
-    if root_certificate is not None:
-        credentials = grpc.ssl_channel_credentials(root_certificate)
-        channel = grpc.secure_channel(address, credentials, options=options)
-    else:
-        channel = grpc.insecure_channel(address, options=options)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise ConnectionError(
-            f"federated client {client}: no server at {address} within {connect_timeout_s} s"
-        ) from None
-    call = channel.unary_unary(METHOD)
-    inputs, labels = data
-
-    def send(header: dict, payload=None) -> dict:
-        try:
-            reply = call(wire.encode({**header, "token": token, "client": client}, payload),
-                         timeout=connect_timeout_s)  # fmt: skip
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise PermissionError(f"federated client {client}: {error.details()}") from None
-            raise ConnectionError(f"federated client {client}: {error.details()}") from None
-        return wire.decode(reply)
-
-    secure: dict = {}  # this round's secure-aggregation state: the SecAggClient, the report
-    try:
-        send({"kind": "join"})
-        idle_since = time.monotonic()
-        while True:
-            task, vector = send({"kind": "task"})
-            if task["kind"] == "done":
-                return trained
-            if task["kind"] not in ("train", "keys", "shares", "masked", "unmask"):
-                if time.monotonic() - idle_since > idle_timeout_s:
-                    raise TimeoutError(
-                        f"federated client {client}: no task from {address} in {idle_timeout_s} s"
-                    )
-                time.sleep(poll_s)
-                continue
-            idle_since = time.monotonic()
-            answer = {"kind": task["kind"], "round": task["round"]}
-            if task["kind"] in ("train", "shares"):
-                global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
-                update = local_update(
-                    model, global_vector, inputs, labels, algorithm=task["algorithm"],
-                    epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
-                    mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
-                )  # fmt: skip
-                weight = float(len(labels))
-                if task.get("clip") is not None:  # DP: bounded influence, equal weights
-                    update, weight = clip_update(update, task["clip"]), 1.0
-                trained += 1
-            if task["kind"] == "train":
-                payload = update.detach().numpy().astype(WIRE_DTYPES[task["dtype"]], copy=False)
-                send({**answer, "kind": "report", "weight": weight}, payload)
-            elif task["kind"] == "keys":
-                secure = {"client": SecAggClient(client)}
-                c_public, s_public = secure["client"].advertise_keys()
-                send({**answer, "c": c_public.hex(), "s": s_public.hex()})
-            elif task["kind"] == "shares":
-                roster = {int(u): (bytes.fromhex(c), bytes.fromhex(s))
-                          for u, (c, s) in task["roster"].items()}  # fmt: skip
-                try:  # bounded so that the sum of `count` reports fits the ring
-                    secure["report"] = quantize(make_report(update, weight), count=task["count"])
-                except SecureAggregationError as error:  # non-finite or too large: drop out
-                    log.warning("federated client %s: not reporting: %s", client, error)
-                    continue
-                outbox = secure["client"].share_keys(roster, task["threshold"])
-                send({**answer, "outbox": {str(v): c.hex() for v, c in outbox.items()}})
-            elif task["kind"] == "masked":
-                inbox = {int(u): bytes.fromhex(c) for u, c in task["inbox"].items()}
-                masked = secure["client"].masked_input(secure["report"], inbox, task["partners"])
-                send(answer, masked)
-            else:
-                shares = secure["client"].unmask(task["dropped"], task["survivors"])
-                send({**answer, **{k: {str(u): v.hex() for u, v in shares[k].items()}
-                                   for k in ("s", "b")}})  # fmt: skip
-    finally:
-        channel.close()

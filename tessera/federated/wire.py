@@ -32,6 +32,10 @@ __all__ = [
 ]
 
 MAGIC = b"TFL1"
+METHOD = "/tessera.federated.Federated/Call"
+"""The one generic unary gRPC method that carries every message."""
+WIRE_DTYPES = {"float32": np.float32, "float64": np.float64}
+"""How vectors may travel (`ServerConfig.wire_dtype`)."""
 CLIENT_FIELDS = {
     "join": {"kind", "token", "client"},
     "task": {"kind", "token", "client"},
