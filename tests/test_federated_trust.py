@@ -542,3 +542,43 @@ def test_fl_token_command_prints_a_clients_token(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TESSERA_FL_SECRET")
     with pytest.raises(ValueError, match="no secret"):
         main(["token", "--client", "3"])
+
+
+def test_a_client_that_cannot_decrypt_a_share_drops_out_of_that_round_only():
+    """The server cannot check encrypted shares: client 3 sends client 0 a well-formed ciphertext
+    that does not decrypt, then goes silent. Client 0 drops out of round 1 (which, left with 2
+    survivors of threshold 3, is abandoned) instead of quitting; in round 2 it trains again."""
+    import grpc
+
+    from tessera.federated.deployed import METHOD, ServerConfig, client_token, serve
+
+    x, y = _data(30, seed=11)
+    parts = [np.arange(0, 6), np.arange(6, 16), np.arange(16, 30)]
+    config = ServerConfig(token="t", rounds=2, clients_per_round=4, quorum=3, batch_size=None,
+                          secure_aggregation=True, round_timeout_s=2,
+                          join_timeout_s=60)  # fmt: skip
+    server, grpc_server, port = serve(_odd_model, config)
+    address = f"127.0.0.1:{port}"
+
+    def rogue() -> None:
+        with grpc.insecure_channel(address) as channel:
+            call = channel.unary_unary(METHOD)
+
+            def send(header):
+                message = wire.encode({**header, "token": client_token("t", 3), "client": 3})
+                return wire.decode(call(message, timeout=30))[0]
+
+            send({"kind": "join"})
+            while send({"kind": "task"})["kind"] != "keys":
+                threading.Event().wait(0.01)
+            c_public, s_public = SecAggClient(3).advertise_keys()
+            send({"kind": "keys", "round": 1, "c": c_public.hex(), "s": s_public.hex()})
+            while send({"kind": "task"})["kind"] != "shares":
+                threading.Event().wait(0.01)
+            garbage = bytes(12 + 16 + 88 + 16).hex()  # nonce, record, tag: the right length
+            send({"kind": "shares", "round": 1, "outbox": {"0": garbage}})
+
+    history = _round_with_client_threads(
+        server, grpc_server, address, x, y, parts, extra=[threading.Thread(target=rogue)]
+    )
+    assert history.reported == [[], [0, 1, 2]]

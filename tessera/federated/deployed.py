@@ -35,11 +35,12 @@ One generic unary gRPC method carries `wire` messages (no generated stubs); the 
 graph, or SecAgg+'s k-regular one with `SecAggConfig(neighbours=k)`: then a client is sent only
 its neighbours' keys and shares); a client that stops after sharing its keys is a dropout whose
 masks the others' shares remove, and a client whose `keys`, `shares` or `unmask` message is
-malformed is dropped from the round, which goes on without it. A client whose own update is
-non-finite, or too large for the secure sum's range, does not report (it drops out). With `dp`,
-clients clip and the server adds the noise (from the OS's CSPRNG; `privacy`), divides by
-`clients_per_round` and keeps the accountant, as in `simulate`: a run over clients 0..n-1 equals
-the simulated one when `dp.insecure_noise_seed` fixes the noise (tests only).
+malformed is dropped from the round, which goes on without it. A client whose own update is non-
+finite or too large for the secure sum's range, or that was sent a share it cannot decrypt, drops
+out of that round and waits for the next (`deployed_client`). With `dp`, clients clip and the
+server adds the noise (from the OS's CSPRNG; `privacy`), divides by `clients_per_round` and keeps
+the accountant, as in `simulate`: a run over clients 0..n-1 equals the simulated one when
+`dp.insecure_noise_seed` fixes the noise (tests only).
 """
 
 from __future__ import annotations

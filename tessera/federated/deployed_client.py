@@ -1,6 +1,11 @@
 """The deployed client: `connect` joins a server, polls for tasks, trains on local data and
 sends its updates (plain rounds) or takes part in secure aggregation; only updates, keys,
 encrypted shares and masked reports leave it. See `deployed` for the protocol and who gets in.
+
+In a secure round a client drops out of that round (and waits for the next) rather than stop
+when it cannot take part: its update is non-finite or too large for the secure sum, or a share
+another client sent it through the server does not decrypt or is malformed (the server cannot
+check ciphertexts, so this is where a bad one is found).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Callable
 
 import grpc
 import torch
+from cryptography.exceptions import InvalidTag
 from torch import nn
 
 from tessera.federated import wire
@@ -73,6 +79,7 @@ def connect(
         return wire.decode(reply)
 
     secure: dict = {}  # this round's secure-aggregation state: the SecAggClient, the report
+    skipped = None  # a secure round this client dropped out of: its remaining tasks are ignored
     try:
         send({"kind": "join"})
         idle_since = time.monotonic()
@@ -80,7 +87,8 @@ def connect(
             task, vector = send({"kind": "task"})
             if task["kind"] == "done":
                 return trained
-            if task["kind"] not in ("train", "keys", "shares", "masked", "unmask"):
+            waiting = task["kind"] not in ("train", "keys", "shares", "masked", "unmask")
+            if waiting or task["round"] == skipped:
                 if time.monotonic() - idle_since > idle_timeout_s:
                     raise TimeoutError(
                         f"federated client {client}: no task from {address} in {idle_timeout_s} s"
@@ -115,12 +123,21 @@ def connect(
                     secure["report"] = quantize(make_report(update, weight), count=task["count"])
                 except SecureAggregationError as error:  # non-finite or too large: drop out
                     log.warning("federated client %s: not reporting: %s", client, error)
+                    skipped = task["round"]
                     continue
                 outbox = secure["client"].share_keys(roster, task["threshold"])
                 send({**answer, "outbox": {str(v): c.hex() for v, c in outbox.items()}})
             elif task["kind"] == "masked":
                 inbox = {int(u): bytes.fromhex(c) for u, c in task["inbox"].items()}
-                masked = secure["client"].masked_input(secure["report"], inbox, task["partners"])
+                try:  # the server cannot check encrypted shares: a bad one is found here
+                    masked = secure["client"].masked_input(
+                        secure["report"], inbox, task["partners"]
+                    )
+                except (InvalidTag, SecureAggregationError, KeyError, ValueError) as error:
+                    log.warning("federated client %s: dropping out of round %s: a share it was "
+                                "sent is unusable (%r)", client, task["round"], error)  # fmt: skip
+                    skipped = task["round"]
+                    continue
                 send(answer, masked)
             else:
                 shares = secure["client"].unmask(task["dropped"], task["survivors"])
