@@ -398,6 +398,26 @@ def test_a_10m_parameter_model_trains_deployed():
         wire.message_limit(267_000_000)
 
 
+def test_vectors_travel_as_float32_unless_float64_is_asked_for():
+    """The global weights go out in `wire_dtype` and the updates come back in it; a float64 run
+    over a float64 model is exact, a float32 one sends half the bytes."""
+    x, y = _data(10, seed=1)
+    for dtype in ("float32", "float64"):
+        server = _server(wire_dtype=dtype, clients_per_round=1)
+        send = _sender(server)
+        send(0, {"kind": "join"})
+        thread, result = _start(server)
+        task, vector = _await(send, 0)
+        assert task["dtype"] == dtype and vector.dtype == np.dtype(dtype)
+        update = _honest_update(task, vector, x, y, 0).numpy().astype(dtype)
+        header = {"kind": "report", "round": task["round"], "weight": 10.0}
+        assert send(0, header, update)[0]["kind"] == "received"
+        thread.join(timeout=30)
+        assert result["history"].reported == [[0]]
+    with pytest.raises(ValueError, match="wire_dtype"):
+        _server(wire_dtype="float16")
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. malformed secure-aggregation messages
 
