@@ -115,7 +115,7 @@ def _deployed_round_ms(train, parts, rounds: int, secure: bool) -> float:
     import sys
     import tempfile
 
-    from tessera.federated.deployed import ServerConfig, serve
+    from tessera.federated.deployed import ServerConfig, client_token, serve
 
     config = ServerConfig(
         token="bench",
@@ -130,7 +130,6 @@ def _deployed_round_ms(train, parts, rounds: int, secure: bool) -> float:
     env = {
         **os.environ,
         "PYTHONPATH": f"{HERE.parent}{os.pathsep}{HERE}",
-        "TESSERA_FL_TOKEN": "bench",
         "OMP_NUM_THREADS": "1",
     }
     processes = []
@@ -155,7 +154,7 @@ def _deployed_round_ms(train, parts, rounds: int, secure: bool) -> float:
                             "--model",
                             "federated:_model",
                         ],
-                        env=env,
+                        env={**env, "TESSERA_FL_TOKEN": client_token("bench", k)},
                         stdout=subprocess.DEVNULL,
                     )
                 )

@@ -745,8 +745,7 @@ def test_deployed_round_equals_simulated_round(tmp_path):
     server, grpc_server, port = serve(_odd_model, config)
     address = f"127.0.0.1:{port}"
     tests, root = Path(__file__).parent, Path(__file__).parent.parent
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tests}", "TESSERA_FL_TOKEN": "s3cret",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{tests}", "OMP_NUM_THREADS": "1"}
     processes = []
     try:
         for k, p in enumerate(parts):
@@ -754,17 +753,19 @@ def test_deployed_round_equals_simulated_round(tmp_path):
             command = [sys.executable, "-m", "tessera.federated", "client", "--server", address,
                        "--data", str(tmp_path / f"client{k}.pt"), "--client", str(k),
                        "--model", "test_federated:_odd_model"]  # fmt: skip
-            processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+            token = {"TESSERA_FL_TOKEN": fl.client_token("s3cret", k)}  # each its own
+            processes.append(subprocess.Popen(command, env={**env, **token}, stdout=subprocess.PIPE,
                                               stderr=subprocess.STDOUT, text=True))  # fmt: skip
         # meanwhile: a wrong token and messages that could carry data are refused
         with pytest.raises(PermissionError, match="wrong token"):
             connect(address, _odd_model, (x, y), client=9, token="guess", idle_timeout_s=3)
-        numel = server.vector.numel()
+        numel, token = server.vector.numel(), fl.client_token("s3cret", 9)
         for header, payload in [
-            ({"kind": "join", "token": "s3cret", "client": 9, "inputs": [1.0]}, None),
-            ({"kind": "task", "token": "s3cret", "client": 9}, np.zeros(3)),
-            ({"kind": "report", "token": "s3cret", "client": 9, "round": 1}, np.zeros(numel)),
-        ]:
+            ({"kind": "join", "token": token, "client": 9, "inputs": [1.0]}, None),
+            ({"kind": "task", "token": token, "client": 9}, np.zeros(3)),
+            ({"kind": "report", "token": token, "client": 9, "round": 1, "weight": 1.0},
+             np.zeros(numel + 1)),
+        ]:  # fmt: skip
             with pytest.raises(PermissionError, match="refused"):
                 server.handle(wire.encode(header, payload), _Context())
         history = server.run()
@@ -778,7 +779,7 @@ def test_deployed_round_equals_simulated_round(tmp_path):
                 process.kill()
         grpc_server.stop(0)
     assert history.reported == [[0, 1, 2], [0, 1, 2]]
-    assert len(server.refused) == 4  # the token and the three messages above
+    assert len(server.refused) == server.refused_count == 4  # the token, the three messages
     simulated = simulate(
         _odd_model, (x, y), (x, y), partition=parts, num_clients=3, clients_per_round=3,
         rounds=2, **settings,
@@ -786,7 +787,7 @@ def test_deployed_round_equals_simulated_round(tmp_path):
     for name, value in simulated.state_dict.items():  # same code, same order: bit for bit
         assert torch.equal(history.state_dict[name], value), name
     with pytest.raises(ConnectionError, match="no server"):
-        connect(address, _odd_model, (x, y), client=0, token="s3cret", connect_timeout_s=0.5)
+        connect(address, _odd_model, (x, y), client=0, token=token, connect_timeout_s=0.5)
 
 
 def test_fl_server_command_reads_its_config_and_times_out_cleanly(tmp_path):
@@ -822,7 +823,7 @@ def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
     import grpc
 
     from tessera.federated import wire
-    from tessera.federated.deployed import METHOD, ServerConfig, connect, serve
+    from tessera.federated.deployed import METHOD, ServerConfig, client_token, connect, serve
 
     x, y = _data(20, seed=9)
     config = ServerConfig(token="t", rounds=1, clients_per_round=2, quorum=1, batch_size=None,
@@ -831,7 +832,7 @@ def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
     address = f"127.0.0.1:{port}"
     good = threading.Thread(
         target=connect, args=(address, _odd_model, (x, y)),
-        kwargs=dict(client=0, token="t", idle_timeout_s=60), daemon=True,
+        kwargs=dict(client=0, token=client_token("t", 0), idle_timeout_s=60), daemon=True,
     )  # fmt: skip
 
     def bad_client() -> None:
@@ -839,14 +840,16 @@ def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
             call = channel.unary_unary(METHOD)
 
             def send(header, payload=None):
-                return wire.decode(call(wire.encode({**header, "token": "t", "client": 1}, payload),
-                                        timeout=30))[0]  # fmt: skip
+                message = wire.encode({**header, "token": client_token("t", 1), "client": 1},
+                                      payload)  # fmt: skip
+                return wire.decode(call(message, timeout=30))[0]
 
             send({"kind": "join"})
             while (task := send({"kind": "task"}))["kind"] != "train":
                 threading.Event().wait(0.02)
-            report = np.full(server.vector.numel() + 1, np.nan)
-            assert send({"kind": "report", "round": task["round"]}, report)["kind"] == "received"
+            update = np.full(server.vector.numel(), np.nan, dtype=np.float32)
+            header = {"kind": "report", "round": task["round"], "weight": 20.0}
+            assert send(header, update)["kind"] == "received"
 
     bad = threading.Thread(target=bad_client, daemon=True)
     try:
@@ -875,17 +878,18 @@ def test_deployed_server_rejects_a_bad_update_and_the_round_goes_on(caplog):
         assert not torch.equal(value, start[name])
 
 
-def _round_with_client_threads(server, grpc_server, address, x, y, parts, extra=()):
+def _round_with_client_threads(server, grpc_server, address, x, y, parts, extra=(),
+                               model_fn=_odd_model):  # fmt: skip
     """Run the server's rounds with one `connect` client thread per part (plus `extra` threads);
-    stop the gRPC server whatever happens; return the server's history."""
+    the server's secret is "t"; stop the gRPC server whatever happens; return its history."""
     import threading
 
-    from tessera.federated.deployed import connect
+    from tessera.federated.deployed import client_token, connect
 
     threads = [*extra] + [
         threading.Thread(
-            target=connect, args=(address, _odd_model, (x[p], y[p])),
-            kwargs=dict(client=k, token="t", idle_timeout_s=60),
+            target=connect, args=(address, model_fn, (x[p], y[p])),
+            kwargs=dict(client=k, token=client_token("t", k), idle_timeout_s=60),
         )
         for k, p in enumerate(parts)
     ]  # fmt: skip
@@ -902,11 +906,13 @@ def _round_with_client_threads(server, grpc_server, address, x, y, parts, extra=
     return history
 
 
-@pytest.mark.parametrize("dp", [None, DPConfig(clip=0.1, noise_multiplier=0.8, delta=1e-3)])
+@pytest.mark.parametrize(
+    "dp", [None, DPConfig(clip=0.1, noise_multiplier=0.8, delta=1e-3, insecure_noise_seed=6)]
+)
 def test_deployed_secure_aggregation_equals_simulated_secure_aggregation(dp):
     """Clients in threads (quick): the four secure-aggregation phases over gRPC give the same
     quantised sum as simulation, so the same model bit for bit; with DP too (clients clip, the
-    server noises the sum with the same seeded draws and counts the same epsilon)."""
+    server noises the sum, here from the same fixed testing seed, and counts the same epsilon)."""
 
     from tessera.federated.deployed import ServerConfig, serve
 
@@ -969,7 +975,7 @@ def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys()
     import grpc
 
     from tessera.federated import wire
-    from tessera.federated.deployed import METHOD, ServerConfig, serve
+    from tessera.federated.deployed import METHOD, ServerConfig, client_token, serve
 
     x, y = _data(30, seed=11)
     parts = [np.arange(0, 6), np.arange(6, 16), np.arange(16, 30)]
@@ -985,7 +991,7 @@ def test_deployed_secure_round_survives_a_client_that_drops_after_sharing_keys()
             call = channel.unary_unary(METHOD)
 
             def send(header):
-                message = wire.encode({**header, "token": "t", "client": 3})
+                message = wire.encode({**header, "token": client_token("t", 3), "client": 3})
                 return wire.decode(call(message, timeout=30))[0]
 
             send({"kind": "join"})
@@ -1050,7 +1056,7 @@ def test_deployed_over_tls():
     client cannot connect."""
     import threading
 
-    from tessera.federated.deployed import ServerConfig, connect, serve
+    from tessera.federated.deployed import ServerConfig, client_token, connect, serve
 
     certificate, key = _self_signed_certificate()
     x, y = _data(12, seed=12)
@@ -1060,7 +1066,8 @@ def test_deployed_over_tls():
     address = f"127.0.0.1:{port}"
     trained = []
     thread = threading.Thread(
-        target=lambda: trained.append(connect(address, _odd_model, (x, y), client=0, token="t",
+        target=lambda: trained.append(connect(address, _odd_model, (x, y), client=0,
+                                              token=client_token("t", 0),
                                               root_certificate=certificate, idle_timeout_s=60)),
         daemon=True,
     )  # fmt: skip
@@ -1069,7 +1076,8 @@ def test_deployed_over_tls():
         history = server.run()
         thread.join(timeout=30)
         with pytest.raises(ConnectionError, match="no server"):
-            connect(address, _odd_model, (x, y), client=1, token="t", connect_timeout_s=1)
+            token = client_token("t", 1)
+            connect(address, _odd_model, (x, y), client=1, token=token, connect_timeout_s=1)
     finally:
         grpc_server.stop(0)
     assert trained == [1] and history.reported == [[0]]

@@ -3,10 +3,12 @@
 `simulate` runs FedAvg (McMahan et al. 2017), FedProx (Li et al. 2020) or FedSGD over many
 clients in one process, with optional secure aggregation (Bonawitz et al. 2017, or SecAgg+ over
 k neighbours, Bell et al. 2020) and client-level differential privacy (McMahan et al. 2018).
-`serve` / `connect` (and `tessera fl server|client`) run the same code deployed, over gRPC.
+`serve` / `connect` (and `tessera fl server|client|token`) run the same code deployed, over gRPC,
+each client with its own token (`client_token`).
 Modules, one concept each: `partitioning` (who holds which samples), `client` (local training),
 `aggregate` (the server's weighted mean and step), `secure_aggregation` (with `_shamir` and
-`_graph`), `privacy`, `simulation`, `wire` (messages) and `deployed` (gRPC), `cli`.
+`_graph`), `privacy`, `simulation`, `wire` (messages), `deployed` (the gRPC server, with
+`_secure_round`) and `deployed_client`, `cli`.
 The deployed names load on first use, so simulation does not need grpcio.
 """
 
@@ -30,6 +32,7 @@ __all__ = [
     "SecAggConfig",
     "SecureAggregationError",
     "ServerConfig",
+    "client_token",
     "connect",
     "partition",
     "secure_sum",
@@ -37,7 +40,7 @@ __all__ = [
     "simulate",
 ]
 
-_DEPLOYED = ("ServerConfig", "connect", "serve")
+_DEPLOYED = ("ServerConfig", "client_token", "connect", "serve")
 
 
 def __getattr__(name: str) -> Any:

@@ -1,12 +1,15 @@
-"""`tessera fl server --config FILE` and `tessera fl client --server HOST:PORT --data FILE`.
+"""`tessera fl server --config FILE`, `tessera fl client --server HOST:PORT --data FILE` and
+`tessera fl token --client K`.
 
-Run as `python -m tessera.federated server|client ...`; `add_subcommands` hangs the same two
+Run as `python -m tessera.federated server|client|token ...`; `add_subcommands` hangs the same
 commands under another parser (`tessera fl ...`). The server's YAML config holds the fields of
 `deployed.ServerConfig` plus `model` ("package.module:function" returning a fresh model),
-`address` (default 127.0.0.1:8470), optional `certificate` / `private_key` (PEM paths: TLS) and
-`output` (where the final state dict is saved with `torch.save`). A client's `--data` is a file
-written by `torch.save((inputs, labels))`, read with `weights_only=True` (tensors only, no code).
-The token may come from the TESSERA_FL_TOKEN environment variable instead of the command line.
+`address` (default 127.0.0.1:8470), optional `certificate` / `private_key` (PEM paths: TLS; both
+or neither) and `output` (where the final state dict is saved with `torch.save`). Its `token` is
+the server's secret (or TESSERA_FL_SECRET); `tessera fl token --client K` prints client K's own
+token from the same secret, for the operator to hand to that client. A client's `--data` is a
+file written by `torch.save((inputs, labels))`, read with `weights_only=True` (tensors only, no
+code); its `--token` (or TESSERA_FL_TOKEN) is its own token.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _server(args: argparse.Namespace) -> int:
     address = settings.pop("address", "127.0.0.1:8470")
     certificate, private_key = settings.pop("certificate", None), settings.pop("private_key", None)
     output = settings.pop("output", None)
-    settings.setdefault("token", os.environ.get("TESSERA_FL_TOKEN", ""))
+    settings.setdefault("token", os.environ.get("TESSERA_FL_SECRET", ""))
     if settings.get("dp") is not None:  # a mapping of DPConfig fields
         from tessera.federated.privacy import DPConfig
 
@@ -82,8 +85,22 @@ def _client(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> int:
+    from tessera.federated.deployed import client_token
+
+    secret = os.environ.get("TESSERA_FL_SECRET", "")
+    if args.config:
+        import yaml
+
+        secret = (yaml.safe_load(Path(args.config).read_text()) or {}).get("token", secret)
+    if not secret:
+        raise ValueError("fl token: no secret (the server config's token, or TESSERA_FL_SECRET)")
+    print(client_token(secret, args.client))
+    return 0
+
+
 def add_subcommands(commands) -> None:
-    """Register `server` and `client` on an argparse subparsers object."""
+    """Register `server`, `client` and `token` on an argparse subparsers object."""
     server = commands.add_parser("server", help="run a federated server (no data)")
     server.add_argument("--config", required=True, help="YAML: ServerConfig fields + model")
     server.set_defaults(handler=_server)
@@ -92,11 +109,15 @@ def add_subcommands(commands) -> None:
     client.add_argument("--data", required=True, help="torch.save((inputs, labels)) file")
     client.add_argument("--model", required=True, help="package.module:function")
     client.add_argument("--client", type=int, required=True, help="this client's id")
-    client.add_argument("--token", default=None, help="shared token (or TESSERA_FL_TOKEN)")
+    client.add_argument("--token", default=None, help="this client's token (or TESSERA_FL_TOKEN)")
     client.add_argument("--root-certificate", default=None, help="PEM: use TLS")
     client.add_argument("--connect-timeout", type=float, default=30.0)
     client.add_argument("--idle-timeout", type=float, default=900.0, help="give up after")
     client.set_defaults(handler=_client)
+    token = commands.add_parser("token", help="print a client's token (for the operator)")
+    token.add_argument("--client", type=int, required=True, help="the client's id")
+    token.add_argument("--config", default=None, help="the server's YAML (its token: the secret)")
+    token.set_defaults(handler=_token)
 
 
 def main(argv: list[str] | None = None) -> int:

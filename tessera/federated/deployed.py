@@ -7,22 +7,49 @@ send a `report`; the server aggregates with the same `aggregate` code. A round s
 `clients_per_round` clients have joined (waiting at most `join_timeout_s`), draws them with a
 `seed`-ed generator, and closes when all selected clients reported or `round_timeout_s` passed;
 with fewer than `quorum` usable reports the round is skipped and the model kept. Clients may join
-between rounds and leave at any time. Every call carries the shared `token` (compared in constant
-time); TLS is used when a certificate and key are given. One generic unary gRPC method carries
-`wire` messages (no generated stubs). With `secure_aggregation`, a round runs Bonawitz et al.'s
-four phases (`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation (over
-the complete graph, or SecAgg+'s k-regular one with `SecAggConfig(neighbours=k)`: then a client
-is sent only its neighbours' keys and shares); a
-client that stops after sharing its keys is a dropout whose masks the others' shares remove. A
-client whose own update is non-finite does not report (it drops out); the server cannot inspect
-masked reports. With `dp`, clients clip and the server adds the noise and keeps the accountant,
-as in `simulate` (same seeded draws: a run over clients 0..n-1 equals the simulated one).
+between rounds and leave at any time.
+
+Who gets in: the server's `token` is a secret only the operator holds; client k presents its own
+token `client_token(token, k)` (an HMAC of its id under the secret, which the operator hands to
+client k, e.g. with `tessera fl token --client k`), compared as bytes in constant time. A token
+speaks for its own id only: a client cannot join, poll or report as another. A message without a
+valid token is refused before the server acts on it (only its JSON header has been parsed and
+checked; gRPC bounds its size); the server counts refusals, keeps only the last `REFUSED_KEPT`
+reasons and logs at most once per `REFUSE_LOG_EVERY_S` seconds, so peers without a token cannot
+grow its memory or its log. TLS is used when a certificate and a key are given (one without the
+other is refused).
+
+What a client can do to the model: the server refuses a report whose weight (the client's claimed
+sample count) is negative, non-finite or above `max_weight`; with `dp`, every weight must be 1 and
+the server clips each update to `dp.clip` itself, so no client moves the sum by more than the
+clip, whatever it sends. With secure aggregation the server sees only masked vectors: it cannot
+check one client's weight or norm (that would take zero-knowledge range proofs, which this
+implementation does not have); it checks the unmasked sum's total weight (at most `max_weight`
+per survivor, exactly one per survivor with `dp`) and abandons the round otherwise, but the clip
+of each update rests on the clients. Vectors travel as float32 (`wire_dtype`), in one message
+whose size limit both ends set from the model's size (`wire.message_limit`).
+
+One generic unary gRPC method carries `wire` messages (no generated stubs); the client side is
+`deployed_client.connect`. With `secure_aggregation`, a round runs Bonawitz et al.'s four phases
+(`_secure_round`) with the same `SecAggClient` / `SecAggServer` as simulation (over the complete
+graph, or SecAgg+'s k-regular one with `SecAggConfig(neighbours=k)`: then a client is sent only
+its neighbours' keys and shares); a client that stops after sharing its keys is a dropout whose
+masks the others' shares remove, and a client whose `keys`, `shares` or `unmask` message is
+malformed is dropped from the round, which goes on without it. A client whose own update is non-
+finite or too large for the secure sum's range, or that was sent a share it cannot decrypt, drops
+out of that round and waits for the next (`deployed_client`). With `dp`, clients clip and the
+server adds the noise (from the OS's CSPRNG; `privacy`), divides by `clients_per_round` and keeps
+the accountant, as in `simulate`: a run over clients 0..n-1 equals the simulated one when
+`dp.insecure_noise_seed` fixes the noise (tests only).
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import hmac
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -36,30 +63,40 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from tessera.federated import wire
+from tessera.federated._secure_round import secure_round
 from tessera.federated.aggregate import (
     ALGORITHMS,
     make_report,
     server_step,
-    sum_of_reports,
     sum_to_mean,
     update_problem,
 )
-from tessera.federated.client import client_generator, load_vector, local_update
-from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
+from tessera.federated.client import load_vector
+from tessera.federated.deployed_client import connect
+from tessera.federated.privacy import DPConfig, RDPAccountant, clip_update, private_mean
 from tessera.federated.secure_aggregation import (
-    SecAggClient,
     SecAggConfig,
-    SecAggServer,
     SecureAggregationError,
     as_config,
-    dequantize,
-    quantize,
+    check_client_id,
 )
 
-__all__ = ["FederatedServer", "ServerConfig", "connect", "serve"]
+__all__ = ["FederatedServer", "ServerConfig", "client_token", "connect", "serve"]
 
 log = logging.getLogger(__name__)
-METHOD = "/tessera.federated.Federated/Call"
+METHOD = wire.METHOD
+REFUSED_KEPT = 64
+"""How many refusal reasons `FederatedServer.refused` keeps (the newest; all are counted)."""
+REFUSE_LOG_EVERY_S = 10.0
+"""Refusals are logged at most once per this many seconds (with the count since the last log)."""
+WIRE_DTYPES = wire.WIRE_DTYPES
+
+
+def client_token(secret: str, client: int) -> str:
+    """Client `client`'s token under the server's `secret`: HMAC-SHA256 of the id, in hex. The
+    operator computes it and gives it to that client only; it proves that id and no other."""
+    key = secret.encode("utf-8")
+    return hmac.new(key, f"tessera-fl-client:{int(client)}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -67,7 +104,8 @@ class ServerConfig:
     """A deployed run: the FedAvg settings of `simulate` plus the network's."""
 
     token: str
-    """Shared secret every client must present."""
+    """The server's secret (any non-empty string): client k presents `client_token(token, k)`,
+    never the secret itself."""
     rounds: int = 10
     clients_per_round: int = 10
     """Clients drawn each round; a round waits until that many have joined."""
@@ -90,11 +128,27 @@ class ServerConfig:
     """Secure aggregation's Shamir threshold (default: a majority of each client's share
     holders, the selected clients in the complete graph); may instead be set in SecAggConfig."""
     dp: DPConfig | None = None
-    """Client-level DP as in `simulate`: clients clip, the server noises the sum."""
+    """Client-level DP as in `simulate`: clients clip (and the server clips plain reports again),
+    the server noises the sum and divides it by `clients_per_round`."""
+    max_weight: float | None = None
+    """The largest weight (sample count) a client may claim; larger reports are refused. None:
+    no bound beyond finite and >= 0 (a client can then outweigh all others: set it when clients
+    are not trusted). With `dp` every weight must be 1 anyway."""
+    wire_dtype: str = "float32"
+    """How vectors travel (global weights, updates): "float32" (half the bytes; exact for float32
+    models) or "float64" (for float64 models). Masked reports are uint64 either way."""
 
     def __post_init__(self) -> None:
-        if not self.token:
-            raise ValueError("ServerConfig: a non-empty token is required")
+        if not isinstance(self.token, str) or not self.token:
+            raise ValueError("ServerConfig: a non-empty token (the server's secret) is required")
+        if self.max_weight is not None and not (
+            0 < self.max_weight < math.inf and not isinstance(self.max_weight, bool)
+        ):  # fmt: skip
+            raise ValueError(f"ServerConfig: max_weight={self.max_weight} must be > 0 and finite")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(
+                f"ServerConfig: wire_dtype {self.wire_dtype!r} not in {list(WIRE_DTYPES)}"
+            )
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"ServerConfig: unknown algorithm {self.algorithm!r}")
         if self.dp is not None and not isinstance(self.dp, DPConfig):
@@ -150,8 +204,25 @@ class FederatedServer:
         self._collected: dict[int, tuple[dict, np.ndarray | None]] = {}
         self._done = False
         self._bytes = [0, 0]
-        self.refused: list[str] = []  # why messages were refused (for logs and tests)
+        self._wire_dtype = WIRE_DTYPES[config.wire_dtype]
+        # Refusals: counted, the newest reasons kept, logged at most every REFUSE_LOG_EVERY_S.
+        self.refused: collections.deque[str] = collections.deque(maxlen=REFUSED_KEPT)
+        self.refused_count = 0
+        self._refused_lock = threading.Lock()
+        self._refused_logged = (-math.inf, 0)  # (when, refused_count then)
         self.history = ServerHistory()
+
+    def _refuse(self, context: grpc.ServicerContext, code, reason: str) -> None:
+        """Record a refusal (bounded memory, rate-limited log) and abort the call with `code`."""
+        with self._refused_lock:
+            self.refused.append(reason)
+            self.refused_count += 1
+            now, (last, count_then) = time.monotonic(), self._refused_logged
+            if now - last >= REFUSE_LOG_EVERY_S:
+                self._refused_logged = (now, self.refused_count)
+                log.warning("federated server: refused %d message(s) since the last report, "
+                            "the latest: %s", self.refused_count - count_then, reason)  # fmt: skip
+        context.abort(code, f"refused: {reason}")
 
     def handle(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Answer one client message (bad messages are refused with a gRPC error status)."""
@@ -159,12 +230,17 @@ class FederatedServer:
             header, payload = wire.decode(request)
             kind = wire.check_client_message(header, payload, self.vector.numel() + 1)
         except wire.WireError as error:
-            self.refused.append(str(error))
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"refused: {error}")
-        if not hmac.compare_digest(str(header.get("token", "")), self.config.token):
-            self.refused.append("wrong token")
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong token")
-        client = header["client"]
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        client, token = header["client"], header.get("token")
+        expected = client_token(self.config.token, client).encode()
+        presented = token.encode("utf-8", "surrogatepass") if isinstance(token, str) else b""
+        if not hmac.compare_digest(presented, expected):  # bytes: any token, constant time
+            self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, f"client {client}: wrong token")
+        if self.config.secagg is not None:
+            try:
+                check_client_id(client)
+            except ValueError as error:
+                self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         with self._lock:
             self._bytes[0] += len(request)
             reply = self._answer(kind, client, header, payload)
@@ -189,8 +265,12 @@ class FederatedServer:
     def _settings(self) -> dict:
         c = self.config
         return dict(round=self._round, algorithm=c.algorithm, epochs=c.local_epochs, lr=c.lr,
-                    mu=c.mu, batch_size=c.batch_size, seed=c.seed,
+                    mu=c.mu, batch_size=c.batch_size, seed=c.seed, dtype=c.wire_dtype,
                     clip=None if c.dp is None else c.dp.clip)  # fmt: skip
+
+    def _global_payload(self) -> np.ndarray:
+        """The global weights as they travel (`wire_dtype`)."""
+        return self.vector.numpy().astype(self._wire_dtype, copy=False)
 
     def _collect(self, phase: str, expected: set[int], task: Callable[[int], bytes]) -> dict:
         """Ask `expected` clients for a `phase` submission; what arrived before the deadline."""
@@ -203,15 +283,39 @@ class FederatedServer:
             collected, self._expected, self._phase = dict(self._collected), set(), None
         return collected
 
+    def _weight_problem(self, weight: float) -> str | None:
+        """Why a claimed weight is refused (None if fine): negative, non-finite, over
+        `max_weight`, or other than 1 under DP."""
+        c = self.config
+        if not 0 <= weight < math.inf:
+            return f"weight {weight} is not a finite number >= 0"
+        if c.dp is not None and weight != 1:
+            return f"weight {weight}: with differential privacy every client weighs 1"
+        if c.max_weight is not None and weight > c.max_weight:
+            return f"weight {weight} is above max_weight {c.max_weight}"
+        return None
+
     def _plain_round(self, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
-        train = wire.encode({"kind": "train", **self._settings()}, self.vector)
-        reports = {
-            u: torch.from_numpy(payload)
-            for u, (_, payload) in self._collect("report", selected, lambda _: train).items()
-        }
-        numel = self.vector.numel()
-        usable = [u for u, r in reports.items() if update_problem(r, numel + 1) is None]
-        return sum_of_reports(sorted(reports.items()), numel), usable  # logs and skips bad ones
+        train = wire.encode({"kind": "train", **self._settings()}, self._global_payload())
+        numel, clip = self.vector.numel(), None if self.config.dp is None else self.config.dp.clip
+        collected = self._collect("report", selected, lambda _: train)
+        total, usable = torch.zeros(numel + 1, dtype=torch.float64), []
+        for u, (header, payload) in sorted(collected.items()):  # summed in client order
+            update = torch.from_numpy(payload)
+            problem = update_problem(update, numel) or self._weight_problem(float(header["weight"]))
+            if problem is not None:
+                log.warning("federated: rejected the update of client %s: %s", u, problem)
+                continue
+            if clip is not None:  # enforce the DP bound here: a client may not have clipped
+                norm = float(update.double().norm())
+                if norm > clip * (1 + 1e-6):  # beyond float32 rounding of an honest clip
+                    log.warning("federated: client %s sent an update of norm %.6g > clip %.6g; "
+                                "clipped by the server", u, norm, clip)  # fmt: skip
+                update = clip_update(update.to(torch.float64), clip)
+            total += make_report(update, float(header["weight"]))
+            usable.append(u)
+            del collected[u]  # its payload is summed: free it before the next one
+        return total, usable
 
     def run(self) -> ServerHistory:
         """Run every round; returns the history (the final model in `state_dict`)."""
@@ -236,10 +340,9 @@ class FederatedServer:
             # The draws of `simulate` (selection, dropouts: none here, noise seed), in its order,
             # so that a deployed run over clients 0..n-1 is the simulated one.
             rng.choice(sorted(selected), 0, replace=False)
-            noise_seed = int(rng.integers(2**63))
             try:
                 if c.secagg is not None:
-                    total, usable = _secure_round(self, selected)
+                    total, usable = secure_round(self, selected)
                 else:
                     total, usable = self._plain_round(selected)
             except SecureAggregationError as error:
@@ -250,10 +353,12 @@ class FederatedServer:
                             round_index, len(usable), c.quorum)  # fmt: skip
             else:
                 if c.dp is not None:
-                    total = add_noise(total, c.dp, torch.Generator().manual_seed(noise_seed))
+                    mean = private_mean(total, c.dp, expected_reports=c.clients_per_round,
+                                        round_index=round_index)  # fmt: skip
                     accountant.step(c.dp.noise_multiplier, c.clients_per_round / len(pool))
                     self.history.epsilon.append(accountant.epsilon(c.dp.delta))
-                mean = sum_to_mean(total)
+                else:
+                    mean = sum_to_mean(total)
                 self.vector = server_step(self.vector, mean, algorithm=c.algorithm, lr=c.lr)
             self.history.round_s.append(time.perf_counter() - start)
             self.history.reported.append(sorted(usable))
@@ -266,58 +371,6 @@ class FederatedServer:
         return self.history
 
 
-def _secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
-    """Bonawitz et al.'s four rounds over the network (see `secure_aggregation`)."""
-    config = server.config.secagg
-    secagg = SecAggServer(selected, config.threshold, config.neighbours)
-    round_index = server._round
-
-    def ask(kind: str, **fields) -> Callable[[int], bytes]:
-        message = wire.encode({"kind": kind, "round": round_index, **fields})
-        return lambda _: message
-
-    keys = server._collect("keys", selected, ask("keys"))
-    roster = secagg.collect_keys(
-        {u: (bytes.fromhex(h["c"]), bytes.fromhex(h["s"])) for u, (h, _) in keys.items()}
-    )
-
-    def shares_task(client: int) -> bytes:  # a client gets its neighbours' keys and its own
-        keys = secagg.neighbourhood(client)
-        return wire.encode(
-            {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
-             "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in keys.items()}},
-            server.vector,
-        )  # fmt: skip
-
-    shares = server._collect("shares", set(roster), shares_task)
-    # Only clients whose shares went out can be unmasked later: they are the partners.
-    partners = sorted(shares)
-    secagg.keep_partners(partners)
-    outboxes = {u: {int(v): bytes.fromhex(c) for v, c in h["outbox"].items()} for u, (h, _) in
-                shares.items()}  # fmt: skip
-    inboxes = secagg.route_shares({u: {v: c for v, c in box.items() if v in secagg.roster}
-                                   for u, box in outboxes.items()})  # fmt: skip
-
-    def masked_task(client: int) -> bytes:
-        inbox = {str(u): c.hex() for u, c in inboxes[client].items()}
-        return wire.encode({"kind": "masked", "round": round_index, "inbox": inbox,
-                            "partners": partners})  # fmt: skip
-
-    masked = server._collect("masked", set(partners), masked_task)
-    dropped, survivors = secagg.collect_masked({u: p for u, (_, p) in masked.items()})
-    unmask = server._collect("unmask", set(survivors), ask("unmask", dropped=dropped,
-                                                         survivors=survivors))  # fmt: skip
-    try:
-        responses = {
-            u: {kind: {int(k): bytes.fromhex(v) for k, v in h[kind].items()} for kind in "sb"}
-            for u, (h, _) in unmask.items()
-        }
-    except (TypeError, ValueError) as error:
-        raise SecureAggregationError(f"secure aggregation: a bad unmask message: {error}") from None
-    total = dequantize(secagg.finish(responses))
-    return total, survivors
-
-
 def serve(
     model_fn: Callable[[], nn.Module],
     config: ServerConfig,
@@ -326,15 +379,27 @@ def serve(
     certificate: bytes | None = None,
     private_key: bytes | None = None,
 ) -> tuple[FederatedServer, grpc.Server, int]:
-    """Start the gRPC server (TLS if `certificate` and `private_key`); returns it and its port.
+    """Start the gRPC server (TLS if `certificate` and `private_key`: both or neither, else
+    ValueError); returns it and its port. Its message limit follows the model's size.
 
     Call `server.run()` to drive the rounds and `grpc_server.stop(grace)` afterwards.
     """
+    if (certificate is None) != (private_key is None):
+        raise ValueError(
+            "federated server: TLS needs both a certificate and a private key (got only the "
+            f"{'certificate' if private_key is None else 'private key'}); refusing to serve "
+            "without TLS"
+        )
     server = FederatedServer(model_fn, config)
+    limit = wire.message_limit(server.vector.numel())
     handler = grpc.method_handlers_generic_handler(
         "tessera.federated.Federated", {"Call": grpc.unary_unary_rpc_method_handler(server.handle)}
     )
-    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    grpc_server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        options=[("grpc.max_receive_message_length", limit),
+                 ("grpc.max_send_message_length", limit)],
+    )  # fmt: skip
     grpc_server.add_generic_rpc_handlers((handler,))
     if certificate is not None and private_key is not None:
         port = grpc_server.add_secure_port(
@@ -344,104 +409,3 @@ def serve(
         port = grpc_server.add_insecure_port(address)
     grpc_server.start()
     return server, grpc_server, port
-
-
-def connect(
-    address: str,
-    model_fn: Callable[[], nn.Module],
-    data: tuple[torch.Tensor, torch.Tensor],
-    *,
-    client: int,
-    token: str,
-    root_certificate: bytes | None = None,
-    connect_timeout_s: float = 30.0,
-    idle_timeout_s: float = 900.0,
-    poll_s: float = 0.02,
-) -> int:
-    """Take part in a deployed run as client `client` with `data`; returns the rounds trained.
-
-    Only reports leave the client. Raises `ConnectionError` if no server answers in time,
-    `PermissionError` if the server refuses the token, and `TimeoutError` if the server neither
-    selects this client nor finishes for `idle_timeout_s` (no wait is unbounded).
-    """
-    if root_certificate is not None:
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificate))
-    else:
-        channel = grpc.insecure_channel(address)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise ConnectionError(
-            f"federated client {client}: no server at {address} within {connect_timeout_s} s"
-        ) from None
-    call = channel.unary_unary(METHOD)
-    inputs, labels = data
-    model, trained = model_fn(), 0
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def send(header: dict, payload=None) -> dict:
-        try:
-            reply = call(wire.encode({**header, "token": token, "client": client}, payload),
-                         timeout=connect_timeout_s)  # fmt: skip
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise PermissionError(f"federated client {client}: {error.details()}") from None
-            raise ConnectionError(f"federated client {client}: {error.details()}") from None
-        return wire.decode(reply)
-
-    secure: dict = {}  # this round's secure-aggregation state: the SecAggClient, the report
-    try:
-        send({"kind": "join"})
-        idle_since = time.monotonic()
-        while True:
-            task, vector = send({"kind": "task"})
-            if task["kind"] == "done":
-                return trained
-            if task["kind"] not in ("train", "keys", "shares", "masked", "unmask"):
-                if time.monotonic() - idle_since > idle_timeout_s:
-                    raise TimeoutError(
-                        f"federated client {client}: no task from {address} in {idle_timeout_s} s"
-                    )
-                time.sleep(poll_s)
-                continue
-            idle_since = time.monotonic()
-            answer = {"kind": task["kind"], "round": task["round"]}
-            if task["kind"] in ("train", "shares"):
-                global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
-                update = local_update(
-                    model, global_vector, inputs, labels, algorithm=task["algorithm"],
-                    epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
-                    mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
-                )  # fmt: skip
-                weight = float(len(labels))
-                if task.get("clip") is not None:  # DP: bounded influence, equal weights
-                    update, weight = clip_update(update, task["clip"]), 1.0
-                report = make_report(update, weight)
-                trained += 1
-            if task["kind"] == "train":
-                send({**answer, "kind": "report"}, report.numpy())
-            elif task["kind"] == "keys":
-                secure = {"client": SecAggClient(client)}
-                c_public, s_public = secure["client"].advertise_keys()
-                send({**answer, "c": c_public.hex(), "s": s_public.hex()})
-            elif task["kind"] == "shares":
-                roster = {int(u): (bytes.fromhex(c), bytes.fromhex(s))
-                          for u, (c, s) in task["roster"].items()}  # fmt: skip
-                try:
-                    secure["report"] = quantize(report)
-                except SecureAggregationError as error:  # non-finite: drop out of this round
-                    log.warning("federated client %s: not reporting: %s", client, error)
-                    continue
-                outbox = secure["client"].share_keys(roster, task["threshold"])
-                send({**answer, "outbox": {str(v): c.hex() for v, c in outbox.items()}})
-            elif task["kind"] == "masked":
-                inbox = {int(u): bytes.fromhex(c) for u, c in task["inbox"].items()}
-                masked = secure["client"].masked_input(secure["report"], inbox, task["partners"])
-                send(answer, masked)
-            else:
-                shares = secure["client"].unmask(task["dropped"], task["survivors"])
-                send({**answer, **{k: {str(u): v.hex() for u, v in shares[k].items()}
-                                   for k in ("s", "b")}})  # fmt: skip
-    finally:
-        channel.close()

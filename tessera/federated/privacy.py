@@ -3,9 +3,18 @@
 DP-FedAvg (McMahan et al. 2018, "Learning Differentially Private Recurrent Language Models"):
 each client's update is clipped to L2 norm `clip`, the server adds Gaussian noise of standard
 deviation `noise_multiplier * clip` to every coordinate of the sum of the clipped updates, and
-divides by the number of reports. One client changes the sum by at most `clip`, so each round is
-a Gaussian mechanism with noise multiplier sigma = `noise_multiplier`, run on a sample of
-`q = clients_per_round / num_clients` of the clients (client-level privacy).
+divides by a fixed denominator: the expected number of reports, `clients_per_round` (McMahan et
+al.'s fixed-denominator estimator, Algorithm 1 with W = qN): dividing by the number that arrived
+would make the step depend on who took part, which the accountant does not cover. One client
+changes the sum by at most `clip`, so each round is a Gaussian mechanism with noise multiplier
+sigma = `noise_multiplier`, run on a sample of `q = clients_per_round / num_clients` of the
+clients (client-level privacy).
+
+The noise comes from the operating system's CSPRNG (`os.urandom`, turned into normal draws by
+Box-Muller), fresh each round: nothing public (the run's `seed`, which deployed clients receive)
+determines it, so nobody can regenerate and subtract it. `DPConfig(insecure_noise_seed=...)`
+draws it from a seeded generator instead, for tests that compare runs bit for bit; anyone who
+knows that seed removes the noise, so it voids the privacy guarantee.
 
 The accountant tracks Renyi differential privacy (Mironov 2017, "Renyi Differential Privacy")
 of the sampled Gaussian mechanism at integer orders alpha, from Mironov, Talwar & Zhang 2019
@@ -20,18 +29,28 @@ Testing Interpretations and Renyi Differential Privacy", Thm. 21; also Canonne e
     epsilon = min_alpha  RDP(alpha) + log((alpha - 1)/alpha) - (log delta + log alpha)/(alpha - 1)
 
 The analysis assumes Poisson sampling of clients; simulation draws a fixed number per round
-without replacement, the usual approximation (as in McMahan et al. 2018).
+without replacement, the usual approximation (as in McMahan et al. 2018), and the fixed
+denominator above is the one that analysis pairs with it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["DPConfig", "RDPAccountant", "add_noise", "clip_update", "rdp_sampled_gaussian"]
+__all__ = [
+    "DPConfig",
+    "RDPAccountant",
+    "add_noise",
+    "clip_update",
+    "gaussian_noise",
+    "private_mean",
+    "rdp_sampled_gaussian",
+]
 
 DEFAULT_ORDERS = tuple(range(2, 257))
 """Integer Renyi orders the accountant tracks (small orders matter for large epsilon, large
@@ -48,6 +67,10 @@ class DPConfig:
     """Noise standard deviation on the sum, in units of `clip` (sigma)."""
     delta: float = 1e-5
     """The delta of the reported (epsilon, delta); below 1 / number of clients, by convention."""
+    insecure_noise_seed: int | None = None
+    """TESTING ONLY: draw the noise from a generator seeded with this (and the round) instead of
+    the OS's CSPRNG, so that runs repeat bit for bit. Whoever knows it can regenerate the noise
+    and subtract it: no privacy is left. None (the default): fresh OS randomness every round."""
 
     def __post_init__(self) -> None:
         if not self.clip > 0 or not math.isfinite(self.clip):
@@ -56,6 +79,9 @@ class DPConfig:
             raise ValueError(f"DPConfig: noise_multiplier must be > 0, got {self.noise_multiplier}")
         if not 0 < self.delta < 1:
             raise ValueError(f"DPConfig: delta must be in (0, 1), got {self.delta}")
+        seed = self.insecure_noise_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"DPConfig: insecure_noise_seed must be an int >= 0 or None: {seed}")
 
 
 def clip_update(update: torch.Tensor, clip: float) -> torch.Tensor:
@@ -64,12 +90,39 @@ def clip_update(update: torch.Tensor, clip: float) -> torch.Tensor:
     return update * (clip / norm) if norm > clip else update
 
 
-def add_noise(total: torch.Tensor, config: DPConfig, generator: torch.Generator) -> torch.Tensor:
+def gaussian_noise(count: int, config: DPConfig, round_index: int) -> torch.Tensor:
+    """`count` independent N(0, 1) draws (float64) for one round's noise: from `os.urandom` by
+    Box-Muller (53-bit uniforms; u1 in (0, 1] so the logarithm is finite), or, only with the
+    testing option `config.insecure_noise_seed`, from a generator seeded by it and the round."""
+    if config.insecure_noise_seed is not None:
+        state = np.random.SeedSequence([config.insecure_noise_seed, int(round_index)])
+        words = state.generate_state(2)
+        generator = torch.Generator().manual_seed(int(words[0]) << 32 | int(words[1]))
+        return torch.randn(count, generator=generator, dtype=torch.float64)
+    pairs = -(-count // 2)
+    words = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(2, pairs) >> 11
+    radius = np.sqrt(-2.0 * np.log((words[0] + 1.0) * 2.0**-53))
+    angle = (2 * math.pi * 2.0**-53) * words[1]
+    normal = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:count]
+    return torch.from_numpy(normal)
+
+
+def add_noise(total: torch.Tensor, config: DPConfig, round_index: int) -> torch.Tensor:
     """A summed report with N(0, (sigma * clip)^2) added to every coordinate but the count."""
-    noise = torch.randn(total.numel() - 1, generator=generator, dtype=torch.float64)
-    noisy = total.clone()
+    noise = gaussian_noise(total.numel() - 1, config, round_index)
+    noisy = total.to(torch.float64).clone()
     noisy[:-1] += noise * (config.noise_multiplier * config.clip)
     return noisy
+
+
+def private_mean(
+    total: torch.Tensor, config: DPConfig, *, expected_reports: int, round_index: int
+) -> torch.Tensor:
+    """The DP-FedAvg step from a sum of clipped, weight-1 reports: noise added, divided by the
+    fixed `expected_reports` (clients per round), whatever number of reports arrived."""
+    if expected_reports < 1:
+        raise ValueError(f"private_mean: expected_reports must be >= 1, got {expected_reports}")
+    return add_noise(total, config, round_index)[:-1] / expected_reports
 
 
 def rdp_sampled_gaussian(q: float, sigma: float, orders=DEFAULT_ORDERS) -> np.ndarray:

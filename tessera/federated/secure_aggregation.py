@@ -26,12 +26,18 @@ than its plain CTR mode (7 against 13 us for the benchmark's 4,811 coordinates).
    neighbours' inputs); for each survivor u they send their shares of b_u. An honest client never
    reveals both kinds for one client, so the server never unmasks a single input.
 
-The round needs at least `threshold` survivors, and every client whose secret must be recovered
-needs `threshold` surviving holders of its shares; otherwise it stops with
-`SecureAggregationError` before anything is revealed. Sums of quantised values are exact
-integers; the only error is quantisation: with `frac_bits` f, each coordinate of each report is
-rounded to a multiple of 2^-f, so the dequantised sum of n reports is within n * 2^-(f+1) of the
-exact sum (plus the float64 rounding of the final division by 2^f).
+The round needs at least `threshold` survivors, every client whose secret must be recovered
+needs `threshold` surviving holders of its shares, and the survivors must stay connected in the
+graph (see below); otherwise it stops with `SecureAggregationError` before anything is revealed.
+Sums of quantised values are exact integers; the only error is quantisation: with `frac_bits` f,
+each coordinate of each report is rounded to a multiple of 2^-f, so the dequantised sum of n
+reports is within n * 2^-(f+1) of the exact sum (plus the float64 rounding of the final division
+by 2^f). The ring holds sums in +-2^(63-f) (+-2^31 by default): a client refuses to quantise a
+report with a coordinate of magnitude 2^(63-f) / n or more (n: the round's participants), so the
+sum of n reports cannot wrap around (`quantize`'s `count`).
+
+Client ids are Shamir evaluation points (client u holds the share at u + 1 in GF(2^26 - 5)):
+they must lie in 0 .. `MAX_CLIENT_ID` - 1 (id -1 would hold f(0), the secret itself).
 
 Security, for a semi-honest server colluding with c clients while d clients drop out. Complete
 graph (Bonawitz et al.): every input stays hidden while c < t (the colluders hold fewer than t
@@ -39,14 +45,15 @@ shares of any honest client's secrets), and the round completes while d <= n - t
 neighbours (`SecAggConfig(neighbours=k)`) the same conditions hold per neighbourhood: hidden
 while fewer than t of an honest client's k + 1 share holders collude (c < t suffices), complete
 while each client whose secret is needed keeps t surviving holders (d <= k + 1 - t suffices);
-and one more the complete graph meets trivially: the server learns the sum of each connected
-group of honest survivors, so the inputs are summed together only while those stay connected.
-A Harary graph is k-vertex-connected, so c + d < k guarantees it. Bell et al. prove that a random
-graph of degree k = O(log n) keeps these failures negligible when c and d are constant fractions
-of n (the abstract's figure, semi-malicious setting: with 10^4 clients each talks to 3% of them
-and its input is summed with at least 5,000 others, withstanding 5% corrupt clients and 5%
-dropouts); that analysis is for n in the thousands. For rounds of ten
-clients a small k is a cost trade-off with the worst-case guarantees above, not their theorem.
+and one more the complete graph meets trivially: unmasking would give the server the sum of
+each connected group of survivors separately, so the server refuses to unmask (the round is
+abandoned) when the survivors' graph is disconnected (`SecAggServer.collect_masked`). A Harary
+graph is k-vertex-connected, so d < k dropouts never trigger that refusal. Bell et al. prove
+that a random graph of degree k = O(log n) keeps these failures negligible when c and d are
+constant fractions of n (the abstract's figure, semi-malicious setting: with 10^4 clients each
+talks to 3% of them and its input is summed with at least 5,000 others, withstanding 5% corrupt
+clients and 5% dropouts); that analysis is for n in the thousands. For rounds of ten clients a
+small k is a cost trade-off with the worst-case guarantees above, not their theorem.
 
 Cost per client: 2 keys, 2k X25519 agreements (k = n - 1 for the complete graph), k + 1 PRG
 expansions of the vector, one vectorised Shamir split; the server: k agreements and expansions per
@@ -77,6 +84,7 @@ from tessera.federated import _shamir
 from tessera.federated._graph import degree, harary_graph
 
 __all__ = [
+    "MAX_CLIENT_ID",
     "SecAggClient",
     "SecAggConfig",
     "SecAggServer",
@@ -89,6 +97,9 @@ __all__ = [
 
 FRAC_BITS = 32
 """Default fixed-point fraction bits: resolution 2^-32, range +-2^31 for the whole sum."""
+MAX_CLIENT_ID = _shamir.PRIME - 1
+"""Client ids are 0 .. MAX_CLIENT_ID - 1 (= 2^26 - 7): id u holds the Shamir share at u + 1,
+which must be a non-zero element of the field."""
 _ROUTING = struct.Struct(">qq")
 _RECORD_BYTES = _ROUTING.size + 2 * _shamir.SHARE_BYTES  # sender, recipient, s_sk and b shares
 
@@ -147,12 +158,33 @@ def as_config(secure_aggregation: bool | SecAggConfig, threshold: int | None = N
     return SecAggConfig(threshold=threshold) if secure_aggregation else None
 
 
-def quantize(vector: torch.Tensor, frac_bits: int = FRAC_BITS) -> np.ndarray:
-    """`round(vector * 2^frac_bits)` as two's-complement uint64 (a ring element per coordinate)."""
+def check_client_id(client: object) -> int:
+    """`client` as an int if it can take part in secure aggregation (else ValueError)."""
+    if isinstance(client, bool) or not isinstance(client, (int, np.integer)):
+        raise ValueError(f"secure aggregation: client id {client!r} is not an integer")
+    if not 0 <= int(client) < MAX_CLIENT_ID:
+        raise ValueError(
+            f"secure aggregation: client id {client} must be in 0..{MAX_CLIENT_ID - 1} (ids are "
+            f"Shamir evaluation points, id + 1 in GF(2^26 - 5))"
+        )
+    return int(client)
+
+
+def quantize(vector: torch.Tensor, frac_bits: int = FRAC_BITS, count: int = 1) -> np.ndarray:
+    """`round(vector * 2^frac_bits)` as two's-complement uint64 (a ring element per coordinate).
+
+    `count` is the number of reports that will be summed: every coordinate must be below
+    2^(63 - frac_bits) / count in magnitude, so that the sum cannot wrap around the ring
+    (refused with `SecureAggregationError` otherwise, and for non-finite values)."""
+    if count < 1:
+        raise ValueError(f"secure aggregation: count must be >= 1, got {count}")
     scaled = vector.detach().to(torch.float64).numpy() * 2.0**frac_bits  # a new array
-    if scaled.size and not -(2.0**62) < scaled.min() <= scaled.max() < 2.0**62:  # False for NaN
+    limit = 2.0**63 / count
+    if scaled.size and not -limit < scaled.min() <= scaled.max() < limit:  # False for NaN
         raise SecureAggregationError(
-            f"secure aggregation: a value leaves the fixed-point range +-2^{62 - frac_bits}"
+            f"secure aggregation: a value cannot be represented: the sum of {count} reports must "
+            f"stay in +-2^{63 - frac_bits}, so each value in +-2^{63 - frac_bits}/{count} "
+            f"(largest magnitude {float(np.abs(scaled).max()) * 2.0**-frac_bits:.6g})"
         )
     ring = np.empty(scaled.shape, dtype=np.int64)
     np.rint(scaled, out=ring, casting="unsafe")  # rounded, then converted (exact: |x| < 2^62)
@@ -212,7 +244,7 @@ class SecAggClient:
     """One client's side of a secure-aggregation round (fresh keys every round)."""
 
     def __init__(self, client_id: int) -> None:
-        self.client_id = int(client_id)
+        self.client_id = check_client_id(client_id)
         self._c_key = X25519PrivateKey.generate()
         self._s_key = X25519PrivateKey.generate()
         # raw 32-byte public keys, computed once: advertised, and part of every pair's KDF input
@@ -328,7 +360,7 @@ class SecAggServer:
         neighbours: int | None = None,
         rng: np.random.Generator | None = None,
     ) -> None:
-        self.participants = sorted(int(p) for p in participants)
+        self.participants = sorted(check_client_id(p) for p in participants)
         count = len(self.participants)
         self.neighbours = neighbours
         holders = degree(neighbours, count) + 1
@@ -391,6 +423,13 @@ class SecAggServer:
         for v in self.dropped:
             if self.graph[v] & alive:  # its masks are in a survivor's input
                 self._require_holders(v, len(self.graph[v] & alive), "mask key")
+        groups = _components(self.graph, alive)
+        if len(groups) > 1:  # each group's sum could be unmasked separately
+            raise SecureAggregationError(
+                f"secure aggregation: the survivors' graph is disconnected into "
+                f"{', '.join(str(g) for g in groups)}; unmasking would reveal each group's sum, "
+                f"so the round is abandoned (no update was revealed)"
+            )
         return self.dropped, self.survivors
 
     def finish(self, responses: Mapping[int, Mapping[str, Mapping[int, bytes]]]) -> np.ndarray:
@@ -455,6 +494,23 @@ class SecAggServer:
             )
 
 
+def _components(graph: Mapping[int, frozenset[int]], alive: set[int]) -> list[list[int]]:
+    """The connected components of the graph restricted to `alive`, each sorted, by first id."""
+    groups, seen = [], set()
+    for start in sorted(alive):
+        if start in seen:
+            continue
+        seen.add(start)
+        group, frontier = [start], [start]
+        while frontier:
+            frontier = [v for u in frontier for v in graph[u] & alive if v not in seen]
+            frontier = sorted(set(frontier))
+            seen.update(frontier)
+            group.extend(frontier)
+        groups.append(sorted(group))
+    return groups
+
+
 @dataclass(frozen=True)
 class SecureSum:
     """The result of `secure_sum`: the dequantised total and what the protocol sent."""
@@ -495,7 +551,9 @@ def secure_sum(
     shapes = {tuple(report.shape) for report in reports.values()}
     if len(shapes) > 1:
         raise ValueError(f"secure aggregation: reports of different shapes {sorted(shapes)}")
-    quantized = quantize(torch.stack(list(reports.values())), frac_bits) if reports else ()
+    count = len(server.participants)  # bounds each report so that their sum cannot wrap
+    stacked = torch.stack(list(reports.values())) if reports else None
+    quantized = quantize(stacked, frac_bits, count) if reports else ()
     masked = {u: clients[u].masked_input(ring, inboxes[u]) for u, ring in zip(reports, quantized)}
     dropped, survivors = server.collect_masked(masked)
     responses = {u: clients[u].unmask(dropped, survivors) for u in survivors}

@@ -4,12 +4,15 @@ One round (McMahan et al. 2017, Algorithm 1): draw `clients_per_round` distinct 
 loads the global weights and runs `client.local_update` on its own samples; a `dropout` share of
 them never report; the others' reports are summed (in the clear, or through secure aggregation so
 that the server only sees masked vectors and their sum); with differential privacy the updates
-are clipped before and noised after summing; the server takes one step. Test loss and accuracy
-are measured after round 0 (the initial model) and after every round.
+are clipped before and noised after summing (the noisy sum divided by `clients_per_round`, the
+expected number of reports, however many arrived); the server takes one step. Test loss and
+accuracy are measured after round 0 (the initial model) and after every round.
 
 Randomness: one `numpy.random.default_rng(seed)` draws, each round, the selected clients, then the
-dropped ones (whether or not secure aggregation is on, so the same clients drop either way), then
-the DP noise seed. Partitioning draws from its own generator with the same `seed`.
+dropped ones (whether or not secure aggregation is on, so the same clients drop either way).
+Partitioning draws from its own generator with the same `seed`. DP noise does not come from
+`seed`: it is fresh OS randomness (`privacy`), unless the testing option
+`DPConfig(insecure_noise_seed=...)` fixes it.
 
 Clients are trained in turn in one replica model: a client costs its few SGD steps, not a process,
 so hundreds of clients run on a laptop. Dropped clients skip training: they never report, and
@@ -39,7 +42,7 @@ from tessera.federated.aggregate import (
 from tessera.federated.client import client_generator, load_vector, local_update
 from tessera.federated.partitioning import SCHEMES
 from tessera.federated.partitioning import partition as make_partition
-from tessera.federated.privacy import DPConfig, RDPAccountant, add_noise, clip_update
+from tessera.federated.privacy import DPConfig, RDPAccountant, clip_update, private_mean
 from tessera.federated.secure_aggregation import SecAggConfig, as_config, secure_sum
 
 __all__ = ["History", "simulate"]
@@ -123,7 +126,6 @@ def simulate(
         selected = sorted(int(c) for c in rng.choice(num_clients, clients_per_round, replace=False))
         num_dropped = int(round(dropout * clients_per_round))
         dropped = sorted(int(c) for c in rng.choice(selected, num_dropped, replace=False))
-        noise_seed = int(rng.integers(2**63))
         reports: dict[int, torch.Tensor] = {}
         for client in selected:
             if client in dropped:
@@ -137,6 +139,8 @@ def simulate(
             weight = float(len(indices))
             if dp is not None:  # equal weights: a client's influence is bounded by the clip alone
                 update, weight = clip_update(update, dp.clip), 1.0
+                if secagg is None:  # the server's own clip (deployed: it enforces the bound)
+                    update = clip_update(update.to(torch.float64), dp.clip)
             reports[client] = make_report(update, weight)
         up = len(reports) * (numel * global_vector.element_size() + 8)
         down = len(selected) * numel * global_vector.element_size()
@@ -149,10 +153,13 @@ def simulate(
         else:
             total = sum_of_reports(reports.items(), numel)
         if dp is not None:
-            total = add_noise(total, dp, torch.Generator().manual_seed(noise_seed))
+            mean_update = private_mean(
+                total, dp, expected_reports=clients_per_round, round_index=round_index
+            )
             accountant.step(dp.noise_multiplier, clients_per_round / num_clients)
             history.epsilon.append(accountant.epsilon(dp.delta))
-        mean_update = sum_to_mean(total)
+        else:
+            mean_update = sum_to_mean(total)
         global_vector = server_step(global_vector, mean_update, algorithm=algorithm, lr=lr)
         history.round_s.append(time.perf_counter() - start)
         history.bytes_up.append(int(up))
