@@ -30,6 +30,7 @@ from tessera.train.config import (
 )
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
+from tessera.train.preflight import preflight_workload
 from tessera.train.registry import own_entry_point
 from tessera.train.restarts import (
     check_restart_options,
@@ -136,6 +137,7 @@ def run_training(
             run_dir = _choose_run_dir(config, resume)
         if resume:
             check_resume(config, run_dir)
+        preflight_workload(config)  # --model / --data / --loss: imported, opened, one forward
         faults_from_env(config, int(os.environ["WORLD_SIZE"]))
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
@@ -143,6 +145,7 @@ def run_training(
     run_dir = _choose_run_dir(config, resume)
     if resume:
         check_resume(config, run_dir)
+    preflight_workload(config)  # --model / --data / --loss: imported, opened, one forward
     faults_from_env(config, config.nproc)  # a malformed TESSERA_FAULT fails here, once
     _write_config(config, run_dir)
     if config.nproc == 1 and max_restarts == 0:
@@ -173,6 +176,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary["sample"]:
         console.print("[bold]sample:[/bold]")
         console.print(summary["sample"], markup=False, highlight=False)
+    if summary.get("sample_note"):
+        console.print(summary["sample_note"])
 
 
 def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -180,7 +185,7 @@ def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("steps (this run / total)", f"{summary['steps_this_run']} / {summary['steps']}"),
         ("loss (first -> last)", f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"),
-        ("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}"),
+        (f"{summary.get('unit', 'tokens')}/s (median)", f"{summary['tokens_per_s']:,.0f}"),
         ("step time (median)", f"{summary['step_s'] * 1e3:.1f} ms"),
         ("exposed communication", f"{summary['comm_s'] * 1e3:.1f} ms ({comm_share:.0%})"),
         ("peak memory per rank", ", ".join(f"{m:.0f} MB" for m in summary["peak_mem_mb"])),
