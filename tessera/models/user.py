@@ -20,7 +20,7 @@ from torch import nn
 from tessera.data.imports import load_reference
 from tessera.errors import ConfigError
 
-__all__ = ["HF_PREFIX", "model_factory", "read_model_config"]
+__all__ = ["HF_PREFIX", "build_hf_model", "model_factory", "read_model_config"]
 
 HF_PREFIX = "hf:"
 
@@ -71,6 +71,11 @@ def _call_factory(factory: Callable[[], Any], spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {spec} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def build_hf_model(spec: str, values: dict[str, Any]) -> nn.Module:
+    """The `hf:CLASS` model of config values `values` (a `--model-config` file's object)."""
+    return _build_hf(_hf_class(spec[len(HF_PREFIX) :]), values)
 
 
 def model_factory(spec: str, model_config: str | None) -> Callable[[], nn.Module]:

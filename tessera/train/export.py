@@ -4,7 +4,8 @@ The full model state of a checkpoint: `state.pt`'s `engine["model"]` for the str
 it there (single, torch-ddp, ddp; local-sgd: rank 0's replica; pipeline, tensor, hybrid: the
 dense model, gathered at save; ps: the servers' parameters), or the ZeRO shards consolidated into
 one state dict (`tessera.zero.consolidate`). The model is rebuilt from the run's config.yaml (the
-demo GPT with the vocabulary the checkpoint holds, or the `--model` factory), loaded with the
+demo GPT with the vocabulary the checkpoint holds, the `--model` factory, or an `hf:` class with
+the model config the checkpoint holds), loaded with the
 state (strictly: a checkpoint of another model is refused), and written by
 `tessera.checkpoint.export_model`.
 """
@@ -22,7 +23,7 @@ from tessera.checkpoint import export_model
 from tessera.errors import CheckpointError, ConfigError
 from tessera.train import checkpoint_series as series
 from tessera.train.checkpoint import load_checkpoint
-from tessera.train.config import TrainConfig, build_config, load_yaml
+from tessera.train.config import load_yaml
 
 __all__ = ["checkpoint_model_state", "export_run"]
 
@@ -57,17 +58,21 @@ def checkpoint_model_state(state_file: Path, state: dict[str, Any]) -> dict[str,
     return engine["model"]
 
 
-def _model(config: TrainConfig, state: dict[str, Any]) -> nn.Module:
-    torch.manual_seed(config.seed)
-    if config.model_factory is None:
-        from tessera.models import GPT
-        from tessera.train.workload import demo_model_config
+def _model(saved: dict[str, Any], state: dict[str, Any]) -> nn.Module:
+    """The run's model, built from its saved config and what the checkpoint holds (the demo's
+    vocabulary, an hf: model's config): no data or config file of the run is read again."""
+    torch.manual_seed(int(saved.get("seed", 0)))
+    spec = saved.get("model_factory")
+    if spec is None:
+        from tessera.models import GPT, GPTConfig
 
         vocab = len(state["tokenizer"]["chars"])
-        return GPT(demo_model_config(config, vocab))
-    from tessera.models.user import model_factory
+        return GPT(GPTConfig(vocab_size=vocab, **saved.get("model", {})))
+    from tessera.models.user import build_hf_model, model_factory
 
-    return model_factory(config.model_factory, config.model_config)()
+    if spec.startswith("hf:"):
+        return build_hf_model(spec, state["workload"]["model_config"])
+    return model_factory(spec, None)()
 
 
 def export_run(
@@ -77,11 +82,11 @@ def export_run(
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a tessera run folder (no config.yaml)")
-    config = build_config(load_yaml(run_dir / "config.yaml"))
+    saved = load_yaml(run_dir / "config.yaml")
     state_file = _state_file(run_dir, step)
     state = load_checkpoint(state_file)
     weights = checkpoint_model_state(state_file, state)
-    module = _model(config, state)
+    module = _model(saved, state)
     try:
         module.load_state_dict(weights)
     except RuntimeError as exc:
