@@ -91,7 +91,8 @@ def test_train_help_lists_every_option_and_strategy(tmp_path):
     out = _run(readme("tessera train --help"), tmp_path)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps lines
-    for option in ("--strategy", "--nproc", "--steps", "--resume", "--config", "--microbatches"):
+    options = ("--strategy", "--nproc", "--steps", "--resume", "--config", "--microbatches")
+    for option in (*options, "--model", "--model-config", "--data", "--loss", "--tokenizer"):
         assert option in text
     for strategy in ("single", "torch-ddp", "ddp", "local-sgd", "zero3", "pipeline", "hybrid"):
         assert strategy in text

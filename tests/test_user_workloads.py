@@ -117,6 +117,7 @@ def _error(capsys, *args: str, cwd: Path) -> str:
 def test_errors_stop_before_any_rank_starts(tmp_path, capsys):
     pairs, dicts = "user_workloads:pairs", "user_workloads:dicts"
     (tmp_path / "bad.jsonl").write_text('{"x": [1, 2]}\n{not json\n')
+    (tmp_path / "plan.yaml").write_text("body.0: column\nbody.2: diagonal\n")
     cases = [
         (["--model", "user_workloads:nope", "--data", pairs],
          "--model 'user_workloads:nope': user_workloads has no attribute 'nope'"),
@@ -136,6 +137,13 @@ def test_errors_stop_before_any_rank_starts(tmp_path, capsys):
         (["--model", "hf:GPT2LMHeadModel", "--data", pairs], "give --model-config FILE"),
         (["--model", "user_workloads:mlp", "--data", pairs, "--loss", "user_workloads:mse",
           "--strategy", "pipeline", "--split", "nope"], "--split 'nope': Sequential has no module"),
+        (["--model", "user_workloads:mlp", "--data", pairs, "--split", "0"],
+         "--split cuts pipeline stages: strategy ddp has none"),
+        (["--model", "user_workloads:mlp", "--data", pairs, "--strategy", "tensor",
+          "--tp-plan", str(tmp_path / "plan.yaml")],
+         "'body.2': 'diagonal' is not one of column, row, embedding"),
+        (["--model", "user_workloads:mlp", "--data", pairs, "--loss", "user_workloads:mse",
+          "--strategy", "tensor"], "strategy tensor splits the demo GPT only in this version"),
     ]  # fmt: skip
     for args, message in cases:
         assert message in _error(capsys, *args, cwd=tmp_path), args
