@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tessera.cli import main
 from tessera.train import latest_checkpoint, load_checkpoint
 from tessera.train.export import checkpoint_model_state
-from tessera.train.metrics import read_metrics
+from tessera.train.metrics import read_events, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--batch-size", "8", "--no-progress", "--lr", "0.01", "--warmup-steps", "2"]
@@ -44,20 +44,28 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("strategy", sorted(WORKLOADS))
-def test_three_steps_then_resume_to_six_equals_six_straight(tmp_path, strategy):
+def test_three_steps_then_resume_to_six_equals_six_straight(tmp_path, monkeypatch, strategy):
     workload = ["--strategy", strategy, *WORKLOADS[strategy], "--checkpoint-every", "3"]
     _train(*workload, "--steps", "6", "--out", str(tmp_path / "straight"))
     _train(*workload, "--steps", "3", "--out", str(tmp_path / "split"))
     assert main(["train", "--resume", str(tmp_path / "split"), "--steps", "6"]) == 0
-    losses = [
-        [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
-        for run in ("split", "straight")
-    ]
-    assert losses[0] == losses[1] and len(losses[0]) == 6
-    resumed, straight = _final(tmp_path / "split"), _final(tmp_path / "straight")
-    assert resumed.keys() == straight.keys()
-    for key in straight:
-        assert torch.equal(resumed[key], straight[key]), key
+    runs = ["split"]
+    if strategy == "ddp":  # a rank killed at step 5, every rank restarted from step 3's save
+        monkeypatch.setenv("TESSERA_FAULT", "1:5:kill")
+        _train(*workload, "--steps", "6", "--max-restarts", "1", "--out", str(tmp_path / "killed"))
+        monkeypatch.delenv("TESSERA_FAULT")
+        assert len(read_events(tmp_path / "killed/metrics.jsonl", "restart")) == 1
+        runs.append("killed")
+    straight = _final(tmp_path / "straight")
+    expected = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "straight/metrics.jsonl")]
+    assert len(expected) == 6
+    for run in runs:
+        losses = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
+        assert losses == expected, run
+        resumed = _final(tmp_path / run)
+        assert resumed.keys() == straight.keys()
+        for key in straight:
+            assert torch.equal(resumed[key], straight[key]), (run, key)
     assert not (tmp_path / "split" / "sample.txt").exists()  # the demo GPT's only
     # export: every key of the user's model, the trained values (ZeRO-3: consolidated shards)
     out = tmp_path / "export"
