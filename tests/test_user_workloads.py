@@ -101,7 +101,7 @@ def test_export_of_an_earlier_step_and_refusals(tmp_path, capsys):
         assert f"differing keys: {field} (" in capsys.readouterr().err
 
 
-def test_a_jsonl_file_of_fields_trains(tmp_path):
+def test_a_jsonl_file_of_fields_trains(tmp_path, capsys):
     rows = [dict(user_workloads.Dicts()[i]) for i in range(32)]
     lines = [json.dumps({"features": r["features"].tolist(), "labels": r["labels"]}) for r in rows]
     (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
@@ -110,6 +110,13 @@ def test_a_jsonl_file_of_fields_trains(tmp_path):
            "--out", str(tmp_path / "run"))  # fmt: skip
     records = read_metrics(tmp_path / "run/metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2] and records[0]["loss"] > 0
+    # the same file with more lines is other data: its resume is refused before any rank starts
+    with (tmp_path / "train.jsonl").open("a") as file:
+        file.write("\n".join(lines[:8]) + "\n")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(tmp_path / "run"), "--steps", "3"]) == 2
+    assert "another workload; differing: items (32 -> 40)" in capsys.readouterr().err
+    assert read_metrics(tmp_path / "run/metrics.jsonl") == records
 
 
 def _error(capsys, *args: str, cwd: Path) -> str:

@@ -72,7 +72,8 @@ def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig)
 def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     """Check `config`'s user workload end to end (see the module docstring); None for the demo.
 
-    Returns what it checked: the model's class and parameter count, and the item kind.
+    Returns what it checked: the model's class and parameter count, the item kind, and the
+    workload's `identity` (what its checkpoints record: a resume compares it up front).
     """
     if config.model_factory is None:
         return None
@@ -102,4 +103,5 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
         "model": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
         "items": workload.batch_kind,
+        "identity": workload.identity,
     }

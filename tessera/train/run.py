@@ -10,6 +10,7 @@ Three ways to start, one worker function (`train_worker`):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -77,6 +78,37 @@ def check_resume(config: TrainConfig, run_dir: str | Path) -> None:
         check_resume_world(config.strategy, saved_world, job_world_size(config.nproc))
 
 
+WORKLOAD_FILE = "workload.json"
+"""What identifies a `--model` run's workload (`Workload.identity`), written beside config.yaml so
+that a resume with other data (another length, another vocabulary) is refused before any rank
+starts; the ranks check the checkpoint's own copy again."""
+
+
+def _check_workload(run_dir: Path, checked: dict[str, Any] | None, resume: bool) -> None:
+    """Refuse to resume a run whose saved workload identity differs from this one's."""
+    saved_file = run_dir / WORKLOAD_FILE
+    if checked is None or not resume or not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text()).get("workload", {})
+    now = json.loads(json.dumps(checked["identity"]))["workload"]  # as JSON would hold it
+    differing = [
+        f"{key} ({saved.get(key)!r} -> {now.get(key)!r})"
+        for key in sorted({*saved, *now})
+        if saved.get(key) != now.get(key)
+    ]
+    if differing:
+        raise ConfigError(
+            f"cannot resume {run_dir}: it was trained on another workload; differing: "
+            f"{', '.join(differing)}"
+        )
+
+
+def _write_workload(checked: dict[str, Any] | None, run_dir: Path) -> None:
+    if checked is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / WORKLOAD_FILE).write_text(json.dumps(checked["identity"], indent=1))
+
+
 def _choose_run_dir(config: TrainConfig, resume: bool) -> Path:
     if config.out is not None:
         run_dir = Path(config.out)
@@ -137,17 +169,21 @@ def run_training(
             run_dir = _choose_run_dir(config, resume)
         if resume:
             check_resume(config, run_dir)
-        preflight_workload(config)  # --model / --data / --loss: imported, opened, one forward
+        checked = preflight_workload(config)  # --model / --data / --loss: opened, one forward
+        _check_workload(run_dir, checked, resume)
         faults_from_env(config, int(os.environ["WORLD_SIZE"]))
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
+            _write_workload(checked, run_dir)
         return train_worker(config, str(run_dir), resume)
     run_dir = _choose_run_dir(config, resume)
     if resume:
         check_resume(config, run_dir)
-    preflight_workload(config)  # --model / --data / --loss: imported, opened, one forward
+    checked = preflight_workload(config)  # --model / --data / --loss: opened, one forward
+    _check_workload(run_dir, checked, resume)
     faults_from_env(config, config.nproc)  # a malformed TESSERA_FAULT fails here, once
     _write_config(config, run_dir)
+    _write_workload(checked, run_dir)
     if config.nproc == 1 and max_restarts == 0:
         try:
             return train_worker(config, str(run_dir), resume)
