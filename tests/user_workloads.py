@@ -1,7 +1,8 @@
 """A user's model, data and loss as `tessera train --model/--data/--loss` imports them.
 
-Importable as `user_workloads` because tests/ is on sys.path (pytest's rootdir conftest) and on
-the PYTHONPATH the CLI tests give their subprocesses.
+Importable as `user_workloads` because tests/ is on sys.path (pytest's rootdir conftest), in
+pytest's process and so in the ranks it launches; the console-script test copies it into the
+folder its subprocess runs in.
 """
 
 from __future__ import annotations
