@@ -56,3 +56,23 @@ def test_export_refusals(tmp_path):
         export_model(model, model.state_dict(), tmp_path, "onnx")
     with pytest.raises(ValueError, match=r"missing \['scale'\]"):
         export_model(model, {k: v for k, v in model.state_dict().items() if k != "scale"}, tmp_path)
+
+
+def test_a_demo_run_exports_its_gpt(tmp_path):
+    """`tessera checkpoint export` of the demo: the GPT rebuilt with the checkpoint's vocabulary."""
+    from tessera.cli import main
+    from tessera.models import GPT, GPTConfig
+    from tessera.train import latest_checkpoint, load_checkpoint
+
+    tiny = "--n-layer 1 --n-embd 16 --n-head 2 --block-size 16 --batch-size 4 --corpus-bytes 5000"
+    args = ["train", "--strategy", "single", "--nproc", "1", "--steps", "1", "--no-progress"]
+    assert main([*args, *tiny.split(), "--sample-tokens", "0", "--out", str(tmp_path)]) == 0
+    assert main(["checkpoint", "export", str(tmp_path), str(tmp_path / "gpt")]) == 0
+    state = load_checkpoint(latest_checkpoint(tmp_path))
+    exported = load_file(tmp_path / "gpt/model.safetensors")
+    vocab = len(state["tokenizer"]["chars"])
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=1, n_embd=16, n_head=2, block_size=16))
+    assert sorted(exported) == sorted(model.state_dict())
+    model.load_state_dict(exported)
+    for key, value in state["engine"]["model"].items():
+        assert torch.equal(exported[key], value), key
