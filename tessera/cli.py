@@ -39,9 +39,10 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
 
             help_text += f"; one of: {', '.join([*strategy_names(), *OWN_ENTRY_POINTS])}"
         dest = prefix + field.name
+        flag = field.metadata.get("flag", _flag(field.name))
         if annotation is bool:
             parser.add_argument(
-                _flag(field.name),
+                flag,
                 dest=dest,
                 default=None,
                 help=help_text,
@@ -50,7 +51,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
             continue
         kind = {int: int, float: float}.get(annotation, str)
         parser.add_argument(
-            _flag(field.name),
+            flag,
             dest=dest,
             type=kind,
             default=None,
@@ -217,6 +218,15 @@ def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    """`tessera checkpoint export RUN_DIR OUT [--step N] [--format F]`."""
+    from tessera.train.export import export_run
+
+    out = export_run(args.run_dir, args.out, step=args.step, format=args.format)
+    print(f"wrote {out}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     from tessera.train.config import TrainConfig
 
@@ -227,8 +237,9 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train the character-level GPT (the main job)",
-        description="Train a small GPT on Python's own source. Flags override --config, which "
+        help="train your model (--model, --data) or the demo GPT (the main job)",
+        description="Train --model on --data, or by default a small GPT on Python's own source. "
+        "Flags override --config, which "
         "overrides the defaults. Writes runs/<timestamp>/ (config.yaml, metrics.jsonl, "
         "loss.png, checkpoints/step-N/, sample.txt).",
     )
@@ -298,6 +309,19 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("run_dir", metavar="RUN_DIR", help="run folder (or folder of shard files)")
     merge.add_argument("out", metavar="OUT.safetensors", help="file to write")
     merge.set_defaults(handler=_checkpoint)
+    export = actions.add_parser(
+        "export",
+        help="write a run's trained model as safetensors or a Hugging Face folder (any strategy)",
+        description="Load the newest verified checkpoint of RUN_DIR (or --step N's), gather the "
+        "full model (ZeRO shards consolidated) and write OUT: safetensors (OUT/model.safetensors, "
+        "or OUT itself if it ends in .safetensors; keys equal model.state_dict()) or hf "
+        "(save_pretrained: transformers' from_pretrained(OUT) loads it; --model hf: runs only).",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="run folder of tessera train")
+    export.add_argument("out", metavar="OUT", help="folder (or .safetensors file) to write")
+    export.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    export.add_argument("--format", choices=["safetensors", "hf"], default="safetensors")
+    export.set_defaults(handler=_export)
     return parser
 
 

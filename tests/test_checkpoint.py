@@ -1,6 +1,9 @@
-"""Checkpoints: round trip, refusal of truncated, corrupt and foreign files, folder commits."""
+"""Checkpoints: plain torch.save files, old headed ones still read, bad files refused, commits."""
 
 from __future__ import annotations
+
+import hashlib
+import io
 
 import pytest
 import torch
@@ -13,6 +16,19 @@ def _state() -> dict:
     return {"step": 7, "weights": torch.arange(10.0), "nested": {"names": ["a", "b"]}}
 
 
+def _headed(state: dict) -> bytes:
+    """A checkpoint as tessera wrote it before state.pt became a plain torch.save file."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    return (
+        b"TSRACKP1"
+        + hashlib.sha256(payload).digest()
+        + len(payload).to_bytes(8, "little")
+        + (payload)
+    )
+
+
 def test_round_trip(tmp_path):
     path = save_checkpoint(tmp_path / "ckpt.pt", _state())
     loaded = load_checkpoint(path)
@@ -21,16 +37,35 @@ def test_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # no temporary file left
 
 
+def test_a_checkpoint_is_a_plain_torch_save_file(tmp_path):
+    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
+    for weights_only in (False, True):
+        loaded = torch.load(path, weights_only=weights_only)
+        assert loaded["step"] == 7 and torch.equal(loaded["weights"], torch.arange(10.0))
+    torch.save(_state(), tmp_path / "theirs.pt")  # and a torch.save file is a checkpoint
+    assert load_checkpoint(tmp_path / "theirs.pt")["step"] == 7
+
+
+def test_old_headed_checkpoints_still_load(tmp_path):
+    path = tmp_path / "old.pt"
+    path.write_bytes(_headed(_state()))
+    loaded = load_checkpoint(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["weights"], torch.arange(10.0))
+
+
 def test_truncated_checkpoint_is_refused(tmp_path):
     path = save_checkpoint(tmp_path / "ckpt.pt", _state())
     path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_checkpoint(path)
+    path.write_bytes(_headed(_state())[:-10])
     with pytest.raises(CheckpointError, match="truncated"):
         load_checkpoint(path)
 
 
-def test_corrupt_checkpoint_is_refused(tmp_path):
-    path = save_checkpoint(tmp_path / "ckpt.pt", _state())
-    data = bytearray(path.read_bytes())
+def test_corrupt_old_checkpoint_is_refused(tmp_path):
+    path = tmp_path / "old.pt"
+    data = bytearray(_headed(_state()))
     data[-20] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
@@ -38,9 +73,9 @@ def test_corrupt_checkpoint_is_refused(tmp_path):
 
 
 def test_foreign_file_is_refused(tmp_path):
-    path = tmp_path / "plain.pt"
-    torch.save(_state(), path)
-    with pytest.raises(CheckpointError, match="not a tessera checkpoint"):
+    path = tmp_path / "notes.pt"
+    path.write_text("not a checkpoint")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="not found"):
         load_checkpoint(tmp_path / "missing.pt")

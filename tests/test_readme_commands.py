@@ -7,6 +7,7 @@ fails for a command no test runs. `tessera` is run as `python -m tessera` (the s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tessera.train.metrics import read_metrics
@@ -47,6 +49,11 @@ RUN_HERE = (
         "-m tessera train --nproc 4"
         for node in (0, 1)
     ),
+    "tessera train --model mymodel:build --data mymodel:train_set --loss mymodel:loss "
+    "--out runs/mine",
+    "tessera train --model hf:GPT2LMHeadModel --model-config gpt2-tiny.json --data corpus.txt "
+    "--out runs/gpt2",
+    "tessera checkpoint export runs/gpt2 --format hf gpt2-export",
 )
 """The README commands the tests below run, each through `readme(command)`."""
 
@@ -84,7 +91,8 @@ def test_train_help_lists_every_option_and_strategy(tmp_path):
     out = _run(readme("tessera train --help"), tmp_path)
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())  # argparse wraps lines
-    for option in ("--strategy", "--nproc", "--steps", "--resume", "--config", "--microbatches"):
+    options = ("--strategy", "--nproc", "--steps", "--resume", "--config", "--microbatches")
+    for option in (*options, "--model", "--model-config", "--data", "--loss", "--tokenizer"):
         assert option in text
     for strategy in ("single", "torch-ddp", "ddp", "local-sgd", "zero3", "pipeline", "hybrid"):
         assert strategy in text
@@ -189,6 +197,87 @@ def test_library_example_runs_and_prints_what_the_readme_says(tmp_path):
     out = _run([sys.executable, "example.py"], tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == expected == "[0.0, 10.0, 20.0, 30.0]"
+
+
+GPT2_TINY = {  # no dropout: the logits of the export are compared with the run's own
+    "vocab_size": 64, "n_positions": 32, "n_embd": 16, "n_layer": 1, "n_head": 2,
+    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+}  # fmt: skip
+LOAD_WITHOUT_TESSERA = """
+import sys
+sys.path.append(sys.argv[1])  # transformers' site-packages only (python -I -S: no .pth files)
+sys.modules["tessera"] = None  # and were tessera installed there, importing it would fail
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2]).eval()
+with torch.no_grad():
+    torch.save(model(torch.tensor([list(range(20))])).logits, sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+def test_your_model_and_data_then_an_hf_model_exported_for_transformers(tmp_path, monkeypatch):
+    code = re.search(r"```python\n(# mymodel.py.*?)```", README.read_text(), flags=re.S)[1]
+    (tmp_path / "mymodel.py").write_text(code)  # the README's module, in the current folder
+    small = ["--steps", "2", "--batch-size", "8", "--no-progress"]
+    command = readme(
+        "tessera train --model mymodel:build --data mymodel:train_set --loss mymodel:loss "
+        "--out runs/mine"
+    )
+    out = _run([*command, *small], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "ddp on 2 ranks" in out.stdout and "samples/s" in out.stdout
+    assert len(read_metrics(tmp_path / "runs/mine/metrics.jsonl")) == 2
+    (tmp_path / "gpt2-tiny.json").write_text(json.dumps(GPT2_TINY))
+    words = ["alpha", "beta", "gamma", "delta"]
+    (tmp_path / "corpus.txt").write_text(" ".join(words[i * 7 % 4] for i in range(300)))
+    command = readme(
+        "tessera train --model hf:GPT2LMHeadModel --model-config gpt2-tiny.json --data corpus.txt "
+        "--out runs/gpt2"
+    )
+    out = _run([*command, *small, "--block-size", "16"], tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "generated for the demo GPT only" in out.stdout
+    assert not (tmp_path / "runs/gpt2/sample.txt").exists()
+    monkeypatch.chdir(tmp_path)  # the export in this process (transformers is imported here)
+    from tessera.cli import main
+
+    assert main(readme("tessera checkpoint export runs/gpt2 --format hf gpt2-export")[3:]) == 0
+    import transformers
+
+    site = str(Path(transformers.__file__).resolve().parents[1])
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_WITHOUT_TESSERA)
+    loaded = _run(
+        [sys.executable, "-I", "-S", str(script), site, "gpt2-export", "logits.pt"],
+        tmp_path,
+        timeout=240,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    # the trained weights, run in this process: the same logits
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tessera.train import latest_checkpoint, load_checkpoint
+
+    model = GPT2LMHeadModel(GPT2Config(**GPT2_TINY)).eval()
+    state = load_checkpoint(latest_checkpoint(tmp_path / "runs/gpt2"))["engine"]["model"]
+    model.load_state_dict(state)
+    with torch.no_grad():
+        expected = model(torch.tensor([list(range(20))])).logits
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), expected)
+    assert not torch.equal(
+        expected,
+        GPT2LMHeadModel(GPT2Config(**GPT2_TINY)).eval()(torch.tensor([list(range(20))])).logits,
+    )  # fmt: skip - trained, not a fresh init
+    # safetensors: the keys of model.state_dict(), the tied head included, and config.json
+    from safetensors.torch import load_file
+
+    from tessera.train.export import export_run
+
+    file = export_run(tmp_path / "runs/gpt2", tmp_path / "st", format="safetensors")
+    assert sorted(load_file(file)) == sorted(model.state_dict())
+    assert "lm_head.weight" in load_file(file)
+    assert json.loads((tmp_path / "st/config.json").read_text())["n_embd"] == 16
 
 
 def test_every_readme_command_is_run_here():

@@ -183,7 +183,7 @@ def test_config_errors_are_tessera_errors_and_strategies_register():
         build_config({"model": {"dropout": 1.0}})
     assert build_config({"model": {"n_layer": 3}}).model == ModelSettings(n_layer=3)
     assert issubclass(CheckpointError, TesseraError)
-    with pytest.raises(TesseraError, match="not a tessera checkpoint"):
+    with pytest.raises(TesseraError, match="not a readable checkpoint"):
         load_checkpoint(__file__)
     assert STRATEGIES["torch-ddp"] is TorchDDPEngine
     added = register_strategy("test-only")(TorchDDPEngine)

@@ -35,9 +35,9 @@ class DDPEngine(Engine):
             algorithm=config.comm_algorithm if config else "auto",
         )
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Forward through `DataParallel`, which prepares this step's gradient reduction."""
-        return self.ddp(*inputs)
+        return self.ddp(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward; buckets are averaged as they fill, the end waits for the last ones."""

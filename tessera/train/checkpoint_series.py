@@ -308,8 +308,8 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
     This is what a resume (`--resume DIR`, or a supervisor restarting failed ranks) loads. A
     checkpoint failing verification is skipped with a `RuntimeWarning` naming the bad file, and
-    the previous one is tried. A legacy `checkpoint.pt` (older run folders) comes last; its own
-    header checksum is verified when it is loaded.
+    the previous one is tried. A legacy `checkpoint.pt` (older run folders, and the parameter
+    server's) comes last; a headed one of older versions has its checksum verified on load.
     """
     run_dir = Path(run_dir)
     for folder in complete_checkpoints(run_dir):

@@ -31,6 +31,7 @@ __all__ = [
     "config_to_dict",
     "job_world_size",
     "load_yaml",
+    "read_tp_plan",
     "torchrun_world",
 ]
 
@@ -146,6 +147,44 @@ class TrainConfig:
         "ps: WORKER:FACTOR (comma-separated for several) makes a worker FACTOR times slower."
         " ps does not apply grad_clip.",
     )
+    model_factory: str | None = field(
+        default=None,
+        metadata={
+            "flag": "--model",
+            "help": "Your model: PKG.MODULE:FACTORY (a function () -> nn.Module) or hf:CLASS (a "
+            "transformers class built from --model-config, nothing downloaded); needs --data. "
+            "Unset: the demo GPT on --corpus.",
+        },
+    )
+    model_config: str | None = _option(
+        None,
+        "hf: models: JSON file of the config class's arguments (Auto classes: with model_type).",
+    )
+    data: str | None = _option(
+        None,
+        "--model's data: PKG.MODULE:FACTORY (() -> map-style Dataset of (inputs, targets) or dict "
+        "items), FILE.txt, FILE.jsonl or a datasets.save_to_disk DIR; text becomes items "
+        "{input_ids, labels} of block_size tokens.",
+    )
+    tokenizer: str | None = _option(
+        None, "Text data: a Hugging Face tokenizer.json file; default one token per character."
+    )
+    loss: str | None = _option(
+        None,
+        "PKG.MODULE:FN: loss(output, targets) for (inputs, targets) items, loss(output, batch) for "
+        "dict items; default for dict items: the model's own output.loss.",
+    )
+    eval_data: str | None = _option(
+        None, "Held-out data, as --data: loaded and checked before training starts."
+    )
+    split: str | None = _option(
+        None,
+        "pipeline, hybrid with --model: module names where a new stage starts, comma-separated.",
+    )
+    tp_plan: str | None = _option(
+        None,
+        "tensor, hybrid with --model: JSON/YAML file {module-name pattern: column|row|embedding}.",
+    )
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")
     log_every: int = _option(1, "Write a metrics.jsonl line every this many steps.")
@@ -220,9 +259,53 @@ class TrainConfig:
                     f"unknown comm_algorithm {self.comm_algorithm!r}; "
                     f"use auto or one of {ALGORITHMS}"
                 )
+        self._check_workload_options()
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
+
+    def _check_workload_options(self) -> None:
+        """--model and its companions: what goes with what, and the files they name exist.
+
+        Importing the factories, reading the data and one forward of the model run in
+        `tessera.train.preflight`, still before any rank starts.
+        """
+        from tessera.data.imports import is_reference
+        from tessera.data.sources import check_data_spec
+
+        companions = ("data", "model_config", "tokenizer", "loss", "eval_data", "split", "tp_plan")
+        if self.model_factory is None:
+            given = [name for name in companions if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(
+                    f"{_flag_name(given[0])} goes with --model: the demo GPT trains on --corpus"
+                )
+            return
+        spec = self.model_factory
+        if not (spec.startswith("hf:") and spec[3:].isidentifier()) and not is_reference(spec):
+            raise ConfigError(f"--model {spec!r} is neither PKG.MODULE:FACTORY nor hf:CLASS")
+        if self.data is None:
+            raise ConfigError(f"--model {spec} needs --data (FILE.txt, FILE.jsonl, DIR, factory)")
+        if self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(f"strategy {self.strategy} trains the demo GPT only, not --model")
+        check_data_spec(self.data)
+        if self.eval_data is not None:
+            check_data_spec(self.eval_data, "--eval-data")
+        for name in ("model_config", "tokenizer", "tp_plan"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{_flag_name(name)} {path}: no such file")
+        if self.loss is not None and not is_reference(self.loss):
+            raise ConfigError(f"--loss {self.loss!r} is not PKG.MODULE:FN")
+        if self.split is not None and self.strategy not in ("pipeline", "hybrid"):
+            raise ConfigError(f"--split cuts pipeline stages: strategy {self.strategy} has none")
+        if self.tp_plan is not None:
+            if self.strategy not in ("tensor", "hybrid"):
+                raise ConfigError(
+                    f"--tp-plan splits layers over tensor-parallel ranks: strategy "
+                    f"{self.strategy} does not"
+                )
+            read_tp_plan(self.tp_plan)
 
     def _check_memory_options(self) -> None:
         """Offload and activation checkpointing: where they apply, and nvme_dir up front."""
@@ -301,14 +384,15 @@ class TrainConfig:
             self._check_model_parallel(*layout[self.strategy])
 
     def _check_model_parallel(self, dp: int, tp: int, pp: int) -> None:
-        """What the pipeline and tensor-parallel engines need of the GPT and the batch."""
+        """What the pipeline and tensor-parallel engines need of the GPT and the batch (a user's
+        model: of the batch; tessera.train.preflight checks the model)."""
         model = self.model
-        if model.n_head % tp:
+        if self.model_factory is None and model.n_head % tp:
             raise ConfigError(
                 f"model.n_head ({model.n_head}) must be divisible by the tensor-parallel "
                 f"degree ({tp})"
             )
-        if pp > model.n_layer + 2:  # the stages cut [embedding, *blocks, head]
+        if self.model_factory is None and pp > model.n_layer + 2:  # [embedding, *blocks, head]
             raise ConfigError(
                 f"{pp} pipeline stages need at least {pp - 2} blocks (each stage holds one of "
                 f"embedding, blocks, head); model.n_layer is {model.n_layer}"
@@ -321,8 +405,29 @@ class TrainConfig:
             )
 
 
+TP_STYLES = ("column", "row", "embedding")
+
+
+def read_tp_plan(path: str | Path) -> dict[str, str]:
+    """The `--tp-plan` file: a JSON or YAML mapping {module-name pattern: column|row|embedding}."""
+    plan = load_yaml(path)  # JSON is YAML
+    for pattern, style in plan.items():
+        if not isinstance(pattern, str) or style not in TP_STYLES:
+            raise ConfigError(
+                f"--tp-plan {path}: {pattern!r}: {style!r} is not one of {', '.join(TP_STYLES)}"
+            )
+    return plan
+
+
+def _flag_name(name: str) -> str:
+    """The command-line flag of config field `name`."""
+    meta = TrainConfig.__dataclass_fields__[name].metadata
+    return meta.get("flag", "--" + name.replace("_", "-"))
+
+
 RESUME_MAY_CHANGE = frozenset(
     {
+        "eval_data",  # held-out data: changes no step
         "steps",  # continue further (decay_steps, not steps, shapes the schedule)
         "nproc",  # another world size: see WORLD_SIZE_FREE_STRATEGIES
         "out",  # the same folder, spelled another way

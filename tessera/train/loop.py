@@ -10,18 +10,16 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, reached
-from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import CheckpointError
-from tessera.models import GPT, GPTConfig
 from tessera.runtime.context import Context, init
 from tessera.train import checkpoint_series as series
 from tessera.train.checkpoint import load_checkpoint, save_checkpoint
@@ -41,6 +39,10 @@ from tessera.train.metrics import (
 )
 from tessera.train.restarts import note_restart
 from tessera.train.strategy import STRATEGIES, Engine
+from tessera.train.workload import Workload, build_workload
+from tessera.train.workload import corpus_batches as corpus_batches  # noqa: F401 - was here
+from tessera.train.workload import gpt_sample as _sample  # noqa: F401 - parameter_server's
+from tessera.train.workload import next_token_loss as next_token_loss  # noqa: F401 - was here
 
 __all__ = ["lr_at", "make_optimizer", "train_worker"]
 
@@ -54,11 +56,6 @@ def lr_at(step: int, config: TrainConfig) -> float:
     progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
     low = config.lr / 10
     return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
-
-
-def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of next-character prediction: logits (b, T, vocab), targets (b, T)."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -130,13 +127,26 @@ def _find_checkpoint(run_dir: Path, ctx: Context) -> Path:
     return Path(found[0])
 
 
+def _check_identity(path: Path, state: dict[str, Any], workload: Workload) -> None:
+    """Refuse a checkpoint of another workload (model, data, loss or vocabulary)."""
+    for key, value in workload.identity.items():
+        if state.get(key) == value:
+            continue
+        if key == "tokenizer":
+            raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
+        saved = state.get(key) or {}
+        differing = sorted(k for k in {*saved, *value} if saved.get(k) != value.get(k))
+        raise CheckpointError(
+            f"{path} was trained on another workload (differing: {', '.join(differing)})"
+        )
+
+
 def _restore(
-    engine: Engine, ctx: Context, run_dir: Path, tokenizer: CharTokenizer, config: TrainConfig
+    engine: Engine, ctx: Context, run_dir: Path, workload: Workload, config: TrainConfig
 ) -> int:
     path = _find_checkpoint(run_dir, ctx)
     state = load_checkpoint(path)
-    if state.get("tokenizer") != tokenizer.to_dict():
-        raise CheckpointError(f"{path} was trained on another corpus (its vocabulary differs)")
+    _check_identity(path, state, workload)
     if "config" in state:
         check_resume_config(state["config"], config, where=str(path))
     saved_world = len(state["rng"])
@@ -184,48 +194,42 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
         return _train(ctx, config, run_dir, resume)
 
 
-def corpus_batches(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
-    """The run's tokenizer and batch stream: the corpus the config names, cut into blocks; the
-    batch of a step is a pure function of (seed, step), which is what makes resume exact."""
-    text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
-    tokenizer = CharTokenizer.from_text(text)
-    batches = LMBatches(
-        tokenizer.encode_tensor(text),
-        block_size=config.model.block_size,
-        global_batch_size=config.batch_size,
-        seed=config.seed,
-    )
-    return tokenizer, batches
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Mapping):
+        return {key: value.to(device) for key, value in batch.items()}
+    return tuple(value.to(device) for value in batch)
 
 
 def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
-    tokenizer, batches = corpus_batches(config)
+    workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
     torch.manual_seed(config.seed)
-    model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
-    model = GPT(model_config).to(ctx.device)
+    model = workload.model_fn().to(ctx.device)
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
         checkpoint_activations(model)
     engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
-    start = _restore(engine, ctx, out, tokenizer, config) if resume else 0
+    start = _restore(engine, ctx, out, workload, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
     note_restart(log, start, ctx.world_size)  # a restarted run says so in metrics.jsonl
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
-    extra = {"tokenizer": tokenizer.to_dict(), "config": config_to_dict(config)}
-    tokens_per_step = config.batch_size * config.model.block_size
+    extra = {**workload.identity, "config": config_to_dict(config)}
+    tokens_per_step = workload.tokens_per_step
     bar = _progress_bar(config, ctx, start)
     wall_start = time.perf_counter()
     for step in range(start, config.steps):
         faults.at_step(step + 1)  # TESSERA_FAULT: off unless set
         if ctx.world_size > 1:
             reached(f"step {step + 1}")  # names a rank that stops, if a gloo call times out
-        x, y = batches.batch(step, ctx.rank, ctx.world_size)
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        batch = _to_device(workload.batches(step, ctx.rank, ctx.world_size), ctx.device)
+        # A dict batch goes to engine.train_step as inputs and targets alike: the engine calls
+        # model(**batch) and loss_fn(output, batch). (Merging with tessera.strategies: this
+        # becomes engine.train_step(batch) with loss_fn given to tessera.setup.)
+        x, y = (batch, batch) if workload.batch_kind == "dict" else batch
         began = time.perf_counter()
-        loss = engine.train_step(x, y, next_token_loss)
+        loss = engine.train_step(x, y, workload.loss_fn)
         if config.grad_clip:
             engine.clip_grad_norm(config.grad_clip)
         lr = lr_at(step, config)
@@ -263,9 +267,15 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     if not ctx.is_main:
         return None
     weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}
-    sample = _sample(weights, model_config, tokenizer, config)
-    (out / "sample.txt").write_text(sample)
-    return _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
+    sample = ""
+    if workload.sample is not None:  # the demo GPT's text sample; a user's model has none
+        sample = workload.sample(weights)
+        (out / "sample.txt").write_text(sample)
+    summary = _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
+    summary["unit"] = workload.unit
+    if workload.sample is None:
+        summary["sample_note"] = "no sample.txt: it is generated for the demo GPT only"
+    return summary
 
 
 def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) -> dict[str, Any]:
@@ -292,25 +302,6 @@ def _model_state_mb(engine: Engine) -> float:
     """This rank's model-state megabytes, or -1 when the strategy does not measure them."""
     measured = engine.model_state_bytes()
     return -1.0 if measured is None else measured / 2**20
-
-
-def _sample(
-    weights: dict[str, torch.Tensor],
-    model_config: GPTConfig,
-    tokenizer: CharTokenizer,
-    config: TrainConfig,
-) -> str:
-    """Generate from a fresh copy of the trained model, whatever split trained it."""
-    if config.sample_tokens == 0:
-        return ""
-    model = GPT(model_config)
-    model.load_state_dict(weights)
-    model.eval()
-    prompt = "def " if set("def ") <= set(tokenizer.chars) else tokenizer.chars[0]
-    idx = tokenizer.encode_tensor(prompt)[None, :]  # (1, len(prompt))
-    generator = torch.Generator().manual_seed(config.seed)
-    out = model.generate(idx, config.sample_tokens, temperature=0.8, top_k=20, generator=generator)
-    return tokenizer.decode(out[0])
 
 
 def _summary(

@@ -10,6 +10,7 @@ Three ways to start, one worker function (`train_worker`):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from tessera.train.config import (
 )
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
+from tessera.train.preflight import preflight_workload
 from tessera.train.registry import own_entry_point
 from tessera.train.restarts import (
     check_restart_options,
@@ -74,6 +76,37 @@ def check_resume(config: TrainConfig, run_dir: str | Path) -> None:
         except (CheckpointError, KeyError, ValueError):
             return  # the ranks fall back to an older checkpoint, and check that one
         check_resume_world(config.strategy, saved_world, job_world_size(config.nproc))
+
+
+WORKLOAD_FILE = "workload.json"
+"""What identifies a `--model` run's workload (`Workload.identity`), written beside config.yaml so
+that a resume with other data (another length, another vocabulary) is refused before any rank
+starts; the ranks check the checkpoint's own copy again."""
+
+
+def _check_workload(run_dir: Path, checked: dict[str, Any] | None, resume: bool) -> None:
+    """Refuse to resume a run whose saved workload identity differs from this one's."""
+    saved_file = run_dir / WORKLOAD_FILE
+    if checked is None or not resume or not saved_file.is_file():
+        return
+    saved = json.loads(saved_file.read_text()).get("workload", {})
+    now = json.loads(json.dumps(checked["identity"]))["workload"]  # as JSON would hold it
+    differing = [
+        f"{key} ({saved.get(key)!r} -> {now.get(key)!r})"
+        for key in sorted({*saved, *now})
+        if saved.get(key) != now.get(key)
+    ]
+    if differing:
+        raise ConfigError(
+            f"cannot resume {run_dir}: it was trained on another workload; differing: "
+            f"{', '.join(differing)}"
+        )
+
+
+def _write_workload(checked: dict[str, Any] | None, run_dir: Path) -> None:
+    if checked is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / WORKLOAD_FILE).write_text(json.dumps(checked["identity"], indent=1))
 
 
 def _choose_run_dir(config: TrainConfig, resume: bool) -> Path:
@@ -136,15 +169,21 @@ def run_training(
             run_dir = _choose_run_dir(config, resume)
         if resume:
             check_resume(config, run_dir)
+        checked = preflight_workload(config)  # --model / --data / --loss: opened, one forward
+        _check_workload(run_dir, checked, resume)
         faults_from_env(config, int(os.environ["WORLD_SIZE"]))
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
+            _write_workload(checked, run_dir)
         return train_worker(config, str(run_dir), resume)
     run_dir = _choose_run_dir(config, resume)
     if resume:
         check_resume(config, run_dir)
+    checked = preflight_workload(config)  # --model / --data / --loss: opened, one forward
+    _check_workload(run_dir, checked, resume)
     faults_from_env(config, config.nproc)  # a malformed TESSERA_FAULT fails here, once
     _write_config(config, run_dir)
+    _write_workload(checked, run_dir)
     if config.nproc == 1 and max_restarts == 0:
         try:
             return train_worker(config, str(run_dir), resume)
@@ -173,6 +212,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary["sample"]:
         console.print("[bold]sample:[/bold]")
         console.print(summary["sample"], markup=False, highlight=False)
+    if summary.get("sample_note"):
+        console.print(summary["sample_note"])
 
 
 def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -180,7 +221,7 @@ def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("steps (this run / total)", f"{summary['steps_this_run']} / {summary['steps']}"),
         ("loss (first -> last)", f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"),
-        ("tokens/s (median)", f"{summary['tokens_per_s']:,.0f}"),
+        (f"{summary.get('unit', 'tokens')}/s (median)", f"{summary['tokens_per_s']:,.0f}"),
         ("step time (median)", f"{summary['step_s'] * 1e3:.1f} ms"),
         ("exposed communication", f"{summary['comm_s'] * 1e3:.1f} ms ({comm_share:.0%})"),
         ("peak memory per rank", ", ".join(f"{m:.0f} MB" for m in summary["peak_mem_mb"])),

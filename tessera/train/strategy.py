@@ -19,7 +19,7 @@ this module never imports the engines that subclass `Engine`); users add theirs 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -71,17 +71,23 @@ class Engine:
         self.comm_seconds = 0.0
         """Communication the last step waited for (not hidden behind compute), in seconds."""
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Forward pass."""
-        return self.module(*inputs)
+        return self.module(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass; after it every parameter's `.grad` is what the optimizer should use."""
         loss.backward()
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
-        """Forward and backward of this rank's batch; return its mean loss."""
-        loss = loss_fn(self(inputs), targets)
+    def train_step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> float:
+        """Forward and backward of this rank's batch; return its mean loss.
+
+        A dict batch (`inputs` a Mapping; the loop passes the same dict as `targets`) is called
+        as `model(**inputs)`, the Hugging Face convention; the loss is `loss_fn(output, targets)`
+        either way. (`tessera.strategies`' `train_step(batch)` replaces this signature.)
+        """
+        output = self(**inputs) if isinstance(inputs, Mapping) else self(inputs)
+        loss = loss_fn(output, targets)
         self.backward(loss)
         return loss.item()
 
@@ -141,9 +147,9 @@ class TorchDDPEngine(Engine):
     def _mark_gradient(self, _parameter: torch.Tensor) -> None:
         self._last_gradient_at = time.perf_counter()
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """Forward through DDP, which prepares the gradient reduction of this step."""
-        return self.ddp(*inputs)
+        return self.ddp(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward; DDP's hooks all-reduce (average) gradients as buckets fill."""

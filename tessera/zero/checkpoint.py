@@ -5,10 +5,11 @@ A rank's shard is two files in the step's folder:
 * `rank-R-of-W.safetensors`: the runs of elements the rank owns (`partition.shard_pieces`) of the
   fp32 master weights and of every element-wise optimizer state, one tensor per run, keyed
   `kind|parameter|first element` (rank 0 adds the buffers, `extra|key|0`); written atomically;
-* `rank-R-of-W.pt`: written last with `tessera.train.checkpoint.save_checkpoint` (atomic,
-  SHA-256 checked): the layout, optimizer hyper-parameters, each flat shard's scalar state
-  (Adam's `step`: every flat keeps its own tensor) and the SHA-256 of the tensor file, which
-  every reader verifies before trusting a byte of it.
+* `rank-R-of-W.pt`: written last with `tessera.train.checkpoint.save_checkpoint` (atomic, a
+  plain `torch.save` file; in a run folder the checkpoint's manifest holds its checksum): the
+  layout, optimizer hyper-parameters, each flat shard's scalar state (Adam's `step`: every flat
+  keeps its own tensor) and the SHA-256 of the tensor file, which every reader verifies before
+  trusting a byte of it.
 
 Under a one-step delayed update (`tessera.zero.delayed`) a save first waits for the step in
 flight: the masters and optimizer state saved are those after it, and the parameters forward

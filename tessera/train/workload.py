@@ -1,0 +1,222 @@
+"""What a run trains: the model, the batch of each step, the loss, and what identifies them.
+
+`build_workload(config)` gives every rank the same `Workload`:
+
+- the demo (no `--model`): the character-level GPT on the corpus, next-token cross-entropy, a
+  text sample generated at the end;
+- a user's (`--model PKG.MODULE:FACTORY | hf:CLASS --data ... [--loss PKG.MODULE:FN]`): the
+  model the factory builds, batches drawn from the data set (`tessera.data.batches`), and the
+  loss of the batch rule: `loss(output, targets)` for (inputs, targets) items, `loss(output,
+  batch)` for dict items, or for dict items without `--loss` the model's own `output.loss` /
+  `output["loss"]` (the Hugging Face convention).
+
+In both, the batch of a step is a pure function of (seed, step), so a resumed run draws what an
+uninterrupted one would; `identity` goes into every checkpoint, and a resume whose workload
+identifies differently is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.data import CharTokenizer, LMBatches, load_corpus
+from tessera.data.batches import Batch, DatasetBatches, collate, item_kind
+from tessera.data.imports import load_reference
+from tessera.data.sources import open_data
+from tessera.errors import ConfigError
+from tessera.models import GPT, GPTConfig
+from tessera.models.user import model_factory, read_model_config
+from tessera.train.config import TrainConfig, config_to_dict
+
+__all__ = [
+    "Workload",
+    "build_workload",
+    "corpus_batches",
+    "gpt_sample",
+    "model_loss",
+    "next_token_loss",
+]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything a rank needs to train, besides the strategy and the optimizer."""
+
+    model_fn: Callable[[], nn.Module]
+    """Builds the model; called after `torch.manual_seed(seed)` so every rank has the same."""
+    batches: Callable[[int, int, int], Batch]
+    """`(step, rank, world_size) -> batch`: this rank's rows of the global batch of `step`."""
+    loss_fn: LossFn
+    """`(output, targets)` for pair batches, `(output, batch)` for dict batches."""
+    batch_kind: str
+    """"pair" or "dict": how the loop hands a batch to the engine."""
+    tokens_per_step: int
+    """Tokens (samples, for data that is not token ids) in one global batch."""
+    unit: str
+    """"tokens" or "samples": what `tokens_per_step` counts."""
+    identity: dict[str, Any]
+    """Stored in checkpoints: a resume must build the same workload."""
+    sample: Callable[[dict[str, torch.Tensor]], str] | None = None
+    """The demo GPT's end-of-run text sample from the trained weights; None for user models."""
+    eval_data: Any = field(default=None)
+    """The `--eval-data` set, loaded and checked (evaluation itself is not run by the loop)."""
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of next-character prediction: logits (b, T, vocab), targets (b, T)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def model_loss(output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    """The loss a model computes itself from a dict batch: `output.loss` or `output["loss"]`."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise ConfigError(
+            f"{type(output).__name__} returned by the model holds no loss for the batch keys "
+            f"{sorted(batch)}: give --loss PKG.MODULE:FN (loss(output, batch) for dict items)"
+        )
+    return loss
+
+
+def _needs_loss(output: Any, targets: Any) -> torch.Tensor:
+    raise ConfigError("(inputs, targets) items need --loss PKG.MODULE:FN: loss(output, targets)")
+
+
+def corpus_batches(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
+    """The demo's tokenizer and batch stream: the corpus the config names, cut into blocks; the
+    batch of a step is a pure function of (seed, step), which is what makes resume exact."""
+    text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    tokenizer = CharTokenizer.from_text(text)
+    batches = LMBatches(
+        tokenizer.encode_tensor(text),
+        block_size=config.model.block_size,
+        global_batch_size=config.batch_size,
+        seed=config.seed,
+    )
+    return tokenizer, batches
+
+
+def gpt_sample(
+    weights: dict[str, torch.Tensor],
+    model_config: GPTConfig,
+    tokenizer: CharTokenizer,
+    config: TrainConfig,
+) -> str:
+    """Generate from a fresh copy of the trained GPT, whatever split trained it."""
+    if config.sample_tokens == 0:
+        return ""
+    model = GPT(model_config)
+    model.load_state_dict(weights)
+    model.eval()
+    prompt = "def " if set("def ") <= set(tokenizer.chars) else tokenizer.chars[0]
+    idx = tokenizer.encode_tensor(prompt)[None, :]  # (1, len(prompt))
+    generator = torch.Generator().manual_seed(config.seed)
+    out = model.generate(idx, config.sample_tokens, temperature=0.8, top_k=20, generator=generator)
+    return tokenizer.decode(out[0])
+
+
+def demo_model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The demo GPT's shape: the config's `model` section and the corpus's vocabulary."""
+    return GPTConfig(vocab_size=vocab_size, **config_to_dict(config)["model"])
+
+
+def _demo(config: TrainConfig) -> Workload:
+    tokenizer, batches = corpus_batches(config)
+    model_config = demo_model_config(config, tokenizer.vocab_size)
+    return Workload(
+        model_fn=partial(GPT, model_config),
+        batches=batches.batch,
+        loss_fn=next_token_loss,
+        batch_kind="pair",
+        tokens_per_step=config.batch_size * config.model.block_size,
+        unit="tokens",
+        identity={"tokenizer": tokenizer.to_dict()},  # the key older checkpoints hold
+        sample=lambda weights: gpt_sample(weights, model_config, tokenizer, config),
+    )
+
+
+def _first_items(dataset: Any, spec: str) -> Batch:
+    """Collate the first two items (one if that is all): checks their kind and shapes agree."""
+    if len(dataset) < 1:
+        raise ConfigError(f"{spec}: the data set is empty")
+    try:
+        items = [dataset[i] for i in range(min(2, len(dataset)))]
+        item_kind(items[0])
+        return collate(items)
+    except (ValueError, TypeError, IndexError, KeyError) as exc:
+        raise ConfigError(f"{spec}: {exc}") from None
+
+
+def _tokens_per_item(sample: Batch) -> tuple[int, str]:
+    if isinstance(sample, dict) and "input_ids" in sample:
+        return sample["input_ids"][0].numel(), "tokens"
+    return 1, "samples"
+
+
+def _user(config: TrainConfig) -> Workload:
+    assert config.model_factory is not None and config.data is not None
+    build = model_factory(config.model_factory, config.model_config)
+    opened = open_data(config.data, tokenizer=config.tokenizer, block_size=config.model.block_size)
+    sample = _first_items(opened.dataset, config.data)
+    kind = "dict" if isinstance(sample, dict) else "pair"
+    if config.loss is not None:
+        loss_fn: LossFn = load_reference(config.loss, what="--loss")
+    else:
+        loss_fn = model_loss if kind == "dict" else _needs_loss
+    try:
+        batches = DatasetBatches(
+            opened.dataset, global_batch_size=config.batch_size, seed=config.seed
+        )
+    except ValueError as exc:
+        raise ConfigError(f"--data {config.data}: {exc}") from None
+    eval_data = None
+    if config.eval_data is not None:
+        eval_opened = open_data(
+            config.eval_data,
+            tokenizer=config.tokenizer,
+            block_size=config.model.block_size,
+            what="--eval-data",
+        )
+        eval_sample = _first_items(eval_opened.dataset, config.eval_data)
+        eval_kind = "dict" if isinstance(eval_sample, dict) else "pair"
+        if eval_kind != kind:
+            raise ConfigError(
+                f"--eval-data {config.eval_data} has {eval_kind} items, --data has {kind} items"
+            )
+        eval_data = eval_opened.dataset
+    per_item, unit = _tokens_per_item(sample)
+    identity = {
+        "workload": {
+            "model": config.model_factory,
+            "data": config.data,
+            "loss": config.loss,
+            "model_config": read_model_config(config.model_config) if config.model_config else None,
+            "items": len(opened.dataset),
+            "tokenizer": opened.tokenizer,
+        }
+    }
+    return Workload(
+        model_fn=build,
+        batches=batches.batch,
+        loss_fn=loss_fn,
+        batch_kind=kind,
+        tokens_per_step=config.batch_size * per_item,
+        unit=unit,
+        identity=identity,
+        eval_data=eval_data,
+    )
+
+
+def build_workload(config: TrainConfig) -> Workload:
+    """The run's workload: the demo GPT, or the user's model, data and loss (ConfigError if any
+    of them cannot be loaded)."""
+    return _demo(config) if config.model_factory is None else _user(config)
