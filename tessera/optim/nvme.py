@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as torch_adam_functional
 
-from tessera.optim.cpu_adam import _kernel_or_warn
+from tessera.optim.cpu_adam import _kernel_or_warn, adam_groups
 from tessera.optim.swap_files import ALIGN, SwapFile, SwapFolder, aligned_empty
 
 __all__ = ["CHUNK_QUANTUM", "SLOTS", "NVMeAdam", "nvme_state_bytes"]
@@ -87,11 +87,7 @@ class NVMeAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.params = [p for group in self.param_groups for p in group["params"]]
         for index, param in enumerate(self.params):
-            if param.dtype != torch.float32 or param.device.type != "cpu" or param.dim() != 1:
-                raise TypeError(
-                    f"NVMeAdam takes flat fp32 CPU parameters; parameter {index} is "
-                    f"{param.dtype} {tuple(param.shape)} on {param.device}"
-                )
+            _check_param(param, index)
         self.swap_params = swap_params
         self.kinds = (*_MOMENTS, "param") if swap_params else _MOMENTS
         per_element = 4 * len(self.kinds) + 4  # + an fp32 gradient chunk (converted from bf16)
@@ -105,6 +101,7 @@ class NVMeAdam(torch.optim.Optimizer):
             )
         self.chunk = chunk
         numels = [p.numel() for p in self.params]
+        self._numels = numels
         self.offsets = [0]
         for numel in numels:
             self.offsets.append(self.offsets[-1] + _region(numel))
@@ -176,6 +173,13 @@ class NVMeAdam(torch.optim.Optimizer):
             grad = grads[index] if grads is not None else param.grad
             if grad is None:
                 continue
+            if not self.swap_params:  # again: `param.data = ...` may have replaced it
+                _check_param(param, index)
+            if param.numel() != self._numels[index]:
+                raise ValueError(
+                    f"NVMeAdam: parameter {index} has {param.numel()} elements, its state on disk "
+                    f"{self._numels[index]}: it was replaced after the optimizer was built"
+                )
             if grad.numel() != param.numel() or grad.device.type != "cpu":
                 raise ValueError(
                     f"NVMeAdam: parameter {index} has {param.numel()} elements, its gradient "
@@ -304,7 +308,9 @@ class NVMeAdam(torch.optim.Optimizer):
         return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's format: scalars stay in memory, the moments go to the files."""
+        """Load torch's format: scalars stay in memory, the moments go to the files. Takes
+        `CPUAdam`'s and torch's Adam(W)'s state dicts as `CPUAdam.load_state_dict` does."""
+        groups = adam_groups(state_dict["param_groups"], self.param_groups, "NVMeAdam")
         self.flush()
         self._on_disk = [False] * len(self.params)  # the loaded state replaces all of it
         small: dict[Any, dict[str, Any]] = {}
@@ -314,7 +320,7 @@ class NVMeAdam(torch.optim.Optimizer):
                 if kind in per_param:
                     self._write_whole(kind, int(index), per_param[kind])
                     self._on_disk[int(index)] = True
-        super().load_state_dict({"state": small, "param_groups": state_dict["param_groups"]})
+        super().load_state_dict({"state": small, "param_groups": groups})
 
     def close(self) -> None:
         """Wait for the writer, stop the threads and remove the files (idempotent)."""
@@ -325,6 +331,21 @@ class NVMeAdam(torch.optim.Optimizer):
         self._writer.shutdown()
         self._reader = self._writer = None
         self.folder.close()
+
+
+def _check_param(param: torch.Tensor, index: int) -> None:
+    """NVMeAdam steps a parameter as one run of memory: flat, fp32, CPU and contiguous (a
+    strided view would have the elements between its strides overwritten, as in `CPUAdam`)."""
+    if param.dtype != torch.float32 or param.device.type != "cpu" or param.dim() != 1:
+        raise TypeError(
+            f"NVMeAdam takes flat fp32 CPU parameters; parameter {index} is "
+            f"{param.dtype} {tuple(param.shape)} on {param.device}"
+        )
+    if not param.is_contiguous():
+        raise ValueError(
+            f"NVMeAdam needs contiguous parameters; parameter {index} is a strided view "
+            f"(stride {param.stride()}): pass a contiguous copy"
+        )
 
 
 def _hyper(group: dict[str, Any], step: float) -> dict[str, float]:
