@@ -433,6 +433,23 @@ def test_failed_build_falls_back_with_one_warning(failing_compiler, adamw):
     assert state["state"][0]["step"].item() == 3.0
 
 
+def test_the_declared_torch_range_starts_at_the_tested_version():
+    """Finding 22 of issue 24: pyproject allowed torch>=2.5, but the fallback passes
+    `decoupled_weight_decay=` to `torch.optim.adam.adam`, which older torch lacks, and the suite
+    runs on one version only (constraints.txt). The declared floor is that version."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]  # (no tomllib: Python 3.10 is supported)
+    (declared,) = re.findall(r'^\s*"(torch\b[^"]*)"', (root / "pyproject.toml").read_text(), re.M)
+    floor = re.fullmatch(r"torch>=(\d+)\.(\d+)(\.\d+)?", declared.replace(" ", ""))
+    assert floor, declared
+    pinned = re.search(r"^torch==(\d+)\.(\d+)", (root / "constraints.txt").read_text(), re.M)
+    assert pinned and floor.groups()[:2] == pinned.groups(), (declared, pinned and pinned[0])
+    installed = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert installed >= tuple(int(part) for part in floor.groups()[:2]), torch.__version__
+
+
 # --- ZeRO-Offload: tessera.zero.initialize(..., offload="cpu") -----------------------------------
 
 
