@@ -24,6 +24,7 @@ the kernel computes exactly what `CPUAdam` computes over the whole tensor (bit f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -269,6 +270,66 @@ class NVMeAdam(torch.optim.Optimizer):
         buffer.zero_()
         buffer[:numel].copy_(value.reshape(-1))
         self.files[kind].write(self.offsets[index], buffer)
+
+    # -- ranges in chunks (checkpoints: memory bounded by `buffer_mb`, whatever the model) -----
+    def _staging(self) -> tuple[torch.Tensor, int]:
+        """(an idle buffer of `chunk` fp32 elements, elements per transfer): the first slot's
+        buffer, free between steps once the writes behind are flushed. A transfer leaves room
+        for rounding its window out to the O_DIRECT alignment on both sides."""
+        self.flush()
+        return self._slots[0].buffers["exp_avg"], self.chunk - 2 * (ALIGN // 4)
+
+    def _window(self, index: int, start: int, end: int) -> tuple[int, int]:
+        """The aligned element window of parameter `index`'s run that holds [start, end)."""
+        quantum, region = ALIGN // 4, _region(self._numels[index]) // 4
+        return start - start % quantum, min(-(-end // quantum) * quantum, region)
+
+    def iter_range(
+        self, kind: str, param: torch.Tensor, start: int, end: int
+    ) -> Iterator[torch.Tensor]:
+        """Elements [start, end) of one parameter's `kind` ("param", "exp_avg", "exp_avg_sq"),
+        chunk by chunk through one staging buffer: each chunk is a view of it, valid until the
+        next is asked for (no step and no other range call in between)."""
+        index = self._index(param)
+        buffer, step = self._staging()
+        for first in range(start, end, step):
+            last = min(first + step, end)
+            if kind in _MOMENTS and not self._on_disk[index]:  # never written: zeros
+                yield buffer[: last - first].zero_()
+                continue
+            lo, hi = self._window(index, first, last)
+            self.files[kind].read(self.offsets[index] + 4 * lo, buffer[: hi - lo])
+            yield buffer[first - lo : last - lo]
+
+    def write_range(self, kind: str, param: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Write `values` over elements [start, start + numel) of one parameter's `kind`, chunk
+        by chunk (each aligned window read, changed and written back: unaligned ranges work).
+        A moment written so becomes the state (`moments_written`)."""
+        index = self._index(param)
+        buffer, step = self._staging()
+        values = values.reshape(-1)
+        for first in range(0, values.numel(), step):
+            last = min(first + step, values.numel())
+            lo, hi = self._window(index, start + first, start + last)
+            window = buffer[: hi - lo]
+            self.files[kind].read(self.offsets[index] + 4 * lo, window)
+            window[start + first - lo : start + last - lo].copy_(values[first:last])
+            self.files[kind].write(self.offsets[index] + 4 * lo, window)
+
+    def fill_zeros(self, kind: str, param: torch.Tensor) -> None:
+        """Set every element of one parameter's `kind` to zero, chunk by chunk."""
+        index = self._index(param)
+        buffer, _ = self._staging()
+        buffer.zero_()
+        region = _region(self._numels[index]) // 4
+        for first in range(0, region, self.chunk):
+            count = min(self.chunk, region - first)  # regions and chunks are ALIGN multiples
+            self.files[kind].write(self.offsets[index] + 4 * first, buffer[:count])
+
+    def moments_written(self, param: torch.Tensor) -> None:
+        """Declare the moment files of `param` its state (after `write_range`/`fill_zeros`
+        filled them): reads no longer see zeros."""
+        self._on_disk[self._index(param)] = True
 
     def _index(self, param: torch.Tensor) -> int:
         for index, candidate in enumerate(self.params):
