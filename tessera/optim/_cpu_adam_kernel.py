@@ -39,7 +39,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KERNEL_SOURCE", "LOCK_TIMEOUT_S", "AdamKernel", "check_inputs", "load_kernel"]
+__all__ = [
+    "KERNEL_SOURCE", "LOCK_TIMEOUT_S", "AdamKernel", "check_inputs", "load_kernel",
+    "wait_for_build_lock",
+]  # fmt: skip
 
 KERNEL_SOURCE = r"""
 #include <cmath>

@@ -39,7 +39,7 @@ from torch.optim.adam import adam as torch_adam_functional
 from tessera.optim._cpu_adam_kernel import AdamKernel, load_kernel
 from tessera.optim.stochastic_rounding import parameter_seed, step_key, stochastic_round_to_bf16
 
-__all__ = ["CPUAdam", "MOMENTS_ROUNDING", "host_zeros", "native_kernel_available"]
+__all__ = ["CPUAdam", "MOMENTS_ROUNDING", "adam_groups", "host_zeros", "native_kernel_available"]
 
 MOMENTS_ROUNDING = ("nearest", "stochastic")
 

@@ -5,6 +5,8 @@ it through a small pinned buffer while the step runs. Adam is element-wise, so t
 the state in fixed-size chunks: read chunk k+1 and k+2 ahead (a reader thread), update chunk k
 with the same fused kernel as `CPUAdam`, write chunk k-1 behind (a writer thread). Resident memory
 is then `slots x chunk x bytes per element`, set by `buffer_mb`, whatever the model size.
+ZeRO's checkpoints move ranges of the files through the same buffers (`iter_range`,
+`write_range`); `state_dict` / `load_state_dict` (torch's format) hold the state whole.
 
 What is in the files: both moments, and with `swap_params=True` the fp32 parameter itself (the
 master weights of mixed precision, which are optimizer state in the ZeRO paper's accounting,
@@ -67,8 +69,11 @@ class NVMeAdam(torch.optim.Optimizer):
     """Adam / AdamW (as `CPUAdam`) with the moments (and optionally the parameters) on disk.
 
     `nvme_dir`: an existing writable folder with room for the state (checked before anything is
-    written); the files go in a private sub-folder removed at `close()` or exit
+    written); the files go in a private sub-folder removed at `close()`, exit or SIGTERM
     (`tessera.optim.swap_files`). `buffer_mb`: the staging memory, `SLOTS` chunks of every kind.
+    Parameters are flat (1-D), contiguous fp32 CPU tensors (checked again at every step: one
+    replaced by `param.data = ...` no longer fits its files). `load_state_dict` takes `CPUAdam`'s
+    and torch's Adam(W)'s state dicts (`tessera.optim.cpu_adam.adam_groups`).
     """
 
     def __init__(
@@ -361,7 +366,8 @@ class NVMeAdam(torch.optim.Optimizer):
         return {"step": state["step"], **moments}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's format, the moments read from disk (one whole copy: for checkpoints)."""
+        """torch's format, the moments read from disk whole (a copy of the whole state: ZeRO's
+        checkpoints stream ranges instead, `tessera.zero._offloaded_state`)."""
         packed = super().state_dict()
         for index, param in enumerate(self.params):
             if param in self.state:

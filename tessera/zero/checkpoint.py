@@ -23,6 +23,9 @@ The files name parameters, not buckets or ranks, so:
 
 * resume on another world size reads, from every old shard, only the runs that overlap the
   slices this rank now owns (memory: this rank's new shard plus one run);
+* under offload='nvme' the masters and moments in the optimizer's files are saved and loaded
+  chunk by chunk through its staging buffer (`tessera.zero._offloaded_state`): a checkpoint
+  stays within `nvme_buffer_mb` like a step;
 * `consolidate` lays out one plain safetensors state dict and fills it run by run, so its memory
   is bounded by the largest tensor, never the model; `safetensors.torch.load_file` and
   `nn.Module.load_state_dict` read it without tessera.
