@@ -434,6 +434,10 @@ def test_a_file_system_without_o_direct_gets_buffered_files(tmp_path, monkeypatc
     back = torch.empty(2048)
     swap.read(4096, back)
     assert torch.equal(back, data)
+    (folder.path / "taken.bin").write_bytes(b"mine")  # a file that was there: never removed
+    with pytest.raises(FileExistsError):
+        folder.file("taken.bin", 4096)
+    assert (folder.path / "taken.bin").read_bytes() == b"mine"
     values, optimizer = _run(
         lambda ps: NVMeAdam(ps, **HYPER, nvme_dir=str(tmp_path), buffer_mb=SMALLEST_MB), 2
     )

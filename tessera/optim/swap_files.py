@@ -230,11 +230,13 @@ class SwapFile:
         if self.direct:
             try:
                 self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            except FileExistsError:
+                raise
             except OSError:  # tmpfs and some others refuse O_DIRECT: buffered I/O, same results
                 self.direct = False
                 # Linux creates the file before it refuses the flag (EINVAL from the file
                 # system's open): remove it, or the buffered O_EXCL open below finds it there.
-                # O_EXCL above proves no one else made it, in this run's private folder.
+                # It did not exist before (else FileExistsError above): it is this call's.
                 path.unlink(missing_ok=True)
         if not self.direct:
             self._fd = os.open(path, flags, 0o600)
