@@ -265,13 +265,10 @@ def _read_my_runs(
             wanted.setdefault(p.name, []).append((p.param_lo, p.param_hi, index, p.shard_lo))
     slices: list[dict[str, torch.Tensor]] = [{} for _ in optimizer.flats]
     extras: dict[str, torch.Tensor] = {}
-    files = []
-    try:
-        for meta in metas:
-            files.append(_open_verified(folder, meta))
-        copies = []  # (file, key, first element of the run, overlap start, end, flat, slice at)
-        filled: dict[tuple[int, str], int] = {}
-        for tensors in files:
+    copies = []  # (shard, key, first element of the run, overlap start, end, flat, shift)
+    filled: dict[tuple[int, str], int] = {}
+    for number, meta in enumerate(metas):  # one file open at a time (a reshard may read many)
+        with _open_verified(folder, meta) as tensors:
             for key in tensors.keys():
                 kind, name, first = key.split("|")
                 if kind == "extra":
@@ -281,30 +278,30 @@ def _read_my_runs(
                 for param_lo, param_hi, index, shard_lo in wanted.get(name, []):
                     start, end = max(param_lo, lo), min(param_hi, hi)
                     if start < end:
-                        copies.append((tensors, key, lo, start, end, index, shard_lo - param_lo))
+                        copies.append((number, key, lo, start, end, index, shard_lo - param_lo))
                         filled[(index, kind)] = filled.get((index, kind), 0) + end - start
-        for (index, kind), count in filled.items():
-            if count != expected[index]:
-                raise CheckpointError(
-                    f"the shards cover {count} of {expected[index]} elements ({kind})"
-                )
-        for mine in sinks:
-            for sink in mine.values():
-                sink.clear()
-        for tensors, key, lo, start, end, index, shift in copies:
-            kind = key.split("|", 1)[0]
-            sink = sinks[index].get(kind)
-            if sink is None:
-                master = optimizer.flats[index].master
-                target = slices[index].setdefault(kind, torch.zeros(master.numel()))
-                target[start + shift : end + shift] = tensors.get_range(key, start - lo, end - lo)
-                continue
-            for first in range(start, end, sink.chunk):
-                last = min(first + sink.chunk, end)
-                sink.write(first + shift, tensors.get_range(key, first - lo, last - lo))
-    finally:
-        for tensors in files:
-            tensors.close()
+    for (index, kind), count in filled.items():
+        if count != expected[index]:
+            raise CheckpointError(
+                f"the shards cover {count} of {expected[index]} elements ({kind})"
+            )
+    for mine in sinks:
+        for sink in mine.values():
+            sink.clear()
+    for number, meta in enumerate(metas):
+        with TensorFile(folder / meta["tensors"]) as tensors:  # verified above
+            for _, key, lo, start, end, index, shift in (c for c in copies if c[0] == number):
+                kind = key.split("|", 1)[0]
+                sink = sinks[index].get(kind)
+                if sink is None:
+                    size = optimizer.flats[index].master.numel()
+                    target = slices[index].setdefault(kind, torch.zeros(size))
+                    run = tensors.get_range(key, start - lo, end - lo)
+                    target[start + shift : end + shift] = run
+                    continue
+                for first in range(start, end, sink.chunk):
+                    last = min(first + sink.chunk, end)
+                    sink.write(first + shift, tensors.get_range(key, first - lo, last - lo))
     return slices, extras
 
 
