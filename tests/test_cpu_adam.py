@@ -211,6 +211,185 @@ def test_bad_input_is_a_clear_error(native):
         CPUAdam([param], betas=(1.0, 0.9))
 
 
+_REPLACED_PARAMETER = """
+import torch
+from tessera.optim import CPUAdam
+from tessera.optim._cpu_adam_kernel import load_kernel
+param = torch.zeros(1000, requires_grad=True)
+param.grad = torch.ones(1000)
+optimizer = CPUAdam([param])
+optimizer.step()
+assert optimizer.uses_native_kernel
+param.data = torch.zeros(4_000_000)  # after its state was made: 4000x the moments' size
+param.grad = torch.ones(4_000_000)
+try:
+    optimizer.step()
+except ValueError as error:
+    print("refused:", error)
+kernel, n = load_kernel(), 40_000
+p, g = torch.zeros(n), torch.ones(n)
+wrong = {
+    "exp_avg too small": (p, g, torch.zeros(n // 2), torch.zeros(n)),
+    "moments of two dtypes": (p, g, torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)),
+    "strided grad": (p, torch.ones(2 * n)[::2], torch.zeros(n), torch.zeros(n)),
+    "bf16 grad": (p, g.bfloat16(), torch.zeros(n), torch.zeros(n)),
+}
+scalars = dict(beta1=0.9, beta2=0.99, one_minus_beta1=0.1, one_minus_beta2=0.01, eps=1e-8,
+               weight_decay=0.0, decay=1.0, step_size=0.1, inv_bias2_sqrt=1.0, adamw=True)
+for name, args in wrong.items():
+    try:
+        kernel(*args, None, **scalars)
+    except ValueError as error:
+        print("kernel refused", name, "|", error)
+"""
+
+
+def test_a_replaced_parameter_or_mismatched_state_is_refused_before_the_native_call(native):
+    """Finding 9 of issue 24: `param.data = bigger` after a step gave the kernel moments 4000x
+    too small (heap corruption, `free(): invalid next size`, or SIGSEGV). Run in a subprocess:
+    on a regression the process crashes instead of failing one assertion."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLACED_PARAMETER], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert (
+        "refused: CPUAdam: parameter 0 has shape (4000000,) but its state 'exp_avg' has "
+        "shape (1000,)" in done.stdout
+    ), done.stdout
+    for name in ("exp_avg too small", "moments of two dtypes", "strided grad", "bf16 grad"):
+        assert f"kernel refused {name} | CPU Adam kernel:" in done.stdout, (name, done.stdout)
+
+
+def test_strided_moments_from_torch_are_made_contiguous(native):
+    """torch's Adam keeps a transposed parameter's moments transposed; loaded into CPUAdam (whose
+    parameters are contiguous) they are copied contiguous, not read in the wrong order."""
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.randn(6, 4, generator=generator)
+    grads = [torch.randn(6, 4, generator=generator) for _ in range(2)]
+    strided = weight.t().contiguous().t().requires_grad_()  # same values, column-major
+    torch_opt = torch.optim.AdamW([strided], **HYPER)
+    strided.grad = grads[0].t().contiguous().t()
+    torch_opt.step()
+    assert not torch_opt.state[strided]["exp_avg"].is_contiguous()
+    ours = strided.detach().contiguous().requires_grad_()
+    cpu = CPUAdam([ours], **HYPER)
+    saved = copy.deepcopy(torch_opt.state_dict())  # (state_dict() shares the step tensor)
+    cpu.load_state_dict(copy.deepcopy(saved))
+    plain = strided.detach().contiguous().requires_grad_()
+    plain_opt = CPUAdam([plain], **HYPER)
+    saved["state"][0] = {k: v.contiguous() for k, v in saved["state"][0].items()}
+    plain_opt.load_state_dict(saved)
+    for param, optimizer in ((ours, cpu), (plain, plain_opt)):
+        param.grad = grads[1].clone()
+        optimizer.step()
+    assert torch.equal(ours, plain)
+
+
+_LOCK_PLANTED = """
+import time, warnings
+import torch
+from tessera.optim import CPUAdam, _cpu_adam_kernel as k
+lock = k._cache_dir(k._isa()) / "lock"
+lock.parent.mkdir(parents=True)
+lock.touch()  # what a process killed while compiling leaves
+param = torch.ones(5, requires_grad=True)
+param.grad = torch.ones(5)
+start = time.monotonic()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        optimizer = CPUAdam([param], lr=0.1, weight_decay=0.0)
+        optimizer.step()
+print("seconds", time.monotonic() - start)
+print("native", optimizer.uses_native_kernel)
+print("warnings", len([w for w in caught if "CPUAdam" in str(w.message)]))
+print("message", " ".join(str(w.message) for w in caught))
+print("value", param.detach().tolist())
+"""
+
+
+def test_a_stale_build_lock_falls_back_after_a_bounded_wait(tmp_path):
+    """Finding 10 of issue 24: a lock file left by a killed build made every CPUAdam(...) hang
+    forever in torch's FileBaton.wait. Planted in an empty cache, with a 0.5 s bound: the
+    fallback runs, with one warning naming the lock. In a subprocess, so a hang is a timeout."""
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "TESSERA_CACHE_DIR": str(tmp_path / "cache"),
+        "TESSERA_KERNEL_LOCK_TIMEOUT_S": "0.5",
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _LOCK_PLANTED], env=env, capture_output=True, text=True,
+            timeout=60,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("CPUAdam waited for a stale build lock for 60 s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert float(lines["seconds"]) < 20, lines  # the 0.5 s bound once, not per optimizer
+    assert lines["native"] == "False"
+    assert lines["warnings"] == "1", lines
+    assert "has been held for more than 0.5 s" in lines["message"], lines["message"]
+    assert "lock" in lines["message"] and "delete the file" in lines["message"]
+    # Two fresh optimizers' first steps of lr 0.1 with gradient 1: 1 - 0.1 - 0.1 (first Adam
+    # steps are lr * sign(grad)), the fallback's torch kernel working.
+    values = [float(v) for v in lines["value"].strip("[]").split(",")]
+    assert all(abs(v - 0.8) < 1e-6 for v in values), values
+    with pytest.raises(ValueError, match="TESSERA_KERNEL_LOCK_TIMEOUT_S must be a number"):
+        os.environ["TESSERA_KERNEL_LOCK_TIMEOUT_S"] = "soon"
+        try:
+            _cpu_adam_kernel._lock_timeout_s()
+        finally:
+            del os.environ["TESSERA_KERNEL_LOCK_TIMEOUT_S"]
+
+
+def _continue(optimizer, params, seed, start, stop):
+    for step in range(start, stop):
+        for param, grad in zip(params, _grads(seed, step)):
+            param.grad = grad.to(param.dtype)
+        optimizer.step()
+    return params
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_state_dicts_move_between_torch_adam_and_cpu_adam_both_ways(native, adamw):
+    """Finding 11 of issue 24: an AdamW state dict loaded into CPUAdam failed at step() with
+    KeyError 'bf16_moments'. k steps of one + load into the other + k steps == 2k steps of
+    torch's AdamW (Adam), within the rounding budget of a float64 reference. The optimizer
+    loading is built with other hyper-parameters (and the other decay mode): the state dict's
+    win, as in torch."""
+    torch_class = torch.optim.AdamW if adamw else torch.optim.Adam
+    initial, k, seed = _params(seed=8), 2, 8
+    oracle, _ = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, seed, 2 * k)
+    exact, _ = _train(
+        lambda ps: torch_class(ps, foreach=False, **HYPER), initial, seed, 2 * k, torch.float64
+    )
+    other = dict(lr=1.0, betas=(0.0, 0.0), eps=1.0, weight_decay=0.0)
+    # torch -> CPUAdam
+    first, first_opt = _train(lambda ps: torch_class(ps, fused=True, **HYPER), initial, seed, k)
+    ours = CPUAdam(first, adamw=not adamw, **other)
+    ours.load_state_dict(copy.deepcopy(first_opt.state_dict()))
+    assert ours.param_groups[0]["adamw"] is adamw and ours.param_groups[0]["lr"] == HYPER["lr"]
+    assert not ours.param_groups[0]["bf16_moments"]
+    check_close(_continue(ours, first, seed, k, 2 * k), oracle, exact, what="torch -> CPUAdam")
+    # CPUAdam -> torch
+    second, second_opt = _train(lambda ps: CPUAdam(ps, adamw=adamw, **HYPER), initial, seed, k)
+    theirs = torch_class(second, fused=True, **other)
+    theirs.load_state_dict(copy.deepcopy(second_opt.state_dict()))
+    check_close(_continue(theirs, second, seed, k, 2 * k), oracle, exact, what="CPUAdam -> torch")
+    # And what CPUAdam does not implement is refused by name, not ignored.
+    for flag in ("amsgrad", "maximize"):
+        flagged = torch_class(first, **HYPER, **{flag: True}).state_dict()
+        with pytest.raises(ValueError, match=rf"{flag}=True, which CPUAdam does not implement"):
+            CPUAdam(first, **HYPER).load_state_dict(flagged)
+
+
 @pytest.fixture
 def failing_compiler(tmp_path, monkeypatch):
     """A compiler that answers --version but refuses to compile, and an empty build cache."""
@@ -252,6 +431,23 @@ def test_failed_build_falls_back_with_one_warning(failing_compiler, adamw):
         assert torch.equal(_moments(ours_opt, ours)[name], value), name
     state = copy.deepcopy(ours_opt.state_dict())
     assert state["state"][0]["step"].item() == 3.0
+
+
+def test_the_declared_torch_range_starts_at_the_tested_version():
+    """Finding 22 of issue 24: pyproject allowed torch>=2.5, but the fallback passes
+    `decoupled_weight_decay=` to `torch.optim.adam.adam`, which older torch lacks, and the suite
+    runs on one version only (constraints.txt). The declared floor is that version."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]  # (no tomllib: Python 3.10 is supported)
+    (declared,) = re.findall(r'^\s*"(torch\b[^"]*)"', (root / "pyproject.toml").read_text(), re.M)
+    floor = re.fullmatch(r"torch>=(\d+)\.(\d+)(\.\d+)?", declared.replace(" ", ""))
+    assert floor, declared
+    pinned = re.search(r"^torch==(\d+)\.(\d+)", (root / "constraints.txt").read_text(), re.M)
+    assert pinned and floor.groups()[:2] == pinned.groups(), (declared, pinned and pinned[0])
+    installed = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert installed >= tuple(int(part) for part in floor.groups()[:2]), torch.__version__
 
 
 # --- ZeRO-Offload: tessera.zero.initialize(..., offload="cpu") -----------------------------------

@@ -292,6 +292,79 @@ def test_every_zero_stage_with_nvme_offload_equals_no_offload(run_ranks, tmp_pat
             check_close(offloaded, oracle, reference, what=f"stage {stage} offload=nvme")
 
 
+def _nvme_checkpoint_ranks(folder: str, nvme_dir: str) -> dict:
+    """ZeRO-2, bf16, offload='nvme' with a 2 MB buffer on a model whose fp32 master and moments
+    take 12.6 MB per rank: save, one more step, load; the peak RSS growth of save and of load,
+    and whether the load brought back exactly the state saved."""
+    import tessera
+    from tessera.zero import initialize
+    from tessera.zero.checkpoint import load_shards, save_shard
+
+    ctx = tessera.init()
+    torch.set_num_threads(1)
+    mine = Path(nvme_dir) / f"rank{ctx.rank}"
+    mine.mkdir()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 2))  # 2.1 M parameters
+    model, optimizer = initialize(
+        model, torch.optim.AdamW, stage=2, mixed_precision="bf16", offload="nvme",
+        nvme_dir=str(mine), nvme_buffer_mb=BUDGET_MB, **HYPER,
+    )  # fmt: skip
+    inner = optimizer.optimizer
+
+    def step(index: int) -> None:
+        x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(10 * index + ctx.rank))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    def snapshot() -> list:
+        return [
+            (inner.read_param(f.master),
+             {k: v.clone() for k, v in inner.read_state(f.master).items()},
+             f.flat_param[f.lo : f.hi].clone())
+            for f in optimizer.flats
+        ]  # fmt: skip
+
+    for index in range(2):
+        step(index)
+    step(2)  # (every lazy allocation of a step made before the measurements)
+    out = {"save": _peak_rss_growth(lambda: save_shard(folder, optimizer))}
+    saved = snapshot()
+    step(3)
+    changed = snapshot()
+    out["load"] = _peak_rss_growth(lambda: load_shards(optimizer, folder))
+    loaded = snapshot()
+    out["state bytes"] = 12 * sum(f.master.numel() for f in optimizer.flats)
+    out["step changed it"] = not torch.equal(saved[0][0], changed[0][0])
+    out["loaded"] = all(
+        torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+        and all(torch.equal(a[1][k], b[1][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+        for a, b in zip(saved, loaded)
+    )  # fmt: skip
+    step(4)  # and it trains on from there
+    optimizer.remove_hooks()
+    return out
+
+
+def test_nvme_checkpoint_save_and_load_stay_within_the_buffer(run_ranks, tmp_path, monkeypatch):
+    """Finding 16 of issue 24: a ZeRO checkpoint under offload='nvme' read each master and
+    moment whole (save) and built whole slices (load), so its memory grew with the model while
+    the docstring promised `nvme_buffer_mb`. Now both stream chunk by chunk through the
+    optimizer's own staging buffer: the peak RSS growth of each stays within the budget (plus
+    slack), on a state 6x larger, and the load brings back every bit saved."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = run_ranks(_nvme_checkpoint_ranks, 2, str(tmp_path / "ckpt"), str(nvme))
+    budget = int(BUDGET_MB * 2**20)
+    for rank, out in enumerate(results):
+        assert out["state bytes"] >= 6 * budget, out
+        assert out["step changed it"] and out["loaded"], (rank, out)
+        for phase in ("save", "load"):
+            assert out[phase] <= budget + SLACK_BYTES, (rank, phase, out)
+
+
 # --- swap folders: removed at close, a crashed run's removed and never read -------------------
 
 
@@ -332,6 +405,150 @@ def test_a_crashed_runs_swap_folder_is_removed_not_read(tmp_path):
     optimizer.close()
     folder.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name])
+
+
+def test_a_file_system_without_o_direct_gets_buffered_files(tmp_path, monkeypatch):
+    """Finding 12 of issue 24: on tmpfs an O_DIRECT open creates the file and then fails with
+    EINVAL, and the buffered retry's O_EXCL found it there (FileExistsError). Simulated here:
+    the open with O_DIRECT creates the file, then refuses."""
+    import errno
+
+    from tessera.optim import swap_files
+
+    real_open = os.open
+    refused = []
+
+    def no_direct(path, flags, *args, **kwargs):  # (`os` is global: rmtree calls it too)
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, *args, **kwargs))  # as Linux does
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(swap_files.os, "open", no_direct)
+    folder = SwapFolder(tmp_path, purpose="test")
+    swap = folder.file("state.bin", 3 * 4096)
+    assert refused and not swap.direct
+    data = torch.arange(2048, dtype=torch.float32)
+    swap.write(4096, data)
+    back = torch.empty(2048)
+    swap.read(4096, back)
+    assert torch.equal(back, data)
+    (folder.path / "taken.bin").write_bytes(b"mine")  # a file that was there: never removed
+    with pytest.raises(FileExistsError):
+        folder.file("taken.bin", 4096)
+    assert (folder.path / "taken.bin").read_bytes() == b"mine"
+    values, optimizer = _run(
+        lambda ps: NVMeAdam(ps, **HYPER, nvme_dir=str(tmp_path), buffer_mb=SMALLEST_MB), 2
+    )
+    expected, _ = _run(lambda ps: CPUAdam(ps, **HYPER), 2)
+    assert all(torch.equal(a, b) for a, b in zip(values, expected))
+    optimizer.close()
+    folder.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_restart_after_a_killed_run_finds_the_space_the_dead_run_held(tmp_path, monkeypatch):
+    """Finding 13 of issue 24: free space was checked before the dead run's folder was removed,
+    so a restart failed on the space the dead run's files still held, and the folder stayed."""
+    import socket
+
+    dead = _dead_pid()
+    stale = tmp_path / f"tessera-swap-{socket.gethostname()}-{dead}-0123456789ab"
+    stale.mkdir()
+    (stale / MANIFEST).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": dead, "started": "1"})
+    )
+    (stale / "exp_avg.bin").write_bytes(b"\x01" * 4096)
+
+    class Usage:  # a disk whose room is taken by the stale folder while it exists
+        def __init__(self, path):
+            self.free = 0 if stale.exists() else 2**30
+
+    monkeypatch.setattr(shutil, "disk_usage", Usage)
+    optimizer = NVMeAdam([nn.Parameter(torch.zeros(1024))], nvme_dir=str(tmp_path), buffer_mb=1)
+    assert not stale.exists()
+    optimizer.close()
+
+
+_TERMINATED = """
+import sys, time
+from tessera.optim.swap_files import SwapFolder
+folder = SwapFolder(sys.argv[1], purpose="test")
+folder.file("state.bin", 4096)
+print(folder.path, flush=True)
+time.sleep(60)
+"""
+
+
+def test_sigterm_removes_the_swap_folder(tmp_path):
+    """Finding 13 of issue 24: SIGTERM, what the launcher sends, left the folder behind (exit
+    hooks do not run on a signal's default action). The process still dies by SIGTERM."""
+    import signal
+    import sys
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", _TERMINATED, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        folder = Path(process.stdout.readline().strip())
+        assert folder.is_dir() and (folder / "state.bin").exists()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
+    assert not folder.exists() and not list(tmp_path.iterdir())
+
+
+def test_nvme_adam_refuses_a_strided_or_replaced_parameter(tmp_path):
+    """Finding 14 of issue 24: a strided 1-D parameter had the elements between its strides
+    overwritten and half of it never updated; refused as CPUAdam refuses it. A parameter
+    replaced after construction (`param.data = ...`) no longer fits its files: refused too."""
+    base = torch.zeros(2 * 1024)
+    strided = nn.Parameter(base[::2])
+    assert strided.dim() == 1 and not strided.is_contiguous()
+    with pytest.raises(ValueError, match="parameter 0 is a strided view"):
+        NVMeAdam([strided], nvme_dir=str(tmp_path), buffer_mb=1)
+    param = nn.Parameter(torch.zeros(1024))
+    optimizer = NVMeAdam([param], nvme_dir=str(tmp_path), buffer_mb=1)
+    param.data = torch.zeros(4096)[::4]
+    param.grad = torch.ones(1024)
+    with pytest.raises(ValueError, match="parameter 0 is a strided view"):
+        optimizer.step()
+    param.data = torch.zeros(2048)
+    param.grad = torch.ones(2048)
+    with pytest.raises(ValueError, match="2048 elements, its state on disk 1024"):
+        optimizer.step()
+    optimizer.close()
+    assert torch.equal(base, torch.zeros(2 * 1024))  # nothing was written through the view
+
+
+def test_nvme_adam_loads_torch_adamw_state(tmp_path):
+    """Finding 11 of issue 24, for NVMeAdam: torch's AdamW state dict (no `adamw` key) loads,
+    and the continued step equals CPUAdam's continued from the same state."""
+    sizes = [7, 300]
+    torch_params = [nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(n)))
+                    for n in sizes]  # fmt: skip
+    adamw = torch.optim.AdamW(torch_params, **HYPER)
+    for index, param in enumerate(torch_params):
+        param.grad = _gradient(0, index, sizes[index])
+    adamw.step()
+    results = []
+    for make in (
+        lambda ps: CPUAdam(ps, lr=1.0),
+        lambda ps: NVMeAdam(ps, lr=1.0, nvme_dir=str(tmp_path), buffer_mb=SMALLEST_MB),
+    ):
+        params = [nn.Parameter(p.detach().clone()) for p in torch_params]
+        optimizer = make(params)
+        optimizer.load_state_dict(__import__("copy").deepcopy(adamw.state_dict()))
+        for index, param in enumerate(params):
+            param.grad = _gradient(1, index, sizes[index])
+        optimizer.step()
+        results.append([p.detach().clone() for p in params])
+        getattr(optimizer, "close", lambda: None)()
+    for ours, theirs in zip(*results):
+        assert torch.equal(ours, theirs)
 
 
 # --- bad input: one clear error each ------------------------------------------------------------
@@ -404,9 +621,7 @@ def test_train_config_offload_and_activation_checkpointing(tmp_path):
     ):
         layer = {"strategy": "zero2", "offload": "cpu", "offload_moments": choice}
         config = build_config(base, layer)
-        make = _offload_optimizer(
-            2, nn.Linear(2, 2), partial(make_optimizer, config), config
-        )
+        make = _offload_optimizer(2, nn.Linear(2, 2), partial(make_optimizer, config), config)
         optimizer = make([nn.Parameter(torch.zeros(8))])
         assert isinstance(optimizer, CPUAdam), choice
         assert optimizer.defaults["bf16_moments"] is bf16, choice
@@ -481,6 +696,44 @@ class Tower(nn.Module):
             if index == 1:
                 x = block["a"](x)  # called twice within one forward
         return self.head(x * self.gain)
+
+
+def test_swap_idle_steps_a_head_outside_the_swapped_module_once(tmp_path):
+    """Finding 15 of issue 24: with the backbone swapped and one optimizer over backbone and
+    head, `swapper.step(opt)` stepped the head once per block plus once (its bias moved 4x as
+    far). Compared with a plain loop over the same model, bit for bit."""
+    import copy
+
+    from tessera.memory import swap_idle
+
+    torch.manual_seed(3)
+    backbone = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 6))
+    head = nn.Linear(6, 2)
+    plain_backbone, plain_head = copy.deepcopy(backbone), copy.deepcopy(head)
+    swapper = swap_idle(backbone, keep=0, nvme_dir=str(tmp_path))
+    assert len(swapper.blocks) == 3
+
+    def make(*modules):
+        params = [p for m in modules for p in m.parameters()]
+        return torch.optim.AdamW(params, lr=0.1, weight_decay=0.0)
+
+    optimizer, plain_opt = make(backbone, head), make(plain_backbone, plain_head)
+    bias_before = head.bias.detach().clone()
+    for step in range(2):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for b, h, opt in ((backbone, head, optimizer), (plain_backbone, plain_head, plain_opt)):
+            opt.zero_grad()
+            h(b(x)).square().sum().backward()
+        swapper.step(optimizer)
+        plain_opt.step()
+        if step == 0:  # a first Adam step moves every element by lr (one step: 0.1, not 0.4)
+            assert torch.allclose((head.bias - bias_before).abs(), torch.full((2,), 0.1))
+        assert torch.equal(head.bias, plain_head.bias), step
+        assert torch.equal(head.weight, plain_head.weight), step
+        assert all(optimizer.state[p]["step"].item() == step + 1 for p in head.parameters())
+    swapper.close()
+    for a, b in zip(backbone.parameters(), plain_backbone.parameters()):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("where", ["files", "host"])

@@ -297,17 +297,24 @@ class IdleSwapper:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer.step()` with only one block resident at a time (plus the next `keep`).
 
-        The parameters outside blocks are stepped first, then each block: brought in, stepped
-        with only its gradients visible to the optimizer, written back behind the next one.
+        The parameters outside blocks are stepped first (those of the module and any others the
+        optimizer holds, such as a head outside the swapped module), then each block: brought
+        in, stepped with only its gradients visible to the optimizer, written back behind the
+        next one. Every parameter is stepped once: each `optimizer.step()` sees the gradients of
+        one part only (optimizers skip a parameter whose gradient is None).
         """
-        grads = {id(p): p.grad for p in self.module.parameters()}
+        everything = {id(p): p for p in self.module.parameters()}
+        for group in optimizer.param_groups:
+            everything.update((id(p), p) for p in group["params"])
+        params = list(everything.values())
+        grads = {id(p): p.grad for p in params}
         in_blocks = {id(p) for b in self.blocks for p in b.params}
         try:
-            for param in self.module.parameters():
+            for param in params:
                 if id(param) in in_blocks:
                     param.grad = None
             optimizer.step()  # the parameters outside blocks (the rest have no gradient now)
-            for param in self.module.parameters():
+            for param in params:
                 param.grad = None
             for position, block in enumerate(self.blocks):
                 self._bring_in(block.index)
@@ -320,7 +327,7 @@ class IdleSwapper:
                     param.grad = None
                 self._write_out(block, dirty=True)
         finally:
-            for param in self.module.parameters():
+            for param in params:
                 param.grad = grads[id(param)]
         self._drain()
 

@@ -17,7 +17,13 @@ so ranks that start together build once) into a per-user cache, keyed by ISA so 
 shared between different machines never loads a kernel with instructions the CPU lacks.
 
 Any failure to build or load (no compiler, no ninja, a read-only cache) returns None: `CPUAdam`
-then runs torch's fused AdamW kernel instead and warns once.
+then runs torch's fused AdamW kernel instead and warns once. That includes a build lock held too
+long: torch's lock (`lock` in the build folder) is a plain file that a process killed while
+compiling leaves behind, and torch waits for it to go away forever. So the lock is waited for
+here first, at most `TESSERA_KERNEL_LOCK_TIMEOUT_S` seconds (default `LOCK_TIMEOUT_S`); then
+the fallback runs and its warning names the file to delete. (Between that wait and torch's own
+check another process may take the lock; if that one is killed too, torch waits again: only a
+second crash within the same second hangs.)
 """
 
 from __future__ import annotations
@@ -26,13 +32,17 @@ import ctypes
 import functools
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["KERNEL_SOURCE", "AdamKernel", "load_kernel"]
+__all__ = [
+    "KERNEL_SOURCE", "LOCK_TIMEOUT_S", "AdamKernel", "check_inputs", "load_kernel",
+    "wait_for_build_lock",
+]  # fmt: skip
 
 KERNEL_SOURCE = r"""
 #include <cmath>
@@ -352,6 +362,38 @@ _ISA_FLAGS = {
 }
 
 
+LOCK_TIMEOUT_S = 300.0
+"""Default bound on the wait for another process's kernel build (its lock file); a build takes
+seconds, so a lock held this long is most likely a killed build's."""
+
+
+def _lock_timeout_s() -> float:
+    """`TESSERA_KERNEL_LOCK_TIMEOUT_S` if set (a number >= 0), else `LOCK_TIMEOUT_S`."""
+    text = os.environ.get("TESSERA_KERNEL_LOCK_TIMEOUT_S")
+    if text is None:
+        return LOCK_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0:
+        raise ValueError(f"TESSERA_KERNEL_LOCK_TIMEOUT_S must be a number >= 0, got {text!r}")
+    return value
+
+
+def wait_for_build_lock(lock: Path, timeout_s: float) -> None:
+    """Return once `lock` (torch's build lock) does not exist; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while lock.exists():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"the kernel build lock {lock} has been held for more than {timeout_s:g} s "
+                "(TESSERA_KERNEL_LOCK_TIMEOUT_S); if no build is running, a killed one left it: "
+                "delete the file"
+            )
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def _isa() -> str:
     """The widest vector ISA both this CPU and torch's own kernels use ("AVX512", "AVX2", ...)."""
     return torch.backends.cpu.get_cpu_capability().upper()
@@ -425,7 +467,11 @@ class AdamKernel:
     ) -> None:
         """Update `param`, `exp_avg`, `exp_avg_sq` in place (contiguous, same numel; the moments
         both float32 or both bfloat16). `rounding_key` (a uint32, bf16 moments only): round the
-        moments stochastically with the bits of this key; None: to nearest-even."""
+        moments stochastically with the bits of this key; None: to nearest-even.
+
+        Every tensor is checked first (`check_inputs`): C gets raw pointers, and a wrong size or
+        layout there corrupts the heap instead of raising."""
+        check_inputs(param, grad, exp_avg, exp_avg_sq, bf16_out)
         self._function(
             param.data_ptr(),
             grad.data_ptr(),
@@ -450,6 +496,41 @@ class AdamKernel:
         )
 
 
+def check_inputs(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    bf16_out: torch.Tensor | None,
+) -> None:
+    """Raise ValueError unless the kernel may touch these tensors: all contiguous CPU tensors of
+    `param.numel()` elements, `param` and `grad` float32, both moments float32 or both bfloat16,
+    `bf16_out` (if any) bfloat16. The kernel writes `numel` elements through each pointer."""
+    numel = param.numel()
+    moments = exp_avg.dtype
+    expected = {
+        "param": (param, (torch.float32,)),
+        "grad": (grad, (torch.float32,)),
+        "exp_avg": (exp_avg, (torch.float32, torch.bfloat16)),
+        "exp_avg_sq": (exp_avg_sq, (moments,)),
+    }
+    if bf16_out is not None:
+        expected["bf16_out"] = (bf16_out, (torch.bfloat16,))
+    for name, (tensor, dtypes) in expected.items():
+        if (
+            tensor.numel() != numel
+            or tensor.dtype not in dtypes
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+        ):
+            raise ValueError(
+                f"CPU Adam kernel: {name} must be a contiguous CPU tensor of {numel} elements "
+                f"(the parameter's) and dtype {' or '.join(map(str, dtypes))}; got "
+                f"{tensor.dtype} {tuple(tensor.shape)} on {tensor.device}"
+                f"{'' if tensor.is_contiguous() else ', not contiguous'}"
+            )
+
+
 @functools.cache
 def load_kernel() -> AdamKernel | Exception:
     """Build (first time) and load the kernel; the exception instead if that fails.
@@ -468,6 +549,7 @@ def load_kernel() -> AdamKernel | Exception:
             with tempfile.NamedTemporaryFile("w", dir=build_dir, delete=False, suffix=".tmp") as f:
                 f.write(KERNEL_SOURCE)
             os.replace(f.name, source)
+        wait_for_build_lock(build_dir / "lock", _lock_timeout_s())  # torch's would never end
         with warnings.catch_warnings():  # its compiler-ABI notes: CPUAdam warns once itself
             warnings.simplefilter("ignore")
             library_path = cpp_extension.load(

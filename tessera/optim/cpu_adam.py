@@ -8,8 +8,12 @@ makes about ten passes over that memory; the kernel of `tessera.optim._cpu_adam_
 Semantics are torch's, so `CPUAdam` is a drop-in for `torch.optim.AdamW` (`adamw=True`, decoupled
 weight decay, Loshchilov & Hutter 2019) or `torch.optim.Adam` with L2 decay (`adamw=False`): the
 same hyper-parameters, bias correction and state (`step`, `exp_avg`, `exp_avg_sq` per parameter,
-`step` a float32 scalar tensor), so a state dict moves between them either way. The results
-differ from torch's fused kernel by fp32 rounding only (other association of the same formula).
+`step` a float32 scalar tensor), so a state dict moves between them either way: `load_state_dict`
+takes a `torch.optim.Adam(W)` state dict (its `decoupled_weight_decay` flag becomes `adamw`;
+CPUAdam's own options missing from it keep this optimizer's values) and refuses one with
+`amsgrad` or `maximize` set; `state_dict()` carries torch's `decoupled_weight_decay`, `amsgrad`
+and `maximize` flags for torch to read. The results differ from torch's fused kernel by fp32
+rounding only (other association of the same formula).
 
 Where the kernel cannot be built (no compiler, no ninja, ...), every step runs torch's own fused
 AdamW/Adam CPU kernel on the same state instead, with one warning per process: training goes on,
@@ -35,7 +39,7 @@ from torch.optim.adam import adam as torch_adam_functional
 from tessera.optim._cpu_adam_kernel import AdamKernel, load_kernel
 from tessera.optim.stochastic_rounding import parameter_seed, step_key, stochastic_round_to_bf16
 
-__all__ = ["CPUAdam", "MOMENTS_ROUNDING", "host_zeros", "native_kernel_available"]
+__all__ = ["CPUAdam", "MOMENTS_ROUNDING", "adam_groups", "host_zeros", "native_kernel_available"]
 
 MOMENTS_ROUNDING = ("nearest", "stochastic")
 
@@ -166,6 +170,19 @@ class CPUAdam(torch.optim.Optimizer):
         if not param.is_contiguous():
             raise ValueError(f"CPUAdam needs contiguous parameters; {where} is not")
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format; each group also says `decoupled_weight_decay` (= `adamw`) and
+        `amsgrad` / `maximize` (False), so `torch.optim.Adam(W).load_state_dict` reads it right."""
+        packed = super().state_dict()
+        for group in packed["param_groups"]:
+            group.update(decoupled_weight_decay=group["adamw"], amsgrad=False, maximize=False)
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `CPUAdam` or `torch.optim.Adam` / `AdamW` state dict (see the module doc)."""
+        groups = adam_groups(state_dict["param_groups"], self.param_groups, "CPUAdam")
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
     @property
     def uses_native_kernel(self) -> bool:
         """True if steps run the compiled kernel, False if torch's fused fallback."""
@@ -182,9 +199,17 @@ class CPUAdam(torch.optim.Optimizer):
             state["exp_avg"] = zeros(param.shape, dtype)
             state["exp_avg_sq"] = zeros(param.shape, dtype)
         for name in ("exp_avg", "exp_avg_sq"):
+            if state[name].shape != param.shape:
+                raise ValueError(
+                    f"CPUAdam: parameter {position} has shape {tuple(param.shape)} but its state "
+                    f"{name!r} has shape {tuple(state[name].shape)}: the parameter was replaced "
+                    "after its state was made (`param.data = ...`) or the loaded state dict is "
+                    "another model's. Build a new optimizer for the new parameter."
+                )
             # load_state_dict casts moments to the parameter's dtype: bf16 values in fp32 go
             # back losslessly; fp32 moments into a bf16_moments optimizer are rounded once.
-            if state[name].dtype != dtype:
+            # torch's Adam keeps a strided parameter's moments strided: made contiguous here.
+            if state[name].dtype != dtype or not state[name].is_contiguous():
                 state[name] = state[name].to(dtype).contiguous()
         if _stochastic(group) and "rounding_seed" not in state:  # (also: a nearest run's state)
             state["rounding_seed"] = parameter_seed(group["rounding_seed"], position)
@@ -314,6 +339,41 @@ class CPUAdam(torch.optim.Optimizer):
         else:
             state["exp_avg"].copy_(exp_avg)
             state["exp_avg_sq"].copy_(exp_avg_sq)
+
+
+_TORCH_ONLY = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
+"""Keys of torch's Adam(W) groups that choose a torch kernel (or, the last, the decay: `adamw`)."""
+
+
+def adam_groups(
+    saved: Sequence[dict[str, Any]], current: Sequence[dict[str, Any]], who: str
+) -> list[dict[str, Any]]:
+    """`saved` param groups (CPUAdam's, NVMeAdam's or torch's Adam/AdamW's) as groups of the
+    optimizer whose groups are `current`: torch's `decoupled_weight_decay` becomes `adamw`, the
+    kernel choices (`foreach`, `fused`, ...) are dropped, an option `saved` lacks takes the value
+    of the current group, and `amsgrad` / `maximize` set to True are refused (not implemented).
+    Other keys (an LR scheduler's `initial_lr`) are kept."""
+    if len(saved) != len(current):
+        raise ValueError(
+            f"{who}.load_state_dict: the state dict has {len(saved)} parameter groups, this "
+            f"optimizer {len(current)}"
+        )
+    groups = []
+    for index, (theirs, ours) in enumerate(zip(saved, current)):
+        refused = [flag for flag in ("amsgrad", "maximize") if theirs.get(flag)]
+        if refused:
+            raise ValueError(
+                f"{who}.load_state_dict: parameter group {index} has {', '.join(refused)}=True, "
+                f"which {who} does not implement; load it into torch.optim.Adam(W) instead"
+            )
+        group = {k: v for k, v in theirs.items() if k not in _TORCH_ONLY + ("amsgrad", "maximize")}
+        if "adamw" not in group and "decoupled_weight_decay" in theirs:
+            group["adamw"] = bool(theirs["decoupled_weight_decay"])
+        for key, value in ours.items():
+            if key != "params":
+                group.setdefault(key, value)
+        groups.append(group)
+    return groups
 
 
 def _stochastic(group: dict[str, Any]) -> bool:

@@ -5,6 +5,8 @@ it through a small pinned buffer while the step runs. Adam is element-wise, so t
 the state in fixed-size chunks: read chunk k+1 and k+2 ahead (a reader thread), update chunk k
 with the same fused kernel as `CPUAdam`, write chunk k-1 behind (a writer thread). Resident memory
 is then `slots x chunk x bytes per element`, set by `buffer_mb`, whatever the model size.
+ZeRO's checkpoints move ranges of the files through the same buffers (`iter_range`,
+`write_range`); `state_dict` / `load_state_dict` (torch's format) hold the state whole.
 
 What is in the files: both moments, and with `swap_params=True` the fp32 parameter itself (the
 master weights of mixed precision, which are optimizer state in the ZeRO paper's accounting,
@@ -24,6 +26,7 @@ the kernel computes exactly what `CPUAdam` computes over the whole tensor (bit f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim.adam import adam as torch_adam_functional
 
-from tessera.optim.cpu_adam import _kernel_or_warn
+from tessera.optim.cpu_adam import _kernel_or_warn, adam_groups
 from tessera.optim.swap_files import ALIGN, SwapFile, SwapFolder, aligned_empty
 
 __all__ = ["CHUNK_QUANTUM", "SLOTS", "NVMeAdam", "nvme_state_bytes"]
@@ -66,8 +69,11 @@ class NVMeAdam(torch.optim.Optimizer):
     """Adam / AdamW (as `CPUAdam`) with the moments (and optionally the parameters) on disk.
 
     `nvme_dir`: an existing writable folder with room for the state (checked before anything is
-    written); the files go in a private sub-folder removed at `close()` or exit
+    written); the files go in a private sub-folder removed at `close()`, exit or SIGTERM
     (`tessera.optim.swap_files`). `buffer_mb`: the staging memory, `SLOTS` chunks of every kind.
+    Parameters are flat (1-D), contiguous fp32 CPU tensors (checked again at every step: one
+    replaced by `param.data = ...` no longer fits its files). `load_state_dict` takes `CPUAdam`'s
+    and torch's Adam(W)'s state dicts (`tessera.optim.cpu_adam.adam_groups`).
     """
 
     def __init__(
@@ -87,11 +93,7 @@ class NVMeAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.params = [p for group in self.param_groups for p in group["params"]]
         for index, param in enumerate(self.params):
-            if param.dtype != torch.float32 or param.device.type != "cpu" or param.dim() != 1:
-                raise TypeError(
-                    f"NVMeAdam takes flat fp32 CPU parameters; parameter {index} is "
-                    f"{param.dtype} {tuple(param.shape)} on {param.device}"
-                )
+            _check_param(param, index)
         self.swap_params = swap_params
         self.kinds = (*_MOMENTS, "param") if swap_params else _MOMENTS
         per_element = 4 * len(self.kinds) + 4  # + an fp32 gradient chunk (converted from bf16)
@@ -105,6 +107,7 @@ class NVMeAdam(torch.optim.Optimizer):
             )
         self.chunk = chunk
         numels = [p.numel() for p in self.params]
+        self._numels = numels
         self.offsets = [0]
         for numel in numels:
             self.offsets.append(self.offsets[-1] + _region(numel))
@@ -176,6 +179,13 @@ class NVMeAdam(torch.optim.Optimizer):
             grad = grads[index] if grads is not None else param.grad
             if grad is None:
                 continue
+            if not self.swap_params:  # again: `param.data = ...` may have replaced it
+                _check_param(param, index)
+            if param.numel() != self._numels[index]:
+                raise ValueError(
+                    f"NVMeAdam: parameter {index} has {param.numel()} elements, its state on disk "
+                    f"{self._numels[index]}: it was replaced after the optimizer was built"
+                )
             if grad.numel() != param.numel() or grad.device.type != "cpu":
                 raise ValueError(
                     f"NVMeAdam: parameter {index} has {param.numel()} elements, its gradient "
@@ -266,6 +276,66 @@ class NVMeAdam(torch.optim.Optimizer):
         buffer[:numel].copy_(value.reshape(-1))
         self.files[kind].write(self.offsets[index], buffer)
 
+    # -- ranges in chunks (checkpoints: memory bounded by `buffer_mb`, whatever the model) -----
+    def _staging(self) -> tuple[torch.Tensor, int]:
+        """(an idle buffer of `chunk` fp32 elements, elements per transfer): the first slot's
+        buffer, free between steps once the writes behind are flushed. A transfer leaves room
+        for rounding its window out to the O_DIRECT alignment on both sides."""
+        self.flush()
+        return self._slots[0].buffers["exp_avg"], self.chunk - 2 * (ALIGN // 4)
+
+    def _window(self, index: int, start: int, end: int) -> tuple[int, int]:
+        """The aligned element window of parameter `index`'s run that holds [start, end)."""
+        quantum, region = ALIGN // 4, _region(self._numels[index]) // 4
+        return start - start % quantum, min(-(-end // quantum) * quantum, region)
+
+    def iter_range(
+        self, kind: str, param: torch.Tensor, start: int, end: int
+    ) -> Iterator[torch.Tensor]:
+        """Elements [start, end) of one parameter's `kind` ("param", "exp_avg", "exp_avg_sq"),
+        chunk by chunk through one staging buffer: each chunk is a view of it, valid until the
+        next is asked for (no step and no other range call in between)."""
+        index = self._index(param)
+        buffer, step = self._staging()
+        for first in range(start, end, step):
+            last = min(first + step, end)
+            if kind in _MOMENTS and not self._on_disk[index]:  # never written: zeros
+                yield buffer[: last - first].zero_()
+                continue
+            lo, hi = self._window(index, first, last)
+            self.files[kind].read(self.offsets[index] + 4 * lo, buffer[: hi - lo])
+            yield buffer[first - lo : last - lo]
+
+    def write_range(self, kind: str, param: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Write `values` over elements [start, start + numel) of one parameter's `kind`, chunk
+        by chunk (each aligned window read, changed and written back: unaligned ranges work).
+        A moment written so becomes the state (`moments_written`)."""
+        index = self._index(param)
+        buffer, step = self._staging()
+        values = values.reshape(-1)
+        for first in range(0, values.numel(), step):
+            last = min(first + step, values.numel())
+            lo, hi = self._window(index, start + first, start + last)
+            window = buffer[: hi - lo]
+            self.files[kind].read(self.offsets[index] + 4 * lo, window)
+            window[start + first - lo : start + last - lo].copy_(values[first:last])
+            self.files[kind].write(self.offsets[index] + 4 * lo, window)
+
+    def fill_zeros(self, kind: str, param: torch.Tensor) -> None:
+        """Set every element of one parameter's `kind` to zero, chunk by chunk."""
+        index = self._index(param)
+        buffer, _ = self._staging()
+        buffer.zero_()
+        region = _region(self._numels[index]) // 4
+        for first in range(0, region, self.chunk):
+            count = min(self.chunk, region - first)  # regions and chunks are ALIGN multiples
+            self.files[kind].write(self.offsets[index] + 4 * first, buffer[:count])
+
+    def moments_written(self, param: torch.Tensor) -> None:
+        """Declare the moment files of `param` its state (after `write_range`/`fill_zeros`
+        filled them): reads no longer see zeros."""
+        self._on_disk[self._index(param)] = True
+
     def _index(self, param: torch.Tensor) -> int:
         for index, candidate in enumerate(self.params):
             if candidate is param:
@@ -296,7 +366,8 @@ class NVMeAdam(torch.optim.Optimizer):
         return {"step": state["step"], **moments}
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's format, the moments read from disk (one whole copy: for checkpoints)."""
+        """torch's format, the moments read from disk whole (a copy of the whole state: ZeRO's
+        checkpoints stream ranges instead, `tessera.zero._offloaded_state`)."""
         packed = super().state_dict()
         for index, param in enumerate(self.params):
             if param in self.state:
@@ -304,7 +375,9 @@ class NVMeAdam(torch.optim.Optimizer):
         return packed
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch's format: scalars stay in memory, the moments go to the files."""
+        """Load torch's format: scalars stay in memory, the moments go to the files. Takes
+        `CPUAdam`'s and torch's Adam(W)'s state dicts as `CPUAdam.load_state_dict` does."""
+        groups = adam_groups(state_dict["param_groups"], self.param_groups, "NVMeAdam")
         self.flush()
         self._on_disk = [False] * len(self.params)  # the loaded state replaces all of it
         small: dict[Any, dict[str, Any]] = {}
@@ -314,7 +387,7 @@ class NVMeAdam(torch.optim.Optimizer):
                 if kind in per_param:
                     self._write_whole(kind, int(index), per_param[kind])
                     self._on_disk[int(index)] = True
-        super().load_state_dict({"state": small, "param_groups": state_dict["param_groups"]})
+        super().load_state_dict({"state": small, "param_groups": groups})
 
     def close(self) -> None:
         """Wait for the writer, stop the threads and remove the files (idempotent)."""
@@ -325,6 +398,21 @@ class NVMeAdam(torch.optim.Optimizer):
         self._writer.shutdown()
         self._reader = self._writer = None
         self.folder.close()
+
+
+def _check_param(param: torch.Tensor, index: int) -> None:
+    """NVMeAdam steps a parameter as one run of memory: flat, fp32, CPU and contiguous (a
+    strided view would have the elements between its strides overwritten, as in `CPUAdam`)."""
+    if param.dtype != torch.float32 or param.device.type != "cpu" or param.dim() != 1:
+        raise TypeError(
+            f"NVMeAdam takes flat fp32 CPU parameters; parameter {index} is "
+            f"{param.dtype} {tuple(param.shape)} on {param.device}"
+        )
+    if not param.is_contiguous():
+        raise ValueError(
+            f"NVMeAdam needs contiguous parameters; parameter {index} is a strided view "
+            f"(stride {param.stride()}): pass a contiguous copy"
+        )
 
 
 def _hyper(group: dict[str, Any], step: float) -> dict[str, float]:

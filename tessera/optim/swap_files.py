@@ -10,14 +10,18 @@ later run can never mistake for its own. So:
   when the folder is created; nothing is ever read from a file this process did not write;
 * the folder is removed when its owner is closed, garbage-collected or the interpreter exits
   (`weakref.finalize`, and `multiprocessing`'s exit hook for spawned ranks);
+* SIGTERM (what launchers send before SIGKILL) removes it too: a handler chained in front of
+  the previous one (installed from the main thread, at the first folder);
 * a run that died without cleaning up (`kill -9`) leaves a folder whose process is gone: the next
-  `SwapFolder` under the same directory on the same host removes it (other hosts' folders, on a
-  shared file system, are left alone).
+  `SwapFolder` under the same directory on the same host removes it, before it checks the free
+  space (the dead run's files hold it), so a restart after a crash finds the room it had (other
+  hosts' folders, on a shared file system, are left alone).
 
 `SwapFile` reads and writes fixed ranges of one file with `pread`/`pwrite` (no Python-level
 buffering, releases the GIL), through `O_DIRECT` where the file system supports it, so the bytes
 really go to the disk and the page cache does not grow with the model; buffers and offsets are
-then 4096-byte aligned, which `aligned_empty` and the callers' chunk sizes provide.
+then 4096-byte aligned, which `aligned_empty` and the callers' chunk sizes provide; where it does
+not (tmpfs), buffered I/O with the same results.
 """
 
 from __future__ import annotations
@@ -27,11 +31,14 @@ import json
 import multiprocessing.util
 import os
 import shutil
+import signal
 import socket
 import tempfile
+import threading
 import uuid
 import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -122,8 +129,9 @@ class SwapFolder:
     """This run's private folder of swap files under `root`; removed by `close()` or at exit."""
 
     def __init__(self, root: str | os.PathLike[str], *, purpose: str, need_bytes: int = 0) -> None:
-        root = check_swap_dir(root, need_bytes)
-        remove_stale(root)
+        root = check_swap_dir(root)
+        remove_stale(root)  # before the space check: a killed run's files hold the space
+        check_swap_dir(root, need_bytes)
         pid = os.getpid()
         self.path = root / f"{PREFIX}{socket.gethostname()}-{pid}-{uuid.uuid4().hex[:12]}"
         self.path.mkdir()
@@ -140,6 +148,8 @@ class SwapFolder:
         self._files: list[SwapFile] = []
         self._finalizer = weakref.finalize(self, _remove, self.path, self._files)
         multiprocessing.util.Finalize(self, _remove, (self.path, self._files), exitpriority=10)
+        _live_folders[self.path] = None
+        _install_sigterm_cleanup()
 
     def file(self, name: str, nbytes: int, *, direct: bool = True) -> SwapFile:
         """A new file of `nbytes` (rounded up to `ALIGN`) in this folder, space reserved.
@@ -158,6 +168,43 @@ def _remove(path: Path, files: list[SwapFile]) -> None:
     for swap in files:
         swap.close()
     shutil.rmtree(path, ignore_errors=True)
+    _live_folders.pop(path, None)
+
+
+_live_folders: dict[Path, None] = {}
+"""This process's swap folders not yet removed (what a SIGTERM removes)."""
+_previous_sigterm: Any = None
+_sigterm_installed = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Remove this process's swap folders, then do what the previous handler did.
+
+    Only the names go (`rmtree`); the files stay open, so should the previous handler let the
+    process go on, its swap files still work, and the kernel frees their space at exit.
+    """
+    for path in list(_live_folders):
+        shutil.rmtree(path, ignore_errors=True)
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # the default action: die by the same signal
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_sigterm_cleanup() -> None:
+    """Chain `_on_sigterm` in front of the current SIGTERM handler (once per process).
+
+    Python lets only the main thread install handlers: from another thread this does nothing,
+    and the next run's `remove_stale` is the backstop (as after `kill -9`). The handler is
+    Python's, so it runs when the main thread next executes Python code.
+    """
+    global _previous_sigterm, _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_installed = True
 
 
 def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -179,14 +226,20 @@ class SwapFile:
         self.path = path
         self.nbytes = _round_up(nbytes)
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL
-        try:
-            if not (direct and hasattr(os, "O_DIRECT")):
-                raise OSError("buffered I/O asked for")
-            self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
-            self.direct = True
-        except OSError:  # tmpfs and some others refuse O_DIRECT: buffered I/O, same results
+        self.direct = direct and hasattr(os, "O_DIRECT")
+        if self.direct:
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            except FileExistsError:
+                raise
+            except OSError:  # tmpfs and some others refuse O_DIRECT: buffered I/O, same results
+                self.direct = False
+                # Linux creates the file before it refuses the flag (EINVAL from the file
+                # system's open): remove it, or the buffered O_EXCL open below finds it there.
+                # It did not exist before (else FileExistsError above): it is this call's.
+                path.unlink(missing_ok=True)
+        if not self.direct:
             self._fd = os.open(path, flags, 0o600)
-            self.direct = False
         try:
             os.posix_fallocate(self._fd, 0, self.nbytes)  # ENOSPC now, not mid-training
         except OSError as error:

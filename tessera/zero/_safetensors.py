@@ -4,22 +4,23 @@ Layout (https://github.com/huggingface/safetensors): 8 bytes little-endian heade
 header `{key: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}` padded
 with spaces to 8 bytes, then the raw little-endian tensor bytes, back to back in header order.
 Because every offset is known from the header, a writer can lay the file out first and fill it
-tensor by tensor, and a reader can fetch one tensor: memory stays bounded by the largest tensor.
+tensor by tensor, and a reader can fetch one tensor: memory stays bounded by the largest tensor;
+or, for a tensor written as `Streamed` chunks and read with `TensorFile.get_range`, by a chunk.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
 from tessera._atomic import write_atomically
 
-__all__ = ["TensorFile", "file_sha256", "layout", "tensor_bytes"]
+__all__ = ["Streamed", "TensorFile", "file_sha256", "layout", "tensor_bytes", "write_tensors"]
 
 DTYPES = {
     torch.float32: "F32",
@@ -60,13 +61,34 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write `tensors` as one safetensors file, atomically; return its SHA-256 (hex)."""
+class Streamed(Protocol):
+    """A tensor written chunk by chunk (never whole in memory): its dtype, shape and chunks."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+
+    def chunks(self) -> Iterator[torch.Tensor]:
+        """The elements in C order, in pieces, each written before the next is asked for."""
+        ...
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor | Streamed]) -> str:
+    """Write `tensors` as one safetensors file, atomically; return its SHA-256 (hex).
+
+    A `Streamed` value goes in chunk by chunk: memory is one chunk, not the tensor."""
     prefix, _, _ = layout(((k, t.dtype, list(t.shape)) for k, t in tensors.items()), {})
     digest = hashlib.sha256()
 
+    def pieces() -> Iterator[bytes]:
+        yield prefix
+        for tensor in tensors.values():
+            if isinstance(tensor, torch.Tensor):
+                yield tensor_bytes(tensor)
+            else:
+                yield from (tensor_bytes(chunk) for chunk in tensor.chunks())
+
     def fill(out: BinaryIO) -> None:
-        for chunk in (prefix, *(tensor_bytes(t) for t in tensors.values())):
+        for chunk in pieces():
             digest.update(chunk)
             out.write(chunk)
 
@@ -74,7 +96,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
+def file_sha256(path: Path, chunk_bytes: int = 1 << 20) -> str:
     """SHA-256 of a file, read in chunks (constant memory)."""
     digest = hashlib.sha256()
     with path.open("rb") as source:
@@ -116,6 +138,18 @@ class TensorFile:
         self._file.seek(self._base + begin)
         data = bytearray(self._file.read(end - begin))
         return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+
+    def get_range(self, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements [start, end) of one tensor (flattened), read straight into a new tensor."""
+        entry = self.header[key]
+        dtype = _BY_NAME[entry["dtype"]]
+        out = torch.empty(end - start, dtype=dtype)
+        size = out.element_size()
+        self._file.seek(self._base + entry["data_offsets"][0] + size * start)
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        if self._file.readinto(view) != len(view):
+            raise OSError(f"{self.path}: {key} is shorter than its header says")
+        return out
 
     def close(self) -> None:
         """Close the file."""

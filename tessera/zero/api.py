@@ -78,7 +78,8 @@ def initialize(
     `tessera.optim.CPUAdam` (`optimizer_class` AdamW, Adam or CPUAdam; `tessera.optim.offload`).
     `offload="nvme"` (ZeRO-Infinity) keeps Adam's moments (and the fp32 masters under
     mixed precision; with `offload_params=True`, stage 3's parameter partitions) in files under
-    `nvme_dir`, streamed through `nvme_buffer_mb` MB of buffers (`tessera.optim.nvme.NVMeAdam`).
+    `nvme_dir`, streamed through `nvme_buffer_mb` MB of buffers (`tessera.optim.nvme.NVMeAdam`),
+    in steps and in checkpoints (`tessera.zero.checkpoint`).
 
     `delayed_update=True` (with `offload="cpu"`) is ZeRO-Offload's one-step delayed parameter
     update: after `delayed_update_after` steps in place, each host step runs in the background

@@ -24,6 +24,9 @@ The files name parameters, not buckets or ranks, so:
 
 * resume on another world size reads, from every old shard, only the runs that overlap the
   slices this rank now owns (memory: this rank's new shard plus one run);
+* under offload='nvme' the masters and moments in the optimizer's files are saved and loaded
+  chunk by chunk through its staging buffer (`tessera.zero._offloaded_state`): a checkpoint
+  stays within `nvme_buffer_mb` like a step;
 * `consolidate` lays out one plain safetensors state dict and fills it run by run, so its memory
   is bounded by the largest tensor, never the model; `safetensors.torch.load_file` and
   `nn.Module.load_state_dict` read it without tessera.
@@ -42,6 +45,15 @@ import torch.distributed as dist
 
 from tessera._atomic import fsync_folder, pause_point, write_atomically
 from tessera.errors import CheckpointError
+from tessera.zero._offloaded_state import (
+    MOMENTS,
+    FileRun,
+    FileSink,
+    file_sinks,
+    inner_state,
+    master_source,
+    run_of,
+)
 from tessera.zero._safetensors import (
     TensorFile,
     file_sha256,
@@ -136,15 +148,15 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
     if delayed is not None:
         optimizer.wait_for_step()  # the step in flight is part of the state saved
     params, extras = _parameter_keys(optimizer)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     flat_state = []
     for flat in optimizer.flats:
-        sources = {"param": optimizer.master_value(flat)}
+        sources: dict[str, Any] = {"param": master_source(optimizer, flat)}
         if delayed is not None and delayed.unpublished:  # what forward sees: one step behind
             sources["stale"] = optimizer.visible_slice(flat)
         scalars: dict[str, Any] = {}
-        for kind, value in _inner_state(optimizer.optimizer, flat.master).items():
-            if isinstance(value, torch.Tensor) and value.shape == flat.master.shape:
+        for kind, value in inner_state(optimizer.optimizer, flat.master).items():
+            if isinstance(value, (torch.Tensor, FileRun)) and value.shape == flat.master.shape:
                 sources[kind] = value
             else:
                 scalars[kind] = value  # e.g. Adam's step count (one per flat, each its own)
@@ -153,7 +165,7 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
             end = piece.shard_lo + piece.param_hi - piece.param_lo
             for kind, source in sources.items():
                 key = f"{kind}|{piece.name}|{piece.param_lo}"
-                tensors[key] = source[piece.shard_lo : end].detach().float()
+                tensors[key] = run_of(source, piece.shard_lo, end)
     if optimizer.rank == 0:
         tensors.update({f"extra|{key}|0": tensor for key, tensor in extras.items()})
     name = shard_file_name(optimizer.rank, optimizer.world)
@@ -184,12 +196,6 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
 
     save_checkpoint(folder / name, meta)
     return name
-
-
-def _inner_state(inner: Any, master: torch.Tensor) -> dict[str, Any]:
-    """The inner optimizer's state of one master; read whole from disk under offload='nvme'."""
-    read_state = getattr(inner, "read_state", None)
-    return read_state(master) if read_state is not None else inner.state.get(master, {})
 
 
 def load_shard_files(folder: str | Path) -> list[dict[str, Any]]:
@@ -243,8 +249,14 @@ def _check_compatible(optimizer: Any, meta: dict[str, Any]) -> None:
         )
 
 
-def _read_my_runs(optimizer: Any, folder: Path, metas: list[dict[str, Any]]) -> tuple[list, dict]:
-    """Per flat, kind -> this rank's new slice, read from the overlapping runs of every shard."""
+def _read_my_runs(
+    optimizer: Any, folder: Path, metas: list[dict[str, Any]], sinks: list[dict[str, FileSink]]
+) -> tuple[list, dict]:
+    """Per flat, kind -> this rank's new slice, read from the overlapping runs of every shard;
+    the kinds in `sinks` are written into their files instead, chunk by chunk.
+
+    Every shard's checksum and, from the headers, the coverage of this rank's slices are checked
+    before anything is read or written: a file sink writes into the optimizer's live files."""
     wanted: dict[str, list[tuple[int, int, int, int]]] = {}
     expected = []
     for index, flat in enumerate(optimizer.flats):
@@ -253,9 +265,10 @@ def _read_my_runs(optimizer: Any, folder: Path, metas: list[dict[str, Any]]) -> 
         for p in pieces:
             wanted.setdefault(p.name, []).append((p.param_lo, p.param_hi, index, p.shard_lo))
     slices: list[dict[str, torch.Tensor]] = [{} for _ in optimizer.flats]
-    filled: dict[tuple[int, str], int] = {}
     extras: dict[str, torch.Tensor] = {}
-    for meta in metas:
+    copies = []  # (shard, key, first element of the run, overlap start, end, flat, shift)
+    filled: dict[tuple[int, str], int] = {}
+    for number, meta in enumerate(metas):  # one file open at a time (a reshard may read many)
         with _open_verified(folder, meta) as tensors:
             for key in tensors.keys():
                 kind, name, first = key.split("|")
@@ -263,20 +276,33 @@ def _read_my_runs(optimizer: Any, folder: Path, metas: list[dict[str, Any]]) -> 
                     extras[name] = tensors.get(key)
                     continue
                 lo, hi = int(first), int(first) + tensors.numel(key)
-                overlaps = [w for w in wanted.get(name, []) if w[0] < hi and lo < w[1]]
-                run = tensors.get(key) if overlaps else None
-                for param_lo, param_hi, index, shard_lo in overlaps:
+                for param_lo, param_hi, index, shard_lo in wanted.get(name, []):
                     start, end = max(param_lo, lo), min(param_hi, hi)
-                    master = optimizer.flats[index].master
-                    target = slices[index].setdefault(kind, torch.zeros(master.numel()))
-                    begin = shard_lo + start - param_lo
-                    target[begin : begin + end - start] = run[start - lo : end - lo]
-                    filled[(index, kind)] = filled.get((index, kind), 0) + end - start
+                    if start < end:
+                        copies.append((number, key, lo, start, end, index, shard_lo - param_lo))
+                        filled[(index, kind)] = filled.get((index, kind), 0) + end - start
     for (index, kind), count in filled.items():
         if count != expected[index]:
             raise CheckpointError(
                 f"the shards cover {count} of {expected[index]} elements ({kind})"
             )
+    for mine in sinks:
+        for sink in mine.values():
+            sink.clear()
+    for number, meta in enumerate(metas):
+        with TensorFile(folder / meta["tensors"]) as tensors:  # verified above
+            for _, key, lo, start, end, index, shift in (c for c in copies if c[0] == number):
+                kind = key.split("|", 1)[0]
+                sink = sinks[index].get(kind)
+                if sink is None:
+                    size = optimizer.flats[index].master.numel()
+                    target = slices[index].setdefault(kind, torch.zeros(size))
+                    run = tensors.get_range(key, start - lo, end - lo)
+                    target[start + shift : end + shift] = run
+                    continue
+                for first in range(start, end, sink.chunk):
+                    last = min(first + sink.chunk, end)
+                    sink.write(first + shift, tensors.get_range(key, first - lo, last - lo))
     return slices, extras
 
 
@@ -299,17 +325,19 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
         )
     if delayed is not None:
         optimizer.wait_for_step()  # a step in flight would write over what is loaded
-    slices, extras = _read_my_runs(optimizer, folder, metas)
+    saved_states = _flat_states(optimizer, metas[0])
+    sinks = file_sinks(optimizer, saved_states)
+    slices, extras = _read_my_runs(optimizer, folder, metas, sinks)
     stale: list[torch.Tensor] = []
     inner_state: dict[int, dict[str, Any]] = {}
-    for index, (flat, kinds, saved) in enumerate(
-        zip(optimizer.flats, slices, _flat_states(optimizer, metas[0]))
-    ):
+    for index, (flat, kinds, saved) in enumerate(zip(optimizer.flats, slices, saved_states)):
         # A shard made only of padding reads no run at all: padding is zero in the parameters
         # and in every state (its gradient is always zero), so zeros are its exact values.
-        optimizer.set_master(flat, kinds.pop("param", torch.zeros(flat.master.numel())))
+        if "param" not in sinks[index]:  # (else its file and compute copy are already loaded)
+            optimizer.set_master(flat, kinds.pop("param", torch.zeros(flat.master.numel())))
         for kind in saved["kinds"]:
-            kinds.setdefault(kind, torch.zeros(flat.master.numel()))
+            if kind not in sinks[index]:
+                kinds.setdefault(kind, torch.zeros(flat.master.numel()))
         if "stale" in kinds:
             stale.append(kinds.pop("stale"))
         # Each flat gets its own scalar tensors: torch's load_state_dict keeps a `step` tensor
@@ -317,11 +345,15 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
         scalars = {k: _own_copy(v) for k, v in saved["scalars"].items()}
         if kinds or scalars:
             inner_state[index] = {**scalars, **kinds}
-    inner = optimizer.optimizer.state_dict()
+    # torch's base state_dict, for the groups' layout: NVMeAdam's own reads every moment whole.
+    inner = torch.optim.Optimizer.state_dict(optimizer.optimizer)
     inner["state"] = inner_state
     for group, saved in zip(inner["param_groups"], metas[0]["param_groups"]):
         group.update(saved)
     optimizer.optimizer.load_state_dict(inner)
+    for flat, mine in zip(optimizer.flats, sinks):
+        if any(kind in mine for kind in MOMENTS):  # loaded into the files above
+            optimizer.optimizer.moments_written(flat.master)
     optimizer._publish()  # stages 1/2: all-gather the new slices; stage 3: refresh the shards
     if delayed is not None:  # a checkpoint without DPU state (no DPU, or older): warm up anew
         delayed.steps = saved_delay["steps"]
