@@ -7,8 +7,9 @@ k neighbours, Bell et al. 2020) and client-level differential privacy (McMahan e
 each client with its own token (`client_token`).
 Modules, one concept each: `partitioning` (who holds which samples), `client` (local training),
 `aggregate` (the server's weighted mean and step), `secure_aggregation` (with `_shamir` and
-`_graph`), `privacy`, `simulation`, `wire` (messages), `deployed` (the gRPC server, with
-`_secure_round`) and `deployed_client`, `cli`.
+`_graph`), `privacy`, `round` (one round, written once: selection, checks, sum, privacy, step),
+`simulation` (its in-process transport), `wire` (messages), `deployed` (the gRPC server, its
+other transport, with `_secure_round`) and `deployed_client`, `cli`.
 The deployed names load on first use, so simulation does not need grpcio.
 """
 

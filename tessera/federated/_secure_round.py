@@ -5,7 +5,8 @@ with the same `SecAggServer` as simulation.
 A client whose `keys`, `shares` or `unmask` message is malformed is dropped from the round (it
 counts as a dropout of that phase: logged, never an exception that stops `run()`), and the round
 goes on with the others while the threshold allows. Masked reports cannot be inspected; the one
-check left is on the unmasked sum's total weight (`_check_total_weight`).
+check left, on the unmasked sum's total weight, is the round's (`round.FederatedRound`), as in
+simulation.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tessera.federated import wire
-from tessera.federated.secure_aggregation import SecAggServer, SecureAggregationError, dequantize
+from tessera.federated.secure_aggregation import SecAggServer, dequantize
 
 if TYPE_CHECKING:
-    from tessera.federated.deployed import FederatedServer, ServerConfig
+    from tessera.federated.deployed import FederatedServer
 
 log = logging.getLogger("tessera.federated.deployed")  # one logger for the deployed server
 
@@ -71,9 +72,7 @@ def secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Ten
         server, "unmask", unmask,
         lambda h: {kind: {int(k): bytes.fromhex(v) for k, v in h[kind].items()} for kind in "sb"},
     )  # fmt: skip
-    total = dequantize(secagg.finish(responses))
-    _check_total_weight(server.config, float(total[-1]), len(survivors))
-    return total, survivors
+    return dequantize(secagg.finish(responses)), survivors
 
 
 def _public(text: object) -> bytes:
@@ -94,17 +93,3 @@ def _well_formed(server: FederatedServer, kind: str, collected: dict, parse) -> 
             log.warning("federated server: client %s dropped from round %d: a malformed %s "
                         "message (%s)", client, server._round, kind, error)  # fmt: skip
     return parsed
-
-
-def _check_total_weight(config: ServerConfig, weight: float, survivors: int) -> None:
-    """The one check the server can make on masked reports: their total weight."""
-    if config.dp is not None and weight != survivors:
-        raise SecureAggregationError(
-            f"secure aggregation: the reports' weights sum to {weight}, not 1 per each of the "
-            f"{survivors} survivors (DP); a client claimed another weight: round abandoned"
-        )
-    if config.max_weight is not None and not weight <= config.max_weight * survivors:
-        raise SecureAggregationError(
-            f"secure aggregation: the reports' weights sum to {weight}, above max_weight "
-            f"{config.max_weight} for each of the {survivors} survivors: round abandoned"
-        )

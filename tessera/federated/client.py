@@ -16,9 +16,16 @@ The loss is the mean cross-entropy of the model's logits. Only parameters are fe
 (BatchNorm statistics) stay the global model's. Each epoch visits the samples in the order
 `torch.randperm(n, generator=client_generator(seed, round_index, client))` (one generator per
 client and round, advanced epoch after epoch), so a run is reproducible and a test can replay it.
+
+`client_update` is the whole of a selected client's work in a round, shared by the in-process
+clients of `simulate` and by `deployed_client`: local training with the round's
+`ClientSettings`, then, under differential privacy, the clip to `clip` and the weight 1 (else the
+weight is the client's sample count).
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import torch
@@ -26,7 +33,62 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-__all__ = ["client_generator", "load_vector", "local_update"]
+from tessera.federated.privacy import clip_update
+
+__all__ = ["ClientSettings", "client_generator", "client_update", "load_vector", "local_update"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClientSettings:
+    """What a selected client is told each round (the deployed server sends these fields in the
+    header of its `train` / `shares` task, by these names)."""
+
+    algorithm: str = "fedavg"
+    """fedavg, fedprox or fedsgd (`aggregate.ALGORITHMS`)."""
+    epochs: int = 1
+    """Local passes over the client's samples (fedavg, fedprox)."""
+    batch_size: int | None = 10
+    """Local mini-batch size; None: all the client's samples in one batch."""
+    lr: float = 0.1
+    """Local SGD learning rate (and the server's for fedsgd)."""
+    mu: float = 0.0
+    """FedProx's proximal weight (0: none)."""
+    seed: int = 0
+    """The run's public seed: with the round and the client id it orders the client's samples."""
+    clip: float | None = None
+    """Differential privacy's clip (`DPConfig.clip`): the client clips its update to this L2 norm
+    and weighs 1. None: no DP, the client weighs its sample count."""
+
+    def header(self) -> dict:
+        """The fields as they travel in a task's header."""
+        return asdict(self)
+
+    @classmethod
+    def from_header(cls, header: dict) -> ClientSettings:
+        """The settings from a task's header (KeyError if one is missing)."""
+        return cls(**{f.name: header[f.name] for f in fields(cls)})
+
+
+def client_update(
+    model: nn.Module,
+    global_vector: torch.Tensor,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    settings: ClientSettings,
+    *,
+    round_index: int,
+    client: int,
+) -> tuple[torch.Tensor, float]:
+    """One selected client's `(update, weight)` for round `round_index` (module docstring)."""
+    s = settings
+    update = local_update(
+        model, global_vector, inputs, labels, algorithm=s.algorithm, epochs=s.epochs,
+        batch_size=s.batch_size, lr=s.lr, mu=s.mu,
+        generator=client_generator(s.seed, round_index, client),
+    )  # fmt: skip
+    if s.clip is None:
+        return update, float(len(labels))
+    return clip_update(update, s.clip), 1.0  # DP: bounded influence, equal weights
 
 
 def load_vector(params: list[torch.Tensor], vector: torch.Tensor) -> None:

@@ -3,7 +3,9 @@
 The server owns the global model and no data; clients own data and no one else's model updates.
 Clients pull: `join`, then poll `task` until they are selected for a round (they get the global
 weights and the training settings), train with the same `client.local_update` as simulation and
-send a `report`; the server aggregates with the same `aggregate` code. A round starts once
+send a `report`. The server's half of a round (selection, the checks of each report, the sum,
+privacy, the step, the order of the random draws) is `round.FederatedRound`, the same object
+`simulate` drives: `FederatedServer` is only its transport. A round starts once
 `clients_per_round` clients have joined (waiting at most `join_timeout_s`), draws them with a
 `seed`-ed generator, and closes when all selected clients reported or `round_timeout_s` passed;
 with fewer than `quorum` usable reports the round is skipped and the model kept. Clients may join
@@ -52,7 +54,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -64,16 +66,11 @@ from torch.nn.utils import parameters_to_vector
 
 from tessera.federated import wire
 from tessera.federated._secure_round import secure_round
-from tessera.federated.aggregate import (
-    ALGORITHMS,
-    make_report,
-    server_step,
-    sum_to_mean,
-    update_problem,
-)
-from tessera.federated.client import load_vector
+from tessera.federated.aggregate import ALGORITHMS
+from tessera.federated.client import ClientSettings, load_vector
 from tessera.federated.deployed_client import connect
-from tessera.federated.privacy import DPConfig, RDPAccountant, clip_update, private_mean
+from tessera.federated.privacy import DPConfig
+from tessera.federated.round import FederatedRound, RoundConfig, RoundTask
 from tessera.federated.secure_aggregation import (
     SecAggConfig,
     SecureAggregationError,
@@ -162,6 +159,16 @@ class ServerConfig:
         """The secure-aggregation settings, threshold included (None: plain sums)."""
         return as_config(self.secure_aggregation, self.threshold)
 
+    @property
+    def round_config(self) -> RoundConfig:
+        """The settings `round.FederatedRound` runs every round with (no simulated dropouts)."""
+        client = ClientSettings(algorithm=self.algorithm, epochs=self.local_epochs,
+                                batch_size=self.batch_size, lr=self.lr, mu=self.mu,
+                                seed=self.seed, clip=self.dp and self.dp.clip)  # fmt: skip
+        return RoundConfig(clients_per_round=self.clients_per_round, client=client, dp=self.dp,
+                           secagg=self.secagg, quorum=self.quorum,
+                           max_weight=self.max_weight)  # fmt: skip
+
 
 @dataclass
 class ServerHistory:
@@ -194,7 +201,8 @@ class FederatedServer:
         self.config = config
         self.model = model_fn()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.vector = parameters_to_vector(self._params).detach().clone()
+        vector = parameters_to_vector(self._params).detach().clone()
+        self._rounds = FederatedRound(config.round_config, vector)
         self._lock = threading.Condition()
         self._joined: set[int] = set()
         self._round = 0
@@ -262,11 +270,15 @@ class FederatedServer:
         self._collected[client] = (header, None if payload is None else payload.copy())
         return wire.encode({"kind": "received"})
 
+    @property
+    def vector(self) -> torch.Tensor:
+        """The global parameters (flat), as the round last left them."""
+        return self._rounds.vector
+
     def _settings(self) -> dict:
-        c = self.config
-        return dict(round=self._round, algorithm=c.algorithm, epochs=c.local_epochs, lr=c.lr,
-                    mu=c.mu, batch_size=c.batch_size, seed=c.seed, dtype=c.wire_dtype,
-                    clip=None if c.dp is None else c.dp.clip)  # fmt: skip
+        """The task header's training settings: the round, the clients' settings, the dtype."""
+        settings = self.config.round_config.client.header()
+        return dict(round=self._round, **settings, dtype=self.config.wire_dtype)
 
     def _global_payload(self) -> np.ndarray:
         """The global weights as they travel (`wire_dtype`)."""
@@ -283,87 +295,57 @@ class FederatedServer:
             collected, self._expected, self._phase = dict(self._collected), set(), None
         return collected
 
-    def _weight_problem(self, weight: float) -> str | None:
-        """Why a claimed weight is refused (None if fine): negative, non-finite, over
-        `max_weight`, or other than 1 under DP."""
-        c = self.config
-        if not 0 <= weight < math.inf:
-            return f"weight {weight} is not a finite number >= 0"
-        if c.dp is not None and weight != 1:
-            return f"weight {weight}: with differential privacy every client weighs 1"
-        if c.max_weight is not None and weight > c.max_weight:
-            return f"weight {weight} is above max_weight {c.max_weight}"
-        return None
+    # The transport of `round.FederatedRound`: the round decides, these methods carry.
 
-    def _plain_round(self, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
+    def pool(self, round_index: int) -> list[int]:
+        """The joined clients, sorted, once `clients_per_round` have joined (else TimeoutError
+        after `join_timeout_s`, and the run ends); the round's traffic counts from here."""
+        c = self.config
+        with self._lock:
+            if not self._lock.wait_for(
+                lambda: len(self._joined) >= c.clients_per_round, timeout=c.join_timeout_s
+            ):
+                self._done = True
+                raise TimeoutError(
+                    f"federated server: only {len(self._joined)} clients joined in "
+                    f"{c.join_timeout_s} s, round {round_index} needs {c.clients_per_round}"
+                )
+            self._round, self._bytes = round_index, [0, 0]
+            return sorted(self._joined)
+
+    def train(self, task: RoundTask) -> Iterator[tuple[int, torch.Tensor, float]]:
+        """A plain round: send the selected clients the weights and settings, then yield the
+        reports that arrived in time, in client order, each freed once the round has summed it."""
         train = wire.encode({"kind": "train", **self._settings()}, self._global_payload())
-        numel, clip = self.vector.numel(), None if self.config.dp is None else self.config.dp.clip
-        collected = self._collect("report", selected, lambda _: train)
-        total, usable = torch.zeros(numel + 1, dtype=torch.float64), []
-        for u, (header, payload) in sorted(collected.items()):  # summed in client order
-            update = torch.from_numpy(payload)
-            problem = update_problem(update, numel) or self._weight_problem(float(header["weight"]))
-            if problem is not None:
-                log.warning("federated: rejected the update of client %s: %s", u, problem)
-                continue
-            if clip is not None:  # enforce the DP bound here: a client may not have clipped
-                norm = float(update.double().norm())
-                if norm > clip * (1 + 1e-6):  # beyond float32 rounding of an honest clip
-                    log.warning("federated: client %s sent an update of norm %.6g > clip %.6g; "
-                                "clipped by the server", u, norm, clip)  # fmt: skip
-                update = clip_update(update.to(torch.float64), clip)
-            total += make_report(update, float(header["weight"]))
-            usable.append(u)
-            del collected[u]  # its payload is summed: free it before the next one
-        return total, usable
+        collected = self._collect("report", set(task.selected), lambda _: train)
+        for client in sorted(collected):
+            header, payload = collected.pop(client)
+            yield client, torch.from_numpy(payload), float(header["weight"])
+
+    def secure_sum(self, task: RoundTask) -> tuple[torch.Tensor, list[int]] | None:
+        """A secure round (`_secure_round`); None if it was abandoned (too few survivors, a
+        disconnected graph, a bad message: logged, and `run()` goes on)."""
+        try:
+            return secure_round(self, set(task.selected))
+        except SecureAggregationError as error:
+            log.warning("federated server: round %d abandoned: %s", task.round_index, error)
+            return None
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes of client messages (polls included) and of replies since the round began."""
+        with self._lock:
+            return self._bytes[0], self._bytes[1]
 
     def run(self) -> ServerHistory:
         """Run every round; returns the history (the final model in `state_dict`)."""
-        c = self.config
-        rng = np.random.default_rng(c.seed)
-        accountant = RDPAccountant() if c.dp is not None else None
-        for round_index in range(1, c.rounds + 1):
-            with self._lock:
-                if not self._lock.wait_for(
-                    lambda: len(self._joined) >= c.clients_per_round, timeout=c.join_timeout_s
-                ):
-                    self._done = True
-                    raise TimeoutError(
-                        f"federated server: only {len(self._joined)} clients joined in "
-                        f"{c.join_timeout_s} s, round {round_index} needs {c.clients_per_round}"
-                    )
-                start = time.perf_counter()
-                pool = sorted(self._joined)
-                chosen = rng.choice(len(pool), c.clients_per_round, replace=False)
-                self._round, self._bytes = round_index, [0, 0]
-            selected = {pool[i] for i in chosen}
-            # The draws of `simulate` (selection, dropouts: none here, noise seed), in its order,
-            # so that a deployed run over clients 0..n-1 is the simulated one.
-            rng.choice(sorted(selected), 0, replace=False)
-            try:
-                if c.secagg is not None:
-                    total, usable = secure_round(self, selected)
-                else:
-                    total, usable = self._plain_round(selected)
-            except SecureAggregationError as error:
-                log.warning("federated server: round %d abandoned: %s", round_index, error)
-                total, usable = None, []
-            if len(usable) < c.quorum:
-                log.warning("federated server: round %d skipped, %d of quorum %d reports",
-                            round_index, len(usable), c.quorum)  # fmt: skip
-            else:
-                if c.dp is not None:
-                    mean = private_mean(total, c.dp, expected_reports=c.clients_per_round,
-                                        round_index=round_index)  # fmt: skip
-                    accountant.step(c.dp.noise_multiplier, c.clients_per_round / len(pool))
-                    self.history.epsilon.append(accountant.epsilon(c.dp.delta))
-                else:
-                    mean = sum_to_mean(total)
-                self.vector = server_step(self.vector, mean, algorithm=c.algorithm, lr=c.lr)
-            self.history.round_s.append(time.perf_counter() - start)
-            self.history.reported.append(sorted(usable))
-            self.history.bytes_up.append(self._bytes[0])
-            self.history.bytes_down.append(self._bytes[1])
+        for round_index in range(1, self.config.rounds + 1):
+            result = self._rounds.run(round_index, self)
+            self.history.round_s.append(result.seconds)
+            self.history.reported.append(result.reported)
+            self.history.bytes_up.append(result.bytes_up)
+            self.history.bytes_down.append(result.bytes_down)
+            if result.epsilon is not None:
+                self.history.epsilon.append(result.epsilon)
         with self._lock:
             self._done = True
         load_vector(self._params, self.vector)

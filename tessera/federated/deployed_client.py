@@ -21,8 +21,7 @@ from torch import nn
 
 from tessera.federated import wire
 from tessera.federated.aggregate import make_report
-from tessera.federated.client import client_generator, local_update
-from tessera.federated.privacy import clip_update
+from tessera.federated.client import ClientSettings, client_update
 from tessera.federated.secure_aggregation import SecAggClient, SecureAggregationError, quantize
 
 __all__ = ["connect"]
@@ -99,14 +98,11 @@ def connect(
             answer = {"kind": task["kind"], "round": task["round"]}
             if task["kind"] in ("train", "shares"):
                 global_vector = torch.from_numpy(vector.copy()).to(params[0].dtype)
-                update = local_update(
-                    model, global_vector, inputs, labels, algorithm=task["algorithm"],
-                    epochs=task["epochs"], batch_size=task["batch_size"], lr=task["lr"],
-                    mu=task["mu"], generator=client_generator(task["seed"], task["round"], client),
+                # the same work as `simulate`'s clients (under DP: clipped, weight 1)
+                update, weight = client_update(
+                    model, global_vector, inputs, labels, ClientSettings.from_header(task),
+                    round_index=task["round"], client=client,
                 )  # fmt: skip
-                weight = float(len(labels))
-                if task.get("clip") is not None:  # DP: bounded influence, equal weights
-                    update, weight = clip_update(update, task["clip"]), 1.0
                 trained += 1
             if task["kind"] == "train":
                 dtype = wire.WIRE_DTYPES[task["dtype"]]

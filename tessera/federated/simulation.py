@@ -8,11 +8,14 @@ are clipped before and noised after summing (the noisy sum divided by `clients_p
 expected number of reports, however many arrived); the server takes one step. Test loss and
 accuracy are measured after round 0 (the initial model) and after every round.
 
-Randomness: one `numpy.random.default_rng(seed)` draws, each round, the selected clients, then the
-dropped ones (whether or not secure aggregation is on, so the same clients drop either way).
-Partitioning draws from its own generator with the same `seed`. DP noise does not come from
-`seed`: it is fresh OS randomness (`privacy`), unless the testing option
-`DPConfig(insecure_noise_seed=...)` fixes it.
+The round itself (selection, the server's checks, the sum, privacy, the step, and the order of
+the random draws) is `round.FederatedRound`, the same object the deployed server drives;
+`simulate` hands it `InProcessClients`, a transport whose clients live in this process. One
+`numpy.random.default_rng(seed)` draws, each round, the selected clients, then the dropped ones
+(whether or not secure aggregation is on, so the same clients drop either way); partitioning
+draws from its own generator with the same `seed`. DP noise does not come from `seed`: it is
+fresh OS randomness (`privacy`), unless the testing option `DPConfig(insecure_noise_seed=...)`
+fixes it.
 
 Clients are trained in turn in one replica model: a client costs its few SGD steps, not a process,
 so hundreds of clients run on a laptop. Dropped clients skip training: they never report, and
@@ -21,8 +24,7 @@ nothing they would compute reaches the server (their secure-aggregation masks ar
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,18 +33,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from tessera.federated.aggregate import (
-    ALGORITHMS,
-    make_report,
-    server_step,
-    sum_of_reports,
-    sum_to_mean,
-    update_problem,
-)
-from tessera.federated.client import client_generator, load_vector, local_update
+from tessera.federated.aggregate import ALGORITHMS, make_report, update_problem
+from tessera.federated.client import ClientSettings, client_update, load_vector
 from tessera.federated.partitioning import SCHEMES
 from tessera.federated.partitioning import partition as make_partition
-from tessera.federated.privacy import DPConfig, RDPAccountant, clip_update, private_mean
+from tessera.federated.privacy import DPConfig
+from tessera.federated.round import FederatedRound, RoundConfig, RoundTask
 from tessera.federated.secure_aggregation import SecAggConfig, as_config, secure_sum
 
 __all__ = ["History", "simulate"]
@@ -115,61 +111,75 @@ def simulate(
 
     global_model, replica = model_fn(), model_fn()
     params = [p for p in global_model.parameters() if p.requires_grad]
-    global_vector = parameters_to_vector(params).detach().clone()
-    numel = global_vector.numel()
-    rng = np.random.default_rng(seed)
-    accountant = RDPAccountant() if dp is not None else None
+    settings = ClientSettings(algorithm=algorithm, epochs=local_epochs, batch_size=batch_size,
+                              lr=lr, mu=mu, seed=seed, clip=dp and dp.clip)  # fmt: skip
+    config = RoundConfig(clients_per_round=clients_per_round, client=settings, dp=dp,
+                         secagg=secagg, dropout=dropout, quorum=0)  # fmt: skip
+    server = FederatedRound(config, parameters_to_vector(params).detach().clone())
+    transport = InProcessClients(replica, train_x, train_y, parts)
     history = History(state_dict={})
     _evaluate(global_model, test_x, test_y, history)
     for round_index in range(1, rounds + 1):
-        start = time.perf_counter()
-        selected = sorted(int(c) for c in rng.choice(num_clients, clients_per_round, replace=False))
-        num_dropped = int(round(dropout * clients_per_round))
-        dropped = sorted(int(c) for c in rng.choice(selected, num_dropped, replace=False))
-        reports: dict[int, torch.Tensor] = {}
-        for client in selected:
-            if client in dropped:
-                continue
-            indices = torch.as_tensor(parts[client])
-            update = local_update(
-                replica, global_vector, train_x[indices], train_y[indices],
-                algorithm=algorithm, epochs=local_epochs, batch_size=batch_size, lr=lr, mu=mu,
-                generator=client_generator(seed, round_index, client),
-            )  # fmt: skip
-            weight = float(len(indices))
-            if dp is not None:  # equal weights: a client's influence is bounded by the clip alone
-                update, weight = clip_update(update, dp.clip), 1.0
-                if secagg is None:  # the server's own clip (deployed: it enforces the bound)
-                    update = clip_update(update.to(torch.float64), dp.clip)
-            reports[client] = make_report(update, weight)
-        up = len(reports) * (numel * global_vector.element_size() + 8)
-        down = len(selected) * numel * global_vector.element_size()
-        if secagg is not None:
-            # A client checks its own update: the server cannot look inside masked vectors.
-            usable = {c: r for c, r in reports.items() if update_problem(r, numel + 1) is None}
-            result = secure_sum(usable, participants=selected, threshold=secagg.threshold,
-                                neighbours=secagg.neighbours)  # fmt: skip
-            total, up, down = result.total, result.bytes_up, down + result.bytes_down
-        else:
-            total = sum_of_reports(reports.items(), numel)
-        if dp is not None:
-            mean_update = private_mean(
-                total, dp, expected_reports=clients_per_round, round_index=round_index
-            )
-            accountant.step(dp.noise_multiplier, clients_per_round / num_clients)
-            history.epsilon.append(accountant.epsilon(dp.delta))
-        else:
-            mean_update = sum_to_mean(total)
-        global_vector = server_step(global_vector, mean_update, algorithm=algorithm, lr=lr)
-        history.round_s.append(time.perf_counter() - start)
-        history.bytes_up.append(int(up))
-        history.bytes_down.append(int(down))
-        history.selected.append(selected)
-        history.dropped.append(dropped)
-        load_vector(params, global_vector)
+        result = server.run(round_index, transport)
+        history.round_s.append(result.seconds)
+        history.bytes_up.append(result.bytes_up)
+        history.bytes_down.append(result.bytes_down)
+        history.selected.append(result.selected)
+        history.dropped.append(result.dropped)
+        if result.epsilon is not None:
+            history.epsilon.append(result.epsilon)
+        load_vector(params, server.vector)
         _evaluate(global_model, test_x, test_y, history)
     history.state_dict = {k: v.detach().clone() for k, v in global_model.state_dict().items()}
     return history
+
+
+class InProcessClients:
+    """`simulate`'s transport (`round.Transport`): the clients live in this process and train in
+    turn in one replica model; a client told to drop never trains (nothing it would compute
+    reaches the server). Bytes are counted as a network would carry them: the global weights to
+    each selected client, an update and its weight back (or secure aggregation's messages)."""
+
+    def __init__(self, replica: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+                 parts: Sequence[np.ndarray]) -> None:  # fmt: skip
+        self.replica, self.inputs, self.labels, self.parts = replica, inputs, labels, parts
+        self._traffic = (0, 0)
+
+    def pool(self, round_index: int) -> range:
+        """Every client, every round."""
+        return range(len(self.parts))
+
+    def _update(self, task: RoundTask, client: int) -> tuple[torch.Tensor, float]:
+        indices = torch.as_tensor(self.parts[client])
+        return client_update(self.replica, task.vector, self.inputs[indices],
+                             self.labels[indices], task.settings, round_index=task.round_index,
+                             client=client)  # fmt: skip
+
+    def train(self, task: RoundTask) -> Iterator[tuple[int, torch.Tensor, float]]:
+        """Train the reporting clients in client order, yielding each report as it is ready."""
+        vector_bytes = task.vector.numel() * task.vector.element_size()
+        self._traffic = (0, len(task.selected) * vector_bytes)
+        for client in task.reporting:
+            update, weight = self._update(task, client)
+            self._traffic = (self._traffic[0] + vector_bytes + 8, self._traffic[1])
+            yield client, update, weight
+
+    def secure_sum(self, task: RoundTask) -> tuple[torch.Tensor, list[int]]:
+        """Every selected client sets up keys; those that report mask their report, the others
+        drop out after the key exchange. A client leaves out its own update if it is unusable
+        (the server cannot look inside masked vectors)."""
+        numel = task.vector.numel()
+        reports = {u: make_report(*self._update(task, u)) for u in task.reporting}
+        usable = {u: r for u, r in reports.items() if update_problem(r, numel + 1) is None}
+        result = secure_sum(usable, participants=task.selected, threshold=task.secagg.threshold,
+                            neighbours=task.secagg.neighbours)  # fmt: skip
+        down = len(task.selected) * numel * task.vector.element_size()
+        self._traffic = (result.bytes_up, down + result.bytes_down)
+        return result.total, sorted(usable)
+
+    def traffic(self) -> tuple[int, int]:
+        """Bytes of the round just run."""
+        return self._traffic
 
 
 def _evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, history: History):
