@@ -295,7 +295,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.set_defaults(handler=_bench)
 
     commands.add_parser(  # parsed by tessera.federated.cli (see `main`): listed here for --help
-        "fl", help="federated learning: `tessera fl server --config FILE`, `tessera fl client ...`"
+        "fl",
+        help="federated learning: `tessera fl server --config FILE`, `tessera fl client ...`, "
+        "`tessera fl token --client K` (a client's own token)",
     )
 
     checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
