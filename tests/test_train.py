@@ -185,7 +185,9 @@ def test_config_errors_are_tessera_errors_and_strategies_register():
     assert issubclass(CheckpointError, TesseraError)
     with pytest.raises(TesseraError, match="not a tessera checkpoint"):
         load_checkpoint(__file__)
-    assert STRATEGIES["torch-ddp"] is TorchDDPEngine
+    from tessera.strategies.torch_ddp import build
+
+    assert STRATEGIES["torch-ddp"] is build
     added = register_strategy("test-only")(TorchDDPEngine)
     try:
         assert added is TorchDDPEngine and STRATEGIES["test-only"] is TorchDDPEngine
