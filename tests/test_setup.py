@@ -316,8 +316,8 @@ def _train(engine: Any, ctx, strategy: str, steps: range, kind: str = "mlp") -> 
 
 def _round_trip(ctx, strategy: str, folder: Path) -> None:
     """2 AdamW steps, save, a fresh engine loads, 1 more step = 3 straight steps, bit for bit
-    (local-sgd mid-period: average_every=2, so the replicas differ when saved)."""
-    options = {"average_every": 2} if strategy == "local-sgd" else {}
+    (local-sgd mid-period: average_every=3, so the replicas differ when saved)."""
+    options = {"average_every": 3} if strategy == "local-sgd" else {}
     straight = _adamw_engine(ctx, strategy, **options)
     _train(straight, ctx, strategy, range(3))
     first = _adamw_engine(ctx, strategy, **options)

@@ -16,7 +16,6 @@ from tessera.train import (
     latest_checkpoint,
     load_checkpoint,
     load_yaml,
-    registry,
     run_training,
 )
 from tessera.train.metrics import read_metrics
@@ -194,4 +193,6 @@ def test_config_errors_are_tessera_errors_and_strategies_register():
         with pytest.raises(ValueError, match="'test-only' is registered twice"):
             register_strategy("test-only")(TorchDDPEngine)
     finally:
+        from tessera.strategies import registry
+
         registry._user_strategies.pop("test-only")  # the public table is read-only
