@@ -526,3 +526,42 @@ def test_batch_rule_microbatches_gather_and_policies(run_ranks):
     assert EXPORT_FORMATS == ("safetensors", "hf")
     with pytest.raises(ValueError, match="has none; export it as 'safetensors'"):
         export_model(model, model.state_dict(), "unused", "hf")
+
+
+LIBRARIES = ("data_parallel", "zero", "pipeline", "tensor_parallel", "comm", "memory", "optim")
+BELOW_LIBRARIES = ("checkpoint", "runtime", "models", "data")
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):  # function-level imports included
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _upper(name: str, *more: str) -> bool:
+    """`name` is the trainer, the command line or one of `more` (a package and its modules)."""
+    return any(
+        name == top or name.startswith(top + ".") for top in ("tessera.train", "tessera.cli", *more)
+    )
+
+
+def test_the_strategy_libraries_import_neither_the_trainer_nor_the_strategies_layer():
+    """Layers (DESIGN.md): the libraries sit below `tessera.strategies`, which sits below the
+    trainer; nothing imports upward, not even inside a function. (`parameter_server`, whose
+    `train.py` is the trainer's ps entry point, is not checked here yet.)"""
+    root = Path(tessera.__file__).parent
+    upward = {}
+    for package in LIBRARIES + BELOW_LIBRARIES:
+        for path in sorted((root / package).rglob("*.py")):
+            bad = {name for name in _imports(path) if _upper(name, "tessera.strategies")}
+            if bad:
+                upward[str(path.relative_to(root))] = sorted(bad)
+    assert upward == {}
+    strategies = set().union(*(_imports(p) for p in (root / "strategies").glob("*.py")))
+    assert not any(_upper(name) for name in strategies)
