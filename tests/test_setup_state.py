@@ -302,3 +302,53 @@ def test_the_strategy_libraries_import_neither_the_trainer_nor_the_strategies_la
     assert upward == {}
     strategies = set().union(*(_imports(p) for p in (root / "strategies").glob("*.py")))
     assert not any(_upper(name) for name in strategies)
+
+
+def test_a_user_strategy_takes_its_own_policy_and_a_single_engine_saves_without_a_group(
+    monkeypatch, tmp_path
+):
+    """`register_strategy(name, policy=...)`: `setup` validates the options against the user's
+    policy and hands it to the builder; the `single` engine runs, saves and loads in this very
+    process (a context of one rank, no process group)."""
+    from dataclasses import dataclass
+
+    from tessera.runtime import Context
+    from tessera.strategies import Engine, registry
+
+    monkeypatch.setattr(registry, "_user_strategies", {})
+
+    @dataclass(kw_only=True, frozen=True)
+    class HalfPolicy:
+        """Scale the loss by `factor`."""
+
+        factor: float = 0.5
+
+    @registry.register_strategy("half", policy=HalfPolicy)
+    class Half(Engine):
+        def backward(self, loss: torch.Tensor) -> None:
+            (loss * self.policy.factor).backward()
+
+    ctx = Context(0, 1, 0, 1, torch.device("cpu"), "gloo", 60.0)
+    with pytest.raises(TypeError, match="strategy 'half' has no option 'scale'; .* factor"):
+        tessera.setup(_mlp(), _make_optimizer("sgd"), strategy="half", ctx=ctx, scale=2)
+    batch = _batch("mlp", 0)
+    grads = {}
+    for strategy, options in (("half", {"factor": 0.25}), ("single", {})):
+        engine = tessera.setup(
+            _fresh("mlp"), _make_optimizer("sgd"), strategy=strategy, loss_fn=user_loss, ctx=ctx,
+            **options,
+        )  # fmt: skip
+        engine.train_step(batch)
+        grads[strategy] = [p.grad.clone() for p in engine.module.parameters()]
+        assert engine.policy == (HalfPolicy(factor=0.25) if options else registry.policy_class(
+            "single"
+        )())  # fmt: skip
+    assert all(torch.equal(h, s * 0.25) for h, s in zip(grads["half"], grads["single"]))
+    engine.step()
+    engine.save(tmp_path / "single")
+    again = tessera.setup(_fresh("mlp"), _make_optimizer("sgd"), strategy="single", ctx=ctx)
+    again.load(tmp_path / "single")
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.module.parameters(), engine.module.parameters())
+    )
+    assert not dist.is_initialized()
