@@ -352,3 +352,20 @@ def test_a_user_strategy_takes_its_own_policy_and_a_single_engine_saves_without_
         torch.equal(a, b) for a, b in zip(again.module.parameters(), engine.module.parameters())
     )
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("strategy", ["single", "torch-ddp", "ddp", "local-sgd", "zero1", "zero3",
+                                      "pipeline", "tensor", "hybrid"])  # fmt: skip
+def test_the_trainer_translates_its_defaults_into_the_policies_defaults(strategy):
+    """One default per knob: `tessera train`'s flags, left alone, give the strategy's policy as
+    `tessera.setup` builds it with no option (so neither can drift from the other)."""
+    from tessera.strategies import make_policy, policy_class
+    from tessera.train import build_config
+    from tessera.train.engine_setup import policy_options
+    from tessera.zero import OffloadPolicy
+
+    config = build_config({"strategy": strategy, "nproc": 1 if strategy == "single" else 2})
+    assert make_policy(strategy, policy_options(config)) == policy_class(strategy)()
+    if strategy.startswith("zero"):
+        offloaded = build_config({"strategy": strategy, "nproc": 2, "offload": "cpu"})
+        assert policy_options(offloaded)["offload"] == OffloadPolicy(device="cpu")
