@@ -5,7 +5,7 @@ alternate in blocks (tessera, torch, tessera, torch, ...) so that both see the s
 and the table reports medians and the ratio of steps/s (tessera / torch: above 1 means tessera is
 faster). Exposed communication is the time the end of backward waited for gradient buckets
 (tessera measures it directly; for torch it is measured the same way from outside, see
-`tessera.train.TorchDDPEngine`).
+`tessera.strategies.torch_ddp.TorchDDPEngine`).
 
     python benchmarks/ddp.py [--quick] [--timeline]
 

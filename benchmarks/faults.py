@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from tessera.checkpoint.files import load_checkpoint
 from tessera.train import latest_checkpoint
-from tessera.train.checkpoint import load_checkpoint
 from tessera.train.faults import fired_faults
 from tessera.train.metrics import read_events, read_metrics
 

@@ -53,6 +53,7 @@ class Block(nn.Module):
         self.down = nn.Linear(2 * WIDTH, WIDTH)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (batch, WIDTH) -> (batch, WIDTH)."""
         return self.down(F.gelu(self.up(x)))
 
 
@@ -67,6 +68,7 @@ class ResidualNet(nn.Module):
         self.head = nn.Linear(WIDTH, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (batch, FEATURES) -> logits (batch, CLASSES)."""
         h = self.embed(x)
         for block in self.blocks.values():
             h = h + block(h)

@@ -16,6 +16,7 @@ from tessera.runtime import Context, init, launch, shutdown
 __all__ = [
     "Context",
     "DataParallel",
+    "Engine",
     "Mesh",
     "comm",
     "data_parallel",
@@ -27,7 +28,9 @@ __all__ = [
     "optim",
     "parameter_server",
     "pipeline",
+    "setup",
     "shutdown",
+    "strategies",
     "tensor_parallel",
     "zero",
 ]
@@ -45,6 +48,9 @@ _LAZY = {
     "zero": ("tessera.zero", None),
     "DataParallel": ("tessera.data_parallel", "DataParallel"),
     "Mesh": ("tessera.mesh", "Mesh"),
+    "strategies": ("tessera.strategies", None),
+    "setup": ("tessera.strategies.setup", "setup"),
+    "Engine": ("tessera.strategies.engine", "Engine"),
 }
 
 

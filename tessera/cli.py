@@ -35,7 +35,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{field.metadata.get('help', '')} (default: {default})"
         if field.name == "strategy":
-            from tessera.train.registry import OWN_ENTRY_POINTS, strategy_names
+            from tessera.strategies.registry import OWN_ENTRY_POINTS, strategy_names
 
             help_text += f"; one of: {', '.join([*strategy_names(), *OWN_ENTRY_POINTS])}"
         dest = prefix + field.name

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from tessera.checkpoint import series
 from tessera.errors import CheckpointError, ConfigError
 from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
-from tessera.train import checkpoint_series as series
 from tessera.train.metrics import read_metrics
 from tessera.train.run import config_layers_for_resume
 

@@ -143,31 +143,44 @@ def test_validating_a_config_imports_no_engine():
 
 def test_strategy_interface_imports_none_of_its_engines():
     # The old train/strategy.py imported every engine at its bottom, and the engines import it
-    # for their base class: a cycle. Now the registry names engines by "module:attribute".
-    loaded = _fresh_modules("import tessera.train.strategy, tessera.train.registry")
+    # for their base class: a cycle. Now the registry names engines by "module:attribute", and
+    # the Engine protocol and `setup` sit in tessera.strategies, above the libraries.
+    loaded = _fresh_modules(
+        "import tessera.strategies.engine, tessera.strategies.registry, tessera.strategies.setup"
+    )
     assert [m for m in loaded if m.startswith(ENGINE_PACKAGES)] == []
 
 
 def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeypatch):
-    from tessera.train import registry
-    from tessera.train.strategy import Engine
+    from tessera.strategies import registry
+    from tessera.strategies.engine import Engine, NoOptions
 
-    # what each engine module declared with @register_strategy before the registry named them
     declared = {
-        "single": "Engine",
-        "torch-ddp": "TorchDDPEngine",
-        "ddp": "DDPEngine",
-        "local-sgd": "LocalSGDEngine",
-        "zero1": "Zero1Engine",
-        "zero2": "Zero2Engine",
-        "zero3": "Zero3Engine",
-        "pipeline": "pipeline_strategy",
-        "tensor": "tensor_strategy",
-        "hybrid": "hybrid_strategy",
+        "single": "build",
+        "torch-ddp": "build",
+        "ddp": "build_ddp",
+        "local-sgd": "build_local_sgd",
+        "zero1": "build_zero1",
+        "zero2": "build_zero2",
+        "zero3": "build_zero3",
+        "pipeline": "build_pipeline",
+        "tensor": "build_tensor",
+        "hybrid": "build_hybrid",
     }
     assert {name: factory.__name__ for name, factory in registry.STRATEGIES.items()} == declared
-    assert [registry.STRATEGIES[f"zero{stage}"].stage for stage in (1, 2, 3)] == [1, 2, 3]
-    assert registry.STRATEGIES["single"] is Engine
+    policies = {name: registry.policy_class(name).__name__ for name in declared}
+    assert policies == {
+        "single": "NoOptions",
+        "torch-ddp": "NoOptions",
+        "ddp": "DDPPolicy",
+        "local-sgd": "LocalSGDPolicy",
+        "zero1": "ZeroPolicy",
+        "zero2": "ZeroPolicy",
+        "zero3": "ZeroPolicy",
+        "pipeline": "PipelinePolicy",
+        "tensor": "TensorPolicy",
+        "hybrid": "HybridPolicy",
+    }
     monkeypatch.setattr(registry, "_user_strategies", {})
 
     @register_strategy("mine")
@@ -175,6 +188,7 @@ def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeyp
         pass
 
     assert tessera.train.STRATEGIES["mine"] is Mine and "mine" in registry.strategy_names()
+    assert registry.policy_class("mine") is NoOptions
     assert build_config({"strategy": "mine", "nproc": 1}).strategy == "mine"
     for taken in ("mine", "zero2"):
         with pytest.raises(ValueError, match=f"strategy '{taken}' is registered twice"):

@@ -338,18 +338,21 @@ def _local_sgd_oracle(world: int, period: int, steps: int, dtype: torch.dtype) -
 
 
 def _local_sgd_against_plain_loops(ctx) -> tuple[dict, dict, dict]:
-    from tessera.data_parallel.engine import LocalSGDEngine
-    from tessera.train import build_config
+    import tessera
 
     period, steps = 2, 5  # averages after steps 2 and 4; step 5 leaves the replicas apart
-    config = build_config({"strategy": "local-sgd", "average_every": period, "optimizer": "sgd"})
-    engine = LocalSGDEngine(
-        _model("mlp"), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), ctx, config
+    engine = tessera.setup(
+        _model("mlp"),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        strategy="local-sgd",
+        loss_fn=F.cross_entropy,
+        ctx=ctx,
+        average_every=period,
     )
     for step in range(steps):
         x, y = (_shard(t, ctx.rank, ctx.world_size) for t in _batch("mlp", step))
-        engine.train_step(x, y, F.cross_entropy)
-        engine.step(0.05)
+        engine.train_step((x, y))
+        engine.step()
     oracle, exact = (
         _local_sgd_oracle(ctx.world_size, period, steps, dtype)[ctx.rank]
         for dtype in (torch.float32, torch.float64)

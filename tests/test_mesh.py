@@ -15,8 +15,8 @@ from test_pipeline import _check_mlp  # tests/ is on sys.path under pytest
 import tessera
 from tessera.mesh import AXES, Mesh
 from tessera.models import GPT, GPTConfig
-from tessera.pipeline.engine import HybridEngine
-from tessera.train.strategy import Engine
+from tessera.strategies.engine import Engine
+from tessera.strategies.model_parallel_gpt import HybridEngine
 
 CONFIG = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=4, n_embd=16)
 GLOBAL_BATCH = 8
@@ -44,9 +44,9 @@ def _batches():
 
 
 def _step(engine, x, y):
-    loss = engine.train_step(x, y, _loss)
+    loss = engine.train_step((x, y))
     norm = engine.clip_grad_norm(0.5)  # below the norms seen here: clipping is active
-    engine.step(0.1)
+    engine.step()  # grad_clip=0: the optimizer step alone, at its own lr (0.1)
     return loss, norm
 
 
@@ -75,14 +75,17 @@ def hybrid_worker(degrees):
     torch.manual_seed(0)
     base = GPT(CONFIG)
     batches = _batches()
-    reference = Engine(copy.deepcopy(base), _sgd, ctx)
+    reference = Engine(copy.deepcopy(base), _sgd, ctx, loss_fn=_loss)
     expected = [_step(reference, x, y) for x, y in batches]
-    exact = Engine(copy.deepcopy(base).double(), _sgd, ctx)  # float64: the exact answer
+    # float64: the exact answer
+    exact = Engine(copy.deepcopy(base).double(), _sgd, ctx, loss_fn=_loss)
     exact_steps = [_step(exact, x, y) for x, y in batches]
     rows = GLOBAL_BATCH // ctx.world_size
     shard = slice(ctx.rank * rows, (ctx.rank + 1) * rows)  # the loop's per-rank shard
     for dp, tp, pp, zero in degrees:
-        make = partial(HybridEngine, dp=dp, tp=tp, pp=pp, zero=zero, num_microbatches=2)
+        make = partial(
+            HybridEngine, dp=dp, tp=tp, pp=pp, zero=zero, num_microbatches=2, loss_fn=_loss
+        )
         engine = make(copy.deepcopy(base), _sgd, ctx)
         # this rank keeps its stage's tensors only; other stages' layers are freed (meta)
         assert not any(p.is_meta for p in engine.pipe.module.parameters())
@@ -96,7 +99,7 @@ def hybrid_worker(degrees):
             (slice_,) = engine.optimizer.param_groups[0]["params"]
             assert slice_.numel() == -(-stage_numel // 2)
             # between steps ZeRO-2 holds no full gradient, ZeRO-1 all of them
-            engine.train_step(*[t[shard] for t in batches[0]], _loss)
+            engine.train_step(tuple(t[shard] for t in batches[0]))
             held = [p.grad is not None for p in engine.pipe.module.parameters()]
             assert not any(held) if zero == 2 else all(held)
             engine.zero.inner.zero_grad()
@@ -105,7 +108,7 @@ def hybrid_worker(degrees):
         resumed.load_state_dict(state)
         x, y = batches[2]
         _step(resumed, x[shard], y[shard])
-        full = resumed.full_model_state()
+        full = resumed.full_state_dict()
         assert full.keys() == reference.module.state_dict().keys()
         # 3 SGD steps of reordered float32 sums, measured against the float64 run
         check_close(

@@ -588,8 +588,13 @@ def test_nvme_bad_input(tmp_path, monkeypatch):
 
 def test_train_config_offload_and_activation_checkpointing(tmp_path):
     from tessera.train import build_config
+    from tessera.train.engine_setup import policy_options
     from tessera.train.loop import make_optimizer
-    from tessera.zero.engine import _offload_optimizer
+    from tessera.zero.api import _host_factory
+
+    def _offload_optimizer(stage, module, make, config):  # the trainer's translation, as used
+        offload = policy_options(config)["offload"]
+        return _host_factory(stage, module, make, config.mixed_precision, offload)
 
     base = {"nproc": 2, "steps": 1}
     config = build_config(

@@ -31,8 +31,8 @@ from tessera.parameter_server.train import (
     parse_slow_workers,
     ps_policy,
 )
+from tessera.strategies.registry import OWN_ENTRY_POINTS, own_entry_point, strategy_names
 from tessera.train import build_config, load_checkpoint, run_training
-from tessera.train.registry import OWN_ENTRY_POINTS, own_entry_point, strategy_names
 
 STEPS, SPLIT, WORKERS, SERVERS = 4, 2, 2, 1
 TINY = {

@@ -185,7 +185,7 @@ def test_every_strategy_resumes_bit_for_bit_with_adamw(run_ranks, tmp_path, runs
 
 
 def test_the_resume_tests_cover_every_registered_strategy():
-    from tessera.train.strategy import STRATEGIES as REGISTERED
+    from tessera.strategies import STRATEGIES as REGISTERED
 
     assert sorted(REGISTERED) == sorted({options["strategy"] for options in RUNS.values()})
 

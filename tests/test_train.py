@@ -16,7 +16,6 @@ from tessera.train import (
     latest_checkpoint,
     load_checkpoint,
     load_yaml,
-    registry,
     run_training,
 )
 from tessera.train.metrics import read_metrics
@@ -185,11 +184,15 @@ def test_config_errors_are_tessera_errors_and_strategies_register():
     assert issubclass(CheckpointError, TesseraError)
     with pytest.raises(TesseraError, match="not a readable checkpoint"):
         load_checkpoint(__file__)
-    assert STRATEGIES["torch-ddp"] is TorchDDPEngine
+    from tessera.strategies.torch_ddp import build
+
+    assert STRATEGIES["torch-ddp"] is build
     added = register_strategy("test-only")(TorchDDPEngine)
     try:
         assert added is TorchDDPEngine and STRATEGIES["test-only"] is TorchDDPEngine
         with pytest.raises(ValueError, match="'test-only' is registered twice"):
             register_strategy("test-only")(TorchDDPEngine)
     finally:
+        from tessera.strategies import registry
+
         registry._user_strategies.pop("test-only")  # the public table is read-only

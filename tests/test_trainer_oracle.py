@@ -29,7 +29,7 @@ from _tolerance import BF16_ULP, FP32_ULP, check_close
 import tessera.train.loop as loop_module
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.models import GPT, GPTConfig
-from tessera.train import STRATEGIES, TrainConfig, build_config
+from tessera.train import TrainConfig, build_config
 from tessera.train.loop import lr_at, train_worker
 from tessera.train.metrics import read_metrics
 
@@ -202,25 +202,24 @@ def _config(name: str, out: Path) -> TrainConfig:
 def _run_and_gather(jobs: list[tuple[str, TrainConfig]]) -> dict[str, dict[str, torch.Tensor]]:
     """On each rank: train every job through `train_worker`; return the final full weights.
 
-    The strategy factory is wrapped so that the engine the loop built can be asked for its
+    The engine builder is wrapped so that the engine the loop built can be asked for its
     full model state afterwards (collective for the sharded strategies)."""
     built: list[Any] = []
     weights = {}
+    build_engine = loop_module.build_engine
     for name, config in jobs:
-        factory = STRATEGIES[config.strategy]
 
-        def capture(*args: Any, factory: Any = factory) -> Any:
-            engine = factory(*args)
+        def capture(*args: Any) -> Any:
+            engine = build_engine(*args)
             built.append(engine)
             return engine
 
-        # The registry is read-only: hand the loop a table holding the capturing factory.
-        loop_module.STRATEGIES = {config.strategy: capture}
+        loop_module.build_engine = capture  # the loop's engine, kept to read its weights
         try:
             train_worker(config, config.out, False)
         finally:
-            loop_module.STRATEGIES = STRATEGIES
-        state = built[-1].full_model_state()
+            loop_module.build_engine = build_engine
+        state = built[-1].full_state_dict()
         weights[name] = {k: v.detach().float().clone() for k, v in state.items()}
     return weights
 

@@ -29,10 +29,11 @@ from tessera.optim.cpu_adam import CPUAdam
 from tessera.optim.nvme import NVMeAdam
 from tessera.optim.swap_files import check_swap_dir
 
-__all__ = ["OFFLOAD_MODES", "host_optimizer"]
+__all__ = ["ADAM_OPTIONS", "OFFLOAD_MODES", "host_optimizer"]
 
 OFFLOAD_MODES = (None, "cpu", "nvme")
-_ADAM_OPTIONS = ("lr", "betas", "eps", "weight_decay")
+ADAM_OPTIONS = ("lr", "betas", "eps", "weight_decay")
+"""The hyper-parameters an Adam(W) hands on to `CPUAdam` / `NVMeAdam`."""
 _HARMLESS = ("foreach", "fused", "capturable", "differentiable")  # torch kernel choices only
 
 
@@ -112,13 +113,13 @@ def _as_cpu_adam(
             f"offload={offload!r} runs the step with tessera.optim.CPUAdam: use optimizer_class="
             f"torch.optim.AdamW, torch.optim.Adam or CPUAdam, not {optimizer_class.__name__}"
         )
-    unsupported = set(optimizer_kwargs) - set(_ADAM_OPTIONS) - set(_HARMLESS)
+    unsupported = set(optimizer_kwargs) - set(ADAM_OPTIONS) - set(_HARMLESS)
     if optimizer_kwargs.get("amsgrad") or optimizer_kwargs.get("maximize"):
         unsupported |= {k for k in ("amsgrad", "maximize") if optimizer_kwargs.get(k)}
     else:
         unsupported -= {"amsgrad", "maximize"}
     if unsupported:
         raise ValueError(f"offload={offload!r} (CPUAdam) does not support {sorted(unsupported)}")
-    kwargs = {k: v for k, v in optimizer_kwargs.items() if k in _ADAM_OPTIONS}
+    kwargs = {k: v for k, v in optimizer_kwargs.items() if k in ADAM_OPTIONS}
     kwargs.setdefault("weight_decay", 1e-2 if adamw else 0.0)  # torch's defaults
     return CPUAdam, {**kwargs, "adamw": adamw}

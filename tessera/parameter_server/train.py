@@ -50,7 +50,7 @@ SERVERS_FOLDER = "servers"
 
 CHECKPOINT_NAME = "checkpoint.pt"
 """The run's own state file (tokenizer, config, final weights), one per run folder: the single-file
-layout that `tessera.train.checkpoint_series` still reads, so `--resume` finds it; the training
+layout that `tessera.checkpoint.series` still reads, so `--resume` finds it; the training
 state itself lives in the servers' shard checkpoints."""
 
 
@@ -153,7 +153,7 @@ def _server_optimizer(config: Any, per_gradient: bool, params: list[torch.Tensor
 # --- the job ---------------------------------------------------------------------------------
 def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
     """Train as `config` says with a parameter server; the summary (on every rank)."""
-    from tessera.train.checkpoint import save_checkpoint
+    from tessera.checkpoint.files import save_checkpoint
     from tessera.train.config import config_to_dict
     from tessera.train.loop import _sample
 

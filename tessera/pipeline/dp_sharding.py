@@ -27,13 +27,14 @@ deferral every gradient is complete before the W pass and all the buckets are re
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
 from tessera.data_parallel.reducer import Reducer
-from tessera.train.strategy import OptimizerFactory
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
@@ -85,7 +86,7 @@ class StageZero(_ArmedForWeightPass):
     def __init__(
         self,
         module: nn.Module,
-        make_optimizer: OptimizerFactory,
+        make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         *,
         stage: int,
         group: dist.ProcessGroup,
@@ -118,10 +119,9 @@ class StageZero(_ArmedForWeightPass):
             total += (grad.double().square() * weight).sum()
         return total
 
-    def step(self, lr: float) -> None:
-        """Step this rank's slices, all-gather them into the parameters, clear the gradients."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def step(self) -> None:
+        """Step this rank's slices (at the lr of the optimizer's `param_groups`), all-gather them
+        into the parameters, clear the gradients."""
         self.inner.step()
         self.inner.zero_grad()
 

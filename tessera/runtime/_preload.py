@@ -15,9 +15,9 @@ _MODULES = (
     "torch._dynamo",
     "torch.distributed",
     "tessera.train.loop",
-    "tessera.data_parallel.engine",
-    "tessera.zero.engine",
-    "tessera.pipeline.engine",
+    "tessera.strategies.ddp",
+    "tessera.strategies.zero",
+    "tessera.strategies.model_parallel_gpt",
     "tessera.parameter_server.api",
 )
 

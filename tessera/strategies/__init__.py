@@ -1,1 +1,54 @@
-"""One entry point for every strategy: the Engine protocol, `setup`, the registry, adapters."""
+"""One entry point for every strategy: `setup(model, optimizer, strategy=...) -> Engine`.
+
+The Engine protocol (`engine.py`), the batch rule (`batch.py`), the registry of strategy names
+(`registry.py`) and one small adapter per strategy, each building an Engine from the strategy
+libraries below (`tessera.data_parallel`, `tessera.zero`, `tessera.pipeline`, ...). Names load
+on first use (PEP 562): importing the registry alone (as `tessera train`'s config does) imports
+neither torch.distributed nor any strategy library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "STRATEGIES",
+    "Engine",
+    "NoOptions",
+    "OptimizerFactory",
+    "compute_loss",
+    "gather_batch",
+    "make_policy",
+    "policy_class",
+    "register_strategy",
+    "setup",
+    "split_microbatches",
+]
+
+_LAZY = {
+    "STRATEGIES": "tessera.strategies.registry",
+    "policy_class": "tessera.strategies.registry",
+    "register_strategy": "tessera.strategies.registry",
+    "Engine": "tessera.strategies.engine",
+    "NoOptions": "tessera.strategies.engine",
+    "OptimizerFactory": "tessera.strategies.engine",
+    "compute_loss": "tessera.strategies.batch",
+    "gather_batch": "tessera.strategies.batch",
+    "split_microbatches": "tessera.strategies.batch",
+    "make_policy": "tessera.strategies.setup",
+    "setup": "tessera.strategies.setup",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a name of the package on first access."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'tessera.strategies' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

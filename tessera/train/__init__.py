@@ -1,7 +1,8 @@
-"""The training loop, its config, strategies, metrics and checkpoints.
+"""The training loop, its config, metrics and checkpoints, on top of `tessera.strategies`.
 
-The config and the strategy registry load eagerly (they are light); the engines and the loop load
-on first use, so validating a config imports none of the strategy packages.
+The config and the strategy registry (`tessera.strategies.registry`, re-exported here with
+`register_strategy`) load eagerly (they are light); the engines and the loop load on first use,
+so validating a config imports none of the strategy packages.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tessera.strategies.registry import STRATEGIES, register_strategy
 from tessera.train.config import ModelSettings, TrainConfig, build_config, load_yaml
-from tessera.train.registry import STRATEGIES, register_strategy
 
 __all__ = [
     "STRATEGIES",
@@ -28,11 +29,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Engine": "tessera.train.strategy",
-    "TorchDDPEngine": "tessera.train.strategy",
-    "latest_checkpoint": "tessera.train.checkpoint_series",
-    "load_checkpoint": "tessera.train.checkpoint",
-    "save_checkpoint": "tessera.train.checkpoint",
+    "Engine": "tessera.strategies.engine",
+    "TorchDDPEngine": "tessera.strategies.torch_ddp",
+    "latest_checkpoint": "tessera.checkpoint.series",
+    "load_checkpoint": "tessera.checkpoint.files",
+    "save_checkpoint": "tessera.checkpoint.files",
     "run_training": "tessera.train.run",
 }
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from tessera.errors import ConfigError
-from tessera.train.registry import OWN_ENTRY_POINTS, STRATEGIES
+from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
 
 __all__ = [
     "ModelSettings",
@@ -37,11 +37,7 @@ __all__ = [
 
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("naive", "gpipe", "1f1b")
-OFFLOAD_MOMENTS = {  # --offload-moments: the CPUAdam options each choice stands for
-    "fp32": {},
-    "bf16": {"bf16_moments": True},
-    "bf16-stochastic": {"bf16_moments": True, "moments_rounding": "stochastic"},
-}
+OFFLOAD_MOMENTS = ("fp32", "bf16", "bf16-stochastic")  # tessera.zero.policy.MOMENT_STORAGE
 
 
 def _option(default: Any, help_text: str) -> Any:

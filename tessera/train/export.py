@@ -19,10 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.checkpoint import export_model
+from tessera.checkpoint import export_model, series
+from tessera.checkpoint.files import load_checkpoint
 from tessera.errors import CheckpointError, ConfigError
-from tessera.train import checkpoint_series as series
-from tessera.train.checkpoint import load_checkpoint
 from tessera.train.config import load_yaml
 
 __all__ = ["checkpoint_model_state", "export_run"]

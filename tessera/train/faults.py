@@ -144,7 +144,7 @@ def faults_from_env(config: TrainConfig, world_size: int) -> tuple[Fault, ...]:
     """TESSERA_FAULT, parsed and checked against a run before any rank starts."""
     faults = parse_faults(os.environ.get(FAULT_ENV))
     if faults:
-        from tessera.train.registry import STRATEGIES  # the engine's class says how it saves
+        from tessera.strategies.registry import STRATEGIES  # the builder says how it saves
 
         sharded = bool(getattr(STRATEGIES[config.strategy], "sharded_checkpoint", False))
         check_faults(faults, config, world_size, sharded=sharded)

@@ -7,27 +7,33 @@ takes the same path as one that never stopped (bit for bit on CPU).
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from tessera.checkpoint import series
+from tessera.checkpoint.files import load_checkpoint, save_checkpoint
 from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context, init
-from tessera.train import checkpoint_series as series
-from tessera.train.checkpoint import load_checkpoint, save_checkpoint
+from tessera.strategies import Engine
 from tessera.train.config import (
     TrainConfig,
     check_resume_config,
     check_resume_world,
     config_to_dict,
+)
+from tessera.train.engine_setup import (
+    build_engine,
+    lr_at,
+    lr_scheduler,
+    make_optimizer,
+    restore_lr_scheduler,
 )
 from tessera.train.faults import FaultInjector
 from tessera.train.metrics import (
@@ -38,7 +44,6 @@ from tessera.train.metrics import (
     read_metrics,
 )
 from tessera.train.restarts import note_restart
-from tessera.train.strategy import STRATEGIES, Engine
 from tessera.train.workload import Workload, build_workload
 from tessera.train.workload import corpus_batches as corpus_batches  # noqa: F401 - was here
 from tessera.train.workload import gpt_sample as _sample  # noqa: F401 - parameter_server's
@@ -47,24 +52,6 @@ from tessera.train.workload import next_token_loss as next_token_loss  # noqa: F
 __all__ = ["lr_at", "make_optimizer", "train_worker"]
 
 
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup, then constant or cosine to lr/10."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.decay_steps == 0:
-        return config.lr
-    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
-    low = config.lr / 10
-    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer the config names, over `params`."""
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    return torch.optim.AdamW(
-        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
 
 
 def _gather_objects(value: Any, ctx: Context) -> list[Any]:
@@ -85,10 +72,7 @@ def _save(engine: Engine, ctx: Context, run_dir: Path, step: int, extra: dict[st
     if ctx.is_main:
         series.begin_save(run_dir, step)
     _barrier(ctx)  # nobody writes before the partial folder is fresh
-    if engine.sharded_checkpoint:  # each rank writes its own shard (ZeRO)
-        state = engine.save_shards(partial / series.STATE_FILE, step)
-    else:
-        state = engine.state_dict()
+    state = engine.save_files(partial)  # collective; sharded engines write their own files
     rng_states = _gather_objects(torch.get_rng_state(), ctx)
     if ctx.is_main:
         save_checkpoint(
@@ -142,7 +126,12 @@ def _check_identity(path: Path, state: dict[str, Any], workload: Workload) -> No
 
 
 def _restore(
-    engine: Engine, ctx: Context, run_dir: Path, workload: Workload, config: TrainConfig
+    engine: Engine,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    ctx: Context,
+    run_dir: Path,
+    workload: Workload,
+    config: TrainConfig,
 ) -> int:
     path = _find_checkpoint(run_dir, ctx)
     state = load_checkpoint(path)
@@ -151,11 +140,9 @@ def _restore(
         check_resume_config(state["config"], config, where=str(path))
     saved_world = len(state["rng"])
     check_resume_world(config.strategy, saved_world, ctx.world_size)
-    if engine.sharded_checkpoint:
-        engine.load_shards(path, state["engine"])
-    else:
-        engine.load_state_dict(state["engine"])
+    engine.load_files(path.parent, state["engine"])
     step = int(state["step"])
+    restore_lr_scheduler(scheduler, state.get("scheduler"), step)
     if saved_world == ctx.world_size:
         torch.set_rng_state(state["rng"][ctx.rank])
     else:
@@ -210,8 +197,9 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
         from tessera.memory import checkpoint_activations
 
         checkpoint_activations(model)
-    engine = STRATEGIES[config.strategy](model, partial(make_optimizer, config), ctx, config)
-    start = _restore(engine, ctx, out, workload, config) if resume else 0
+    engine = build_engine(config, model, workload.loss_fn, ctx)
+    scheduler = lr_scheduler(engine, config)  # a function of the step: resume stays exact
+    start = _restore(engine, scheduler, ctx, out, workload, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
     note_restart(log, start, ctx.world_size)  # a restarted run says so in metrics.jsonl
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
@@ -224,16 +212,13 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
         if ctx.world_size > 1:
             reached(f"step {step + 1}")  # names a rank that stops, if a gloo call times out
         batch = _to_device(workload.batches(step, ctx.rank, ctx.world_size), ctx.device)
-        # A dict batch goes to engine.train_step as inputs and targets alike: the engine calls
-        # model(**batch) and loss_fn(output, batch). (Merging with tessera.strategies: this
-        # becomes engine.train_step(batch) with loss_fn given to tessera.setup.)
-        x, y = (batch, batch) if workload.batch_kind == "dict" else batch
+        # an (inputs, targets) pair or a dict: the engine applies the batch rule
+        # (tessera.strategies.batch) with the workload's loss
         began = time.perf_counter()
-        loss = engine.train_step(x, y, workload.loss_fn)
-        if config.grad_clip:
-            engine.clip_grad_norm(config.grad_clip)
-        lr = lr_at(step, config)
-        engine.step(lr)
+        loss = engine.train_step(batch)
+        lr = engine.optimizer.param_groups[0]["lr"]  # this step's, set by the scheduler
+        engine.step()  # clips to config.grad_clip, then the optimizer step
+        scheduler.step()
         step_s = time.perf_counter() - began
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
@@ -257,13 +242,11 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
         if done == config.steps or (
             config.checkpoint_every and done % config.checkpoint_every == 0
         ):
-            _save(engine, ctx, out, done, extra)
+            _save(engine, ctx, out, done, {**extra, "scheduler": scheduler.state_dict()})
     if bar is not None:
         bar.close()
-    weights = engine.full_model_state()  # collective for strategies that shard the model
-    close = getattr(engine, "close", None)
-    if close is not None:  # e.g. offload="nvme": its swap files go now, not at interpreter exit
-        close()
+    weights = engine.full_state_dict()  # collective for strategies that shard the model
+    engine.close()  # e.g. offload="nvme": its swap files go now, not at interpreter exit
     if not ctx.is_main:
         return None
     weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}

@@ -160,7 +160,7 @@ def has_checkpoint(run_dir: Path) -> bool:
     A folder whose every checkpoint fails verification (each one warns, naming the bad file) is
     restarted from scratch, as one without checkpoints is: resuming it would fail every restart.
     """
-    from tessera.train import checkpoint_series as series
+    from tessera.checkpoint import series
     from tessera.train.run import config_layers_for_resume
 
     try:

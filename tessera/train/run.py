@@ -18,9 +18,10 @@ from typing import Any
 
 import yaml
 
+from tessera.checkpoint import series
 from tessera.errors import CheckpointError, ConfigError
 from tessera.runtime.context import shutdown
-from tessera.train import checkpoint_series as series
+from tessera.strategies.registry import own_entry_point
 from tessera.train.config import (
     TrainConfig,
     check_resume_config,
@@ -32,7 +33,6 @@ from tessera.train.config import (
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
 from tessera.train.preflight import preflight_workload
-from tessera.train.registry import own_entry_point
 from tessera.train.restarts import (
     check_restart_options,
     has_checkpoint,

@@ -6,20 +6,23 @@ PyTorch and trains exactly like one process on the whole batch. Stages 1 and 2 c
 DDP (2Ψ elements per step), stage 3 1.5x that (3Ψ).
 """
 
-from tessera.zero.api import STAGES, full_state_dict, initialize
+from tessera.zero.api import STAGES, full_state_dict, initialize, shard
 from tessera.zero.checkpoint import consolidate, load_shards, save_shard
 from tessera.zero.memory import estimate_memory, measure_memory
 from tessera.zero.optimizer import ZeroOptimizer
+from tessera.zero.policy import OffloadPolicy, ZeroPolicy
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
 from tessera.zero.stage3 import ZeroStage3
 
 __all__ = [
     "STAGES",
+    "OffloadPolicy",
     "ZeroOptimizer",
     "ZeroStage1",
     "ZeroStage2",
     "ZeroStage3",
+    "ZeroPolicy",
     "consolidate",
     "estimate_memory",
     "full_state_dict",
@@ -27,4 +30,5 @@ __all__ = [
     "load_shards",
     "measure_memory",
     "save_shard",
+    "shard",
 ]

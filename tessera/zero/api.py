@@ -6,7 +6,7 @@ Stage 0 is tessera's `DataParallel` with a plain optimizer; stages 1-3 are `Zero
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -15,15 +15,17 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
-from tessera.optim.offload import host_optimizer
+from tessera.optim.cpu_adam import CPUAdam
+from tessera.optim.offload import ADAM_OPTIONS, host_optimizer
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
 from tessera.zero.optimizer import ZeroOptimizer
+from tessera.zero.policy import OffloadPolicy, ZeroPolicy
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
 from tessera.zero.stage3 import ZeroStage3
 from tessera.zero.units import UnitSpec
 
-__all__ = ["STAGES", "full_state_dict", "initialize"]
+__all__ = ["STAGES", "full_state_dict", "initialize", "shard"]
 
 STAGES: dict[int, type[ZeroOptimizer]] = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
 
@@ -61,6 +63,7 @@ def initialize(
     offload_params: bool = False,
     delayed_update: bool = False,
     delayed_update_after: int = DEFAULT_WARMUP_STEPS,
+    bucket_cap_mb: float = 25.0,
     **optimizer_kwargs: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard `model`'s training state over `group` with ZeRO `stage` (0 = plain DDP).
@@ -73,6 +76,7 @@ def initialize(
     `units` (stage 3) chooses what is gathered as one, like wrapping modules with FSDP2's
     `fully_shard`: module classes and/or dotted name patterns (`"blocks.*"`); by default every
     child of an `nn.ModuleList`/`nn.Sequential` with parameters (`tessera.zero.units`).
+    `bucket_cap_mb` (stages 0-2) is the gradient bucket size.
 
     `offload="cpu"` (ZeRO-Offload, stages 1-3) runs the step on the host with
     `tessera.optim.CPUAdam` (`optimizer_class` AdamW, Adam or CPUAdam; `tessera.optim.offload`).
@@ -86,47 +90,131 @@ def initialize(
     while the next forward and backward run on the parameters from before it, so the update
     applied at step t uses the gradient of step t-1's parameters (`tessera.zero.delayed`).
     Call `optimizer.finish_step()` before evaluating the module at the end.
+
+    The keywords are those of `ZeroPolicy` and `OffloadPolicy`, which `shard` (and with it
+    `tessera.setup` and `tessera train`) takes: one translation for every path.
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     _check_optimizer(optimizer_class, optimizer_kwargs)
     check_delayed_update(delayed_update, delayed_update_after, offload=offload, stage=stage)
-    if mixed_precision not in (None, "bf16"):
-        raise ValueError(f"mixed_precision must be None or 'bf16', got {mixed_precision!r}")
-    optimizer_class, optimizer_kwargs = host_optimizer(
-        offload,
-        stage,
-        model,
-        optimizer_class,
-        optimizer_kwargs,
-        nvme_dir=nvme_dir,
-        nvme_buffer_mb=nvme_buffer_mb,
-        offload_params=offload_params,
-        mixed_precision=mixed_precision,
-    )
-    if units is not None and stage != 3:
-        raise ValueError(f"units= chooses ZeRO-3's gather units; stage {stage} gathers nothing")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be one of (None, 'cpu', 'nvme'), got {offload!r}")
+    if offload is None and (nvme_dir is not None or offload_params):
+        raise ValueError("nvme_dir and offload_params go with offload='nvme', not offload=None")
     if stage == 0:
         if mixed_precision is not None:
             raise ValueError("mixed_precision needs stage 1, 2 or 3 (stage 0 is plain DDP)")
-        wrapped = DataParallel(model, group=group)
+        if offload is not None:
+            raise ValueError(
+                f"offload={offload!r} needs ZeRO stage 1, 2 or 3 (stage 0 is plain DDP)"
+            )
+        if units is not None:
+            raise ValueError("units= chooses ZeRO-3's gather units; stage 0 gathers nothing")
+        wrapped = DataParallel(model, group=group, bucket_cap_mb=bucket_cap_mb)
         return wrapped, optimizer_class(model.parameters(), **optimizer_kwargs)
+    offload_policy = None
+    if offload is not None:
+        offload_policy = OffloadPolicy(
+            device=offload,
+            nvme_dir=nvme_dir,
+            nvme_buffer_mb=nvme_buffer_mb,
+            params=offload_params,
+            delayed_update=delayed_update,
+            delayed_update_after=delayed_update_after,
+        )
+    policy = ZeroPolicy(
+        bucket_cap_mb=bucket_cap_mb,
+        mixed_precision=mixed_precision,
+        units=units,
+        offload=offload_policy,
+    )
     make_optimizer = partial(optimizer_class, **optimizer_kwargs)
-    extra: dict[str, Any] = {"units": units} if units is not None else {}
-    if offload_params:
-        extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
-    if optimizer_kwargs.get("swap_params"):  # NVMeAdam keeps the masters: made straight there
-        extra["swap_masters"] = True
-    if delayed_update:
-        extra["delayed_update"] = True
-        extra["delayed_update_after"] = delayed_update_after
-    if offload == "cpu":  # CPUAdam streams the masters and gradient slices: huge pages for them
-        extra["host_huge_pages"] = True
+    return model, shard(model, make_optimizer, stage=stage, policy=policy, group=group)
+
+
+def shard(
+    model: nn.Module,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    stage: int,
+    policy: ZeroPolicy | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> ZeroOptimizer:
+    """Shard `model` with ZeRO `stage` (1-3) as `policy` says; return the ZeRO optimizer.
+
+    `make_optimizer(params)` builds the user's optimizer; it is called on this rank's master
+    shards only. Under `policy.offload` it is read once, on a one-element probe, for its class
+    and hyper-parameters, which become `CPUAdam` / `NVMeAdam` with the same values
+    (`tessera.optim.offload.host_optimizer`); `offload.device="cpu"` also puts the buffers the
+    host step streams on huge pages. Collective over `group`.
+    """
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")
+    policy = policy if policy is not None else ZeroPolicy()
+    if policy.units is not None and stage != 3:
+        raise ValueError(f"units= chooses ZeRO-3's gather units; stage {stage} gathers nothing")
+    extra: dict[str, Any] = {}
+    if stage < 3:
+        extra["bucket_cap_mb"] = policy.bucket_cap_mb
+    if policy.units is not None:
+        extra["units"] = policy.units
+    offload = policy.offload
+    if offload is not None:
+        assert isinstance(offload, OffloadPolicy)  # ZeroPolicy turned a device name into one
+        after = offload.delayed_update_after
+        check_delayed_update(offload.delayed_update, after, offload=offload.device, stage=stage)
+        precision = policy.mixed_precision
+        make_optimizer = _host_factory(stage, model, make_optimizer, precision, offload)
+        if offload.params:
+            extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
+        if make_optimizer.keywords.get("swap_params"):  # NVMeAdam keeps the masters
+            extra["swap_masters"] = True
+        if offload.delayed_update:
+            extra["delayed_update"] = True
+            extra["delayed_update_after"] = offload.delayed_update_after
+        if offload.device == "cpu":  # CPUAdam streams the masters and gradient slices
+            extra["host_huge_pages"] = True
     optimizer = STAGES[stage](
-        model, make_optimizer, group=group, mixed_precision=mixed_precision, **extra
+        model, make_optimizer, group=group, mixed_precision=policy.mixed_precision, **extra
     )
     model._tessera_zero = optimizer  # full_state_dict(model) finds the shards here
-    return model, optimizer
+    return optimizer
+
+
+def _host_factory(
+    stage: int,
+    model: nn.Module,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    mixed_precision: str | None,
+    offload: OffloadPolicy,
+) -> partial:
+    """The user's optimizer as `CPUAdam` / `NVMeAdam` with the same hyper-parameters.
+
+    The factory is asked once, on a one-element probe, which class and options it uses, so the
+    user's choice is read, not copied. Options other than Adam's four pass only where set to a
+    non-default value (`amsgrad=True`, say), and are then refused by `host_optimizer`.
+    """
+    probe = make_optimizer([nn.Parameter(torch.zeros(1))])
+    if type(probe) is CPUAdam:
+        options = dict(probe.defaults)
+    else:
+        options = {k: probe.defaults[k] for k in ADAM_OPTIONS if k in probe.defaults}
+        options.update({k: True for k in ("amsgrad", "maximize") if probe.defaults.get(k)})
+    optimizer_class, kwargs = host_optimizer(
+        offload.device,
+        stage,
+        model,
+        type(probe),
+        options,
+        nvme_dir=offload.nvme_dir,
+        nvme_buffer_mb=offload.nvme_buffer_mb,
+        offload_params=offload.params,
+        mixed_precision=mixed_precision,
+    )
+    if offload.device == "cpu":  # how CPUAdam stores the moments
+        kwargs = {**kwargs, **offload.optimizer_options()}
+    return partial(optimizer_class, **kwargs)
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

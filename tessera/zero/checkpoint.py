@@ -5,7 +5,7 @@ A rank's shard is two files in the step's folder:
 * `rank-R-of-W.safetensors`: the runs of elements the rank owns (`partition.shard_pieces`) of the
   fp32 master weights and of every element-wise optimizer state, one tensor per run, keyed
   `kind|parameter|first element` (rank 0 adds the buffers, `extra|key|0`); written atomically;
-* `rank-R-of-W.pt`: written last with `tessera.train.checkpoint.save_checkpoint` (atomic, a
+* `rank-R-of-W.pt`: written last with `tessera.checkpoint.files.save_checkpoint` (atomic, a
   plain `torch.save` file; in a run folder the checkpoint's manifest holds its checksum): the
   layout, optimizer hyper-parameters, each flat shard's scalar state (Adam's `step`: every flat
   keeps its own tensor) and the SHA-256 of the tensor file, which every reader verifies before
@@ -73,8 +73,8 @@ _SHARD_FILE = re.compile(r"rank-(\d+)-of-(\d+)\.pt$")
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """`tessera.train.checkpoint.load_checkpoint` (imported late: tessera.train imports ZeRO)."""
-    from tessera.train.checkpoint import load_checkpoint as load_verified
+    """`tessera.checkpoint.files.load_checkpoint`: the verified file reader."""
+    from tessera.checkpoint.files import load_checkpoint as load_verified
 
     return load_verified(path)
 
@@ -192,7 +192,7 @@ def _write_shard(folder: Path, optimizer: Any, extra: dict[str, Any]) -> str:
     }
     if delayed is not None:
         meta["delayed"] = {"steps": delayed.steps, "unpublished": delayed.unpublished}
-    from tessera.train.checkpoint import save_checkpoint
+    from tessera.checkpoint.files import save_checkpoint
 
     save_checkpoint(folder / name, meta)
     return name
@@ -409,7 +409,7 @@ def consolidate(run_dir: str | Path, out_path: str | Path) -> Path:
     the shard folder) or a folder of shard files. Parameters are written in fp32 (the master
     weights), tied ones under each of their keys; memory is bounded by the largest tensor.
     """
-    from tessera.train.checkpoint_series import latest_checkpoint  # late: tessera.train is above
+    from tessera.checkpoint.series import latest_checkpoint
 
     run_dir, out_path = Path(run_dir), Path(out_path)
     folder = run_dir

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -414,7 +415,10 @@ class ZeroOptimizer:
             grad.copy_(self._gradient_slice(flat))
             flat.master.grad = grad
         delayed.steps += 1
-        delayed.launch(self._inner_step)
+        # The step's own copy of the hyper-parameters, taken here on the training thread: a
+        # learning-rate scheduler sets the next step's lr in `param_groups` while this one runs.
+        groups = [dict(group) for group in self.optimizer.param_groups]
+        delayed.launch(partial(self._inner_step, groups))
         return True
 
     @torch.no_grad()
@@ -430,10 +434,20 @@ class ZeroOptimizer:
             self._publish()
             self.delayed.unpublished = False
 
-    def _inner_step(self) -> None:
-        """The background half of a delayed step: the inner optimizer on the masters only."""
+    def _inner_step(self, groups: list[dict[str, Any]]) -> None:
+        """The background half of a delayed step: the inner optimizer on the masters only,
+        with the hyper-parameters `groups` held when it was launched.
+
+        It runs on a shallow twin of the inner optimizer whose `param_groups` are `groups`:
+        the twin shares the state (moments, step counts) and the parameters, so the step
+        updates them as the optimizer itself would, while the training thread may already set
+        the next step's learning rate in the optimizer's own groups."""
+        twin = object.__new__(type(self.optimizer))
+        twin.__dict__.update(self.optimizer.__dict__)
+        twin.__dict__.pop("step", None)  # an instance wrapper (lr schedulers) steps the original
+        twin.param_groups = groups
         with torch.no_grad():
-            self.optimizer.step()
+            type(self.optimizer).step(twin)
         for flat in self.flats:
             flat.master.grad = None
 

@@ -3,7 +3,7 @@
 A file is a plain `torch.save` of a dict of tensors and plain data: `torch.load(path,
 weights_only=False)` (or `True`) opens it without tessera. Its integrity is the checkpoint
 folder's business: `manifest.json` holds the size and SHA-256 of every file, verified before a
-checkpoint is used (`tessera.train.checkpoint_series`).
+checkpoint is used (`tessera.checkpoint.series`).
 
 Writing goes to a temporary file in the same folder, is fsync'ed, then renamed over the old file
 (a rename within one file system is atomic on POSIX), and the folder is fsync'ed so the rename

@@ -1,4 +1,7 @@
-"""Trainer strategies `pipeline`, `tensor` and `hybrid`: the GPT on a dp x tp x pp mesh.
+"""Interim `pipeline`, `tensor` and `hybrid` strategies: tessera's GPT on a dp x tp x pp mesh.
+
+The registry resolves the three names here until the adapters for any model
+(`tessera.strategies.pipeline`, `tessera.strategies.tensor`) exist; this module then goes.
 
 Order of composition (as in Megatron-LM and torchtitan): tensor parallelism inside each block
 (`parallelize_gpt` over the mesh's tp group), then the block sequence cut into pipeline stages
@@ -7,12 +10,12 @@ gradients are averaged over its dp peers by tessera's DDP reducer, bucket by buc
 stage's W pass (`dp_sharding.py`; torch DDP cannot wrap a stage whose backward is driven micro-batch
 by micro-batch), or sharded with ZeRO-1/2.
 
-Data: the loop hands each rank a 1/world shard of the global batch; the engine all-gathers the
-shards (token ids: a few KB) and gives dp replica d rows `[d B/dp, (d+1) B/dp)`, so the step
-equals one process on the global batch. `pipeline` is the mesh `pp = world`, `tensor` is
-`tp = world`; `hybrid` reads the degrees from the run config's `dp`, `tp`, `pp` (0: what dp and tp
-leave), `microbatches`, `schedule` and `zero` (0, or 1 / 2 for ZeRO-1 / ZeRO-2 over the dp axis
-inside each stage, `dp_sharding.py`).
+Data: each rank passes its 1/world shard of the global batch, an `(inputs, targets)` pair; the
+engine all-gathers the shards (token ids: a few KB) and gives dp replica d rows
+`[d B/dp, (d+1) B/dp)`, so the step equals one process on the global batch, and returns the
+global mean loss. `pipeline` is the mesh `pp = world`, `tensor` is `tp = world`; `hybrid` takes
+the degrees `dp`, `tp`, `pp` (0: what dp and tp leave), `microbatches`, `schedule` and `zero`
+(0, or 1 / 2 for ZeRO-1 / ZeRO-2 over the dp axis inside each stage, `dp_sharding.py`).
 
 Checkpoints: `state_dict()` (collective) returns the dense GPT state and every rank's optimizer
 state as a list indexed by global rank; `load_state_dict` slices the dense state back into this
@@ -21,6 +24,7 @@ rank's stage and tensor-parallel shards and takes its own optimizer state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,16 +38,81 @@ from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
+from tessera.strategies.batch import LossFn, gather_batch
+from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.tensor_parallel import full_state_dict, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
-from tessera.train.strategy import Engine, LossFn, OptimizerFactory
 
-__all__ = ["HybridEngine"]
+__all__ = [
+    "HybridEngine",
+    "HybridPolicy",
+    "PipelinePolicy",
+    "TensorPolicy",
+    "build_hybrid",
+    "build_pipeline",
+    "build_tensor",
+]
+
+SCHEDULES = ("naive", "gpipe", "1f1b")
 
 
-def _option(config: Any, name: str, default: Any) -> Any:
-    """A knob from the run config, or `default` when the engine is built outside the trainer."""
-    return default if config is None else getattr(config, name)
+def _check_pipeline(microbatches: int, schedule: str) -> None:
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PipelinePolicy:
+    """Every rank one pipeline stage of the GPT."""
+
+    microbatches: int = 4
+    """Micro-batches per step."""
+    schedule: str = "1f1b"
+    """naive, gpipe or 1f1b."""
+
+    def __post_init__(self) -> None:
+        _check_pipeline(self.microbatches, self.schedule)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TensorPolicy:
+    """Every block's attention heads and MLP split over all ranks (no options for the GPT)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class HybridPolicy:
+    """dp x tp x pp over the ranks, optionally ZeRO-1/2 over dp inside each stage."""
+
+    dp: int = 1
+    """Data-parallel degree."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 0
+    """Pipeline stages; 0 takes the ranks dp and tp leave."""
+    zero: int = 0
+    """1 shards optimizer states, 2 also gradients, over each stage's dp group."""
+    microbatches: int = 4
+    """Micro-batches per step."""
+    schedule: str = "1f1b"
+    """naive, gpipe or 1f1b."""
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size of the dp reduction, in MB."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.pp < 0:
+            raise ValueError(f"pp must be >= 0 (0: the ranks dp and tp leave), got {self.pp}")
+        if self.zero not in (0, 1, 2):
+            raise ValueError(
+                f"zero must be 0, 1 or 2 inside model-parallel stages, got {self.zero}"
+            )
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        _check_pipeline(self.microbatches, self.schedule)
 
 
 class HybridEngine(Engine):
@@ -54,14 +123,17 @@ class HybridEngine(Engine):
         module: nn.Module,
         make_optimizer: OptimizerFactory,
         ctx: Context,
-        config: Any = None,
         *,
+        loss_fn: LossFn | None = None,
+        grad_clip: float = 0.0,
         dp: int = 1,
         tp: int = 1,
         pp: int = 1,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
         zero: int = 0,
+        bucket_cap_mb: float = 25.0,
+        policy: Any = None,
     ) -> None:
         if zero not in (0, 1, 2):
             raise ValueError(f"zero must be 0, 1 or 2 inside model-parallel stages, got {zero}")
@@ -69,7 +141,10 @@ class HybridEngine(Engine):
             raise ValueError(f"model-parallel strategies need the GPT, not {type(module).__name__}")
         if dp * tp * pp != ctx.world_size:
             raise ValueError(f"dp {dp} x tp {tp} x pp {pp} != world size {ctx.world_size}")
-        self.module, self.ctx, self.config, self.comm_seconds = module, ctx, config, 0.0
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
+        self.module, self.ctx, self.comm_seconds = module, ctx, 0.0
+        self.loss_fn, self.grad_clip, self.policy = loss_fn, float(grad_clip), policy
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
         if tp > 1:
@@ -95,7 +170,6 @@ class HybridEngine(Engine):
         ]
         self.dp_sync: StageDataParallel | StageZero | None = None
         """Averages (or shards) the stage's gradients over the dp group during the W pass."""
-        bucket_cap_mb = _option(config, "bucket_cap_mb", 25.0)
         if zero and dp > 1:
             self.dp_sync = StageZero(
                 self.pipe.module,
@@ -118,18 +192,25 @@ class HybridEngine(Engine):
         """The ZeRO sharding of this rank's stage over its dp group, if any."""
         return self.dp_sync if isinstance(self.dp_sync, StageZero) else None
 
-    def __call__(self, *inputs: Any) -> Any:
-        """Forward alone is not a pipeline step: the trainer drives `train_step`."""
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward alone is not a pipeline step: drive `train_step`."""
         raise NotImplementedError(
             "model-parallel engines run forward and backward together: call train_step"
         )
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn) -> float:
-        """All stages' forward and backward of the global batch; return its mean loss."""
+    def train_step(self, batch: Any) -> float:
+        """All stages' forward and backward of the global batch (this rank's shard of it, an
+        `(inputs, targets)` pair, gathered over the ranks); return its mean loss."""
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(
+                "the GPT's model-parallel engine takes (inputs, targets) pairs, got "
+                f"{type(batch).__name__}"
+            )
+        if self.loss_fn is None:
+            raise ValueError("an (inputs, targets) batch needs loss_fn=fn(output, targets)")
+        loss_fn = self.loss_fn
         world, dp = self.ctx.world_size, self.mesh.size("dp")
-        if world > 1:
-            inputs = _all_gather_rows(inputs, world)
-            targets = _all_gather_rows(targets, world)
+        inputs, targets = gather_batch(tuple(batch)) if world > 1 else batch
         if inputs.shape[0] % dp:
             raise ValueError(f"global batch {inputs.shape[0]} does not split over dp={dp}")
         rows = inputs.shape[0] // dp
@@ -155,18 +236,18 @@ class HybridEngine(Engine):
         all_reduce = sum_over(None) if self.ctx.world_size > 1 else None
         return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
 
-    def step(self, lr: float) -> None:
+    def optimizer_step(self) -> None:
         """Apply the optimizer (ZeRO: step this rank's slices and all-gather them)."""
         if self.zero is None:
-            super().step(lr)
+            super().optimizer_step()
         else:
-            self.zero.step(lr)
+            self.zero.step()
 
     def model_state_bytes(self) -> int | None:
         """Under ZeRO: bytes of this rank's parameters, gradients and optimizer state."""
         return self.zero.model_state_bytes() if self.zero is not None else None
 
-    def full_model_state(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The dense GPT state dict (GPT keys) on every rank; collective."""
         stage_state = full_state_dict(self.pipe.module, group=self.tp_group)
         state = self.pipe.full_state_dict(stage_state=stage_state)
@@ -179,7 +260,7 @@ class HybridEngine(Engine):
             dist.all_gather_object(optimizers, self.optimizer.state_dict())
         else:
             optimizers = [self.optimizer.state_dict()]
-        return {"model": self.full_model_state(), "optimizer": optimizers}
+        return {"model": self.full_state_dict(), "optimizer": optimizers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Slice the dense model into this rank's stage and shards; take this rank's optimizer."""
@@ -220,43 +301,76 @@ def _release_other_stages(layers: nn.Sequential, stage: nn.Module) -> None:
                 setattr(owner, name, buffer.to("meta"))
 
 
-def _all_gather_rows(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
-
-
-def pipeline_strategy(
-    module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
+def build_pipeline(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: PipelinePolicy | None = None,
 ) -> Engine:
     """Every rank one pipeline stage of the GPT."""
+    policy = policy if policy is not None else PipelinePolicy()
     return HybridEngine(
-        module, make_optimizer, ctx, config, pp=ctx.world_size, **_pipeline_options(config)
+        model,
+        optimizer_factory,
+        ctx,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        pp=ctx.world_size,
+        num_microbatches=policy.microbatches,
+        schedule=policy.schedule,
+        policy=policy,
     )
 
 
-def tensor_strategy(
-    module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
+def build_tensor(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: TensorPolicy | None = None,
 ) -> Engine:
     """Every block's attention heads and MLP split over all ranks (Megatron-LM)."""
-    return HybridEngine(module, make_optimizer, ctx, config, tp=ctx.world_size, num_microbatches=1)
-
-
-def hybrid_strategy(
-    module: nn.Module, make_optimizer: OptimizerFactory, ctx: Context, config: Any = None
-) -> Engine:
-    """dp x tp x pp from the run config (pp 0: the ranks dp and tp leave)."""
-    dp, tp = _option(config, "dp", 1), _option(config, "tp", 1)
-    pp = _option(config, "pp", 0) or max(1, ctx.world_size // (dp * tp))
-    options = _pipeline_options(config)
-    zero = _option(config, "zero", 0)
     return HybridEngine(
-        module, make_optimizer, ctx, config, dp=dp, tp=tp, pp=pp, zero=zero, **options
+        model,
+        optimizer_factory,
+        ctx,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        tp=ctx.world_size,
+        num_microbatches=1,
+        policy=policy if policy is not None else TensorPolicy(),
     )
 
 
-def _pipeline_options(config: Any) -> dict[str, Any]:
-    return {
-        "num_microbatches": _option(config, "microbatches", 4),
-        "schedule": _option(config, "schedule", "1f1b"),
-    }
+def build_hybrid(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: HybridPolicy | None = None,
+) -> Engine:
+    """dp x tp x pp (pp 0: the ranks dp and tp leave)."""
+    policy = policy if policy is not None else HybridPolicy()
+    pp = policy.pp or max(1, ctx.world_size // (policy.dp * policy.tp))
+    return HybridEngine(
+        model,
+        optimizer_factory,
+        ctx,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        dp=policy.dp,
+        tp=policy.tp,
+        pp=pp,
+        zero=policy.zero,
+        num_microbatches=policy.microbatches,
+        schedule=policy.schedule,
+        bucket_cap_mb=policy.bucket_cap_mb,
+        policy=policy,
+    )

@@ -1,4 +1,5 @@
-"""The trainer's data-parallel strategies: `ddp` (every step) and `local-sgd` (every H steps)."""
+"""`strategy="ddp"` (tessera's `DataParallel`, gradients averaged every step) and
+`strategy="local-sgd"` (parameters averaged every H steps)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
 from tessera.data_parallel.naive import average_parameters
+from tessera.data_parallel.policy import DDPPolicy, LocalSGDPolicy
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context
-from tessera.train.strategy import Engine, OptimizerFactory
+from tessera.strategies.batch import LossFn
+from tessera.strategies.engine import Engine, OptimizerFactory
 
-__all__ = ["DDPEngine", "LocalSGDEngine"]
+__all__ = [
+    "DDPEngine",
+    "DDPPolicy",
+    "LocalSGDEngine",
+    "LocalSGDPolicy",
+    "build_ddp",
+    "build_local_sgd",
+]
 
 
 class DDPEngine(Engine):
@@ -24,20 +34,24 @@ class DDPEngine(Engine):
     def __init__(
         self,
         module: nn.Module,
-        make_optimizer: OptimizerFactory,
+        optimizer_factory: OptimizerFactory,
         ctx: Context,
-        config: Any = None,
+        *,
+        loss_fn: LossFn | None = None,
+        grad_clip: float = 0.0,
+        policy: DDPPolicy | None = None,
     ) -> None:
-        super().__init__(module, make_optimizer, ctx, config)
+        policy = policy if policy is not None else DDPPolicy()
+        super().__init__(
+            module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
+        )
         self.ddp = DataParallel(
-            module,
-            bucket_cap_mb=config.bucket_cap_mb if config else 25.0,
-            algorithm=config.comm_algorithm if config else "auto",
+            module, bucket_cap_mb=policy.bucket_cap_mb, algorithm=policy.algorithm
         )
 
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through `DataParallel`, which prepares this step's gradient reduction."""
-        return self.ddp(*inputs, **kwargs)
+        return self.ddp(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward; buckets are averaged as they fill, the end waits for the last ones."""
@@ -49,8 +63,8 @@ class LocalSGDEngine(Engine):
     """Local SGD: each rank steps on its own gradients; parameters are averaged every H steps.
 
     Communication drops H-fold; between averages the replicas drift apart, so the result is
-    not the single-process one (that is the trade). Optimizer states stay local, as in Lin et
-    al. (ICLR 2020). The loss logged is still the mean over ranks.
+    not the single-process one (that is the trade; with H = 1 and SGD without momentum it is).
+    Optimizer states stay local, as in Lin et al. (ICLR 2020).
 
     A checkpoint therefore holds every rank's replica and optimizer state and the number of
     steps since the last average: resuming mid-period continues each replica where it was, so
@@ -60,19 +74,25 @@ class LocalSGDEngine(Engine):
     def __init__(
         self,
         module: nn.Module,
-        make_optimizer: OptimizerFactory,
+        optimizer_factory: OptimizerFactory,
         ctx: Context,
-        config: Any = None,
+        *,
+        loss_fn: LossFn | None = None,
+        grad_clip: float = 0.0,
+        policy: LocalSGDPolicy | None = None,
     ) -> None:
-        super().__init__(module, make_optimizer, ctx, config)
-        self.period = config.average_every if config else 8
-        self.algorithm = config.comm_algorithm if config else "auto"
+        policy = policy if policy is not None else LocalSGDPolicy()
+        super().__init__(
+            module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
+        )
+        self.period = policy.average_every
+        self.algorithm = policy.algorithm
         self._steps = 0
         average_parameters(module, algorithm=self.algorithm)  # start from one model
 
-    def step(self, lr: float) -> None:
+    def optimizer_step(self) -> None:
         """Local optimizer step; every `period` steps, average the parameters over ranks."""
-        super().step(lr)
+        super().optimizer_step()
         self._steps += 1
         self.comm_seconds = 0.0
         if self._steps % self.period == 0:
@@ -121,3 +141,33 @@ class LocalSGDEngine(Engine):
         self.module.load_state_dict(replicas[self.ctx.rank]["model"])
         self.optimizer.load_state_dict(replicas[self.ctx.rank]["optimizer"])
         self._steps = since_average
+
+
+def build_ddp(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: DDPPolicy | None = None,
+) -> Engine:
+    """tessera's DDP over the default group."""
+    return DDPEngine(
+        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
+    )
+
+
+def build_local_sgd(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: LocalSGDPolicy | None = None,
+) -> Engine:
+    """Local SGD over the default group."""
+    return LocalSGDEngine(
+        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
+    )

@@ -100,7 +100,7 @@ def checkpoint_step(path: str | Path) -> int:
     for part in (path.name, path.parent.name):
         if match := _STEP.fullmatch(part):
             return int(match[1])
-    from tessera.train.checkpoint import load_checkpoint  # legacy file: the step is inside
+    from tessera.checkpoint.files import load_checkpoint  # legacy file: the step is inside
 
     return int(load_checkpoint(path)["step"])
 

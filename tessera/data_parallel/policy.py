@@ -1,0 +1,54 @@
+"""The knobs of data parallelism, one default each: used by `tessera.setup` and `tessera train`.
+
+A policy is a frozen dataclass: validated once, where it is made (a wrong value raises
+ValueError naming the field before any process group or bucket exists), and hashable, so it
+can travel in a config. `DDPPolicy` drives `DataParallel`; `LocalSGDPolicy` local SGD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DDPPolicy", "LocalSGDPolicy"]
+
+
+def _check_algorithm(algorithm: str) -> None:
+    if not isinstance(algorithm, str) or not algorithm:
+        raise ValueError(f"algorithm must be 'auto' or a name of tessera.comm, got {algorithm!r}")
+    if algorithm != "auto":
+        from tessera.comm import ALGORITHMS  # only then: the collectives are not light
+
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; use auto or one of {ALGORITHMS}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class DDPPolicy:
+    """Bulk-synchronous data parallelism: gradients averaged over the ranks every step."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MB: a bucket's all-reduce starts once its gradients are ready."""
+    algorithm: str = "auto"
+    """All-reduce algorithm of `tessera.comm` (`auto` chooses by the cost model)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_cap_mb, bool) or not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        _check_algorithm(self.algorithm)
+
+
+@dataclass(kw_only=True, frozen=True)
+class LocalSGDPolicy:
+    """Local SGD: every rank steps on its own gradients, parameters averaged every H steps."""
+
+    average_every: int = 8
+    """H: average the parameters over the ranks every this many steps (1: after every step)."""
+    algorithm: str = "auto"
+    """All-reduce algorithm of `tessera.comm` for the parameter average."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.average_every, bool) or not isinstance(self.average_every, int):
+            raise ValueError(f"average_every must be an integer, got {self.average_every!r}")
+        if self.average_every < 1:
+            raise ValueError(f"average_every must be at least 1, got {self.average_every}")
+        _check_algorithm(self.algorithm)

@@ -1,0 +1,110 @@
+"""The batch rule every engine follows: what a batch is, and how its loss is computed.
+
+Two kinds of batch, the two conventions of PyTorch code:
+
+* a mapping (a dict of tensors, as Hugging Face models take): `out = model(**batch)`; the loss
+  is `loss_fn(out, batch)` when a `loss_fn` is given, else the model's own, `out.loss` or
+  `out["loss"]` (Hugging Face models return it when the batch holds `labels`);
+* an `(inputs, targets)` pair: `loss_fn(model(inputs), targets)`; a pair has no loss of its
+  own, so `loss_fn` is required.
+
+Anything else is refused with one message. Micro-batches (a pipeline's) cut every tensor on
+dim 0; model-parallel engines gather the ranks' shards of a batch back into the global batch
+the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LossFn", "Batch", "compute_loss", "gather_batch", "split_microbatches"]
+
+Batch = Mapping[str, Any] | tuple[Any, Any] | list[Any]
+"""A dict of tensors (`model(**batch)`) or an `(inputs, targets)` pair."""
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""`loss_fn(output, targets)` for pairs, `loss_fn(output, batch)` for dicts."""
+
+
+def _model_loss(out: Any, model_name: str) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"the batch is a dict and no loss_fn was given, so the loss must be the model's own "
+            f"(`output.loss` or `output['loss']`), but {model_name} returned none (a Hugging Face "
+            f"model returns one when the batch holds 'labels'); pass loss_fn(output, batch)"
+        )
+    return loss
+
+
+def compute_loss(
+    call: Callable[..., Any], batch: Batch, loss_fn: LossFn | None, *, model_name: str = "model"
+) -> torch.Tensor:
+    """The loss of `batch` under the batch rule; `call` runs the model (possibly wrapped).
+
+    `model_name` names the model in the error raised when a dict batch yields no loss.
+    """
+    if isinstance(batch, Mapping):
+        out = call(**batch)
+        return loss_fn(out, batch) if loss_fn is not None else _model_loss(out, model_name)
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        if loss_fn is None:
+            raise ValueError(
+                "the batch is an (inputs, targets) pair, which carries no loss: pass "
+                "loss_fn=fn(output, targets) to tessera.setup (or give the model a dict batch "
+                "from which it computes its own loss)"
+            )
+        inputs, targets = batch
+        return loss_fn(call(inputs), targets)
+    raise TypeError(
+        f"a batch is a dict of tensors or an (inputs, targets) pair, got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+    )
+
+
+def _map_tensors(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(batch, Mapping):
+        return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return type(batch)(fn(v) if isinstance(v, torch.Tensor) else v for v in batch)
+
+
+def _rows(batch: Batch) -> int:
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"every tensor of a batch must have the same size on dim 0 (the rows), got {sizes}"
+        )
+    return sizes.pop()
+
+
+def split_microbatches(batch: Batch, m: int) -> list[Any]:
+    """Cut every tensor of `batch` into `m` equal parts on dim 0 (the rows must divide)."""
+    rows = _rows(batch)
+    if m < 1 or rows % m:
+        raise ValueError(f"a batch of {rows} rows does not split into {m} equal micro-batches")
+    size = rows // m
+    return [_map_tensors(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(m)]
+
+
+def gather_batch(batch: Batch, group: dist.ProcessGroup | None = None) -> Any:
+    """All-gather every rank's shard of a batch into the global batch, in rank order.
+
+    Tensors are concatenated on dim 0 (dicts key by key); each rank must hold the same keys and
+    shapes. Collective over `group`.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return batch
+
+    def gather(tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
+
+    return _map_tensors(batch, gather)

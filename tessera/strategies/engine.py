@@ -1,0 +1,205 @@
+"""The Engine protocol: what a training script (and the trainer) drives, whatever the strategy.
+
+    engine = tessera.setup(model, lambda params: torch.optim.AdamW(params, lr=1e-3), strategy=...)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)   # optional
+    for batch in batches:
+        loss = engine.train_step(batch)    # forward and backward of this rank's batch
+        engine.step()                      # clip (grad_clip > 0), optimizer step, zero_grad
+        scheduler.step()
+
+`train_step` is one unit (not forward, then backward) because a pipeline interleaves the
+forwards and backwards of its micro-batches inside one step. The batch follows the batch rule of
+`tessera.strategies.batch`. `engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the
+one over this rank's shards), and `step` uses the learning rate in its `param_groups`, so a
+torch learning-rate scheduler works unchanged.
+
+This base class is the `single` strategy (one process, no communication: the reference every
+other strategy equals); adapters override what their strategy changes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera._atomic import write_atomically
+from tessera.runtime.context import Context
+from tessera.strategies.batch import Batch, LossFn, compute_loss
+
+__all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""`params -> torch.optim.Optimizer`: the engine decides over which parameters (shards, stages)."""
+
+ENGINE_FILE = "engine.pt"
+"""The file `Engine.save` writes into its folder (a plain `torch.save` file), beside any shards."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class NoOptions:
+    """The policy of a strategy without knobs (single, torch-ddp): no option is accepted."""
+
+
+class Engine:
+    """One process, no communication (`strategy="single"`); the base of every engine.
+
+    `module` is the user's model (its weights are the trained ones wherever the strategy keeps
+    them whole), `optimizer` the optimizer `optimizer_factory` built over what this rank steps.
+    """
+
+    sharded_checkpoint = False
+    """True where every rank writes files of its own in `save` (ZeRO's shards)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory | None,
+        ctx: Context,
+        *,
+        loss_fn: LossFn | None = None,
+        grad_clip: float = 0.0,
+        policy: Any = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        if isinstance(grad_clip, bool) or not grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
+        self.module = module
+        """The user's model object."""
+        self.ctx = ctx
+        self.loss_fn = loss_fn
+        """`loss_fn(output, targets | batch)`, or None: dict batches then use the model's loss."""
+        self.grad_clip = float(grad_clip)
+        """`step` clips the global gradient norm to this first; 0: no clipping."""
+        self.policy = policy if policy is not None else NoOptions()
+        """The strategy's options (a frozen policy dataclass)."""
+        if optimizer is None:
+            if optimizer_factory is None:
+                raise ValueError("an engine needs an optimizer factory (params -> Optimizer)")
+            optimizer = optimizer_factory(module.parameters())
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer factory must return a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}"
+            )
+        self.optimizer = optimizer
+        """A `torch.optim.Optimizer`; the lr in its `param_groups` is the one `step` uses."""
+        self.comm_seconds = 0.0
+        """Communication the last step waited for (not hidden behind compute), in seconds."""
+
+    # -- training ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward as this strategy runs it (wrapped by DDP, say)."""
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward; after it every gradient this rank steps is the one the optimizer uses."""
+        loss.backward()
+
+    def train_step(self, batch: Batch) -> float:
+        """Forward and backward of this rank's `batch` (the batch rule); return its loss."""
+        loss = compute_loss(
+            self.forward, batch, self.loss_fn, model_name=type(self.module).__name__
+        )
+        self.backward(loss)
+        return float(loss.detach())
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
+        return float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+
+    def step(self) -> None:
+        """Clip (if `grad_clip` > 0), step the optimizer at its own lr, clear the gradients."""
+        if self.grad_clip > 0:
+            self.clip_grad_norm(self.grad_clip)
+        self.optimizer_step()
+
+    def optimizer_step(self) -> None:
+        """The optimizer's step and `zero_grad` (what strategies change after clipping)."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state_bytes(self) -> int | None:
+        """Bytes of parameters, gradients and optimizer state this rank holds, if measured."""
+        return None
+
+    # -- state ---------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state (the keys of `module.state_dict()`) on every rank; collective
+        where the strategy splits the model."""
+        return {key: value.detach().clone() for key, value in self.module.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint payload: model and optimizer state (collective; complete on rank 0)."""
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (every rank loads the same payload)."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_files(self, folder: Path) -> dict[str, Any]:
+        """Collective: write this rank's own files into `folder` (sharded strategies) and return
+        the payload rank 0 stores (by default `state_dict()`, which holds everything)."""
+        return self.state_dict()
+
+    def load_files(self, folder: Path, payload: dict[str, Any]) -> None:
+        """Restore from `payload` and the files `save_files` wrote into `folder`."""
+        self.load_state_dict(payload)
+
+    def save(self, folder: str | Path) -> Path:
+        """Collective: save the engine into `folder` (created): `engine.pt`, a plain
+        `torch.save` file written by rank 0, and the strategy's shard files, if any."""
+        folder = Path(folder)
+        if self.ctx.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        payload = self.save_files(folder)
+        if self.ctx.is_main:
+            buffer = io.BytesIO()
+            torch.save(payload, buffer)
+            write_atomically(folder / ENGINE_FILE, lambda file: file.write(buffer.getvalue()))
+        self._barrier()
+        return folder
+
+    def load(self, folder: str | Path) -> None:
+        """Collective: restore what `save(folder)` wrote (every rank reads `engine.pt`)."""
+        folder = Path(folder)
+        path = folder / ENGINE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: not a folder written by Engine.save")
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        self.load_files(folder, payload)
+        self._barrier()
+
+    def export(self, path: str | Path, format: str = "safetensors") -> Path:
+        """Collective: write the full model to `path` as `safetensors` (one file) or `hf` (a
+        Hugging Face folder, for a `PreTrainedModel`); rank 0 writes it."""
+        from tessera.checkpoint.export import EXPORT_FORMATS, export_model
+
+        # checked on every rank, before the collective: one rank's error must not hang the rest
+        if format not in EXPORT_FORMATS:
+            raise ValueError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
+        if format == "hf" and not hasattr(self.module, "save_pretrained"):
+            raise ValueError(
+                f"format 'hf' needs a Hugging Face model (save_pretrained); "
+                f"{type(self.module).__name__} has none: export it as 'safetensors'"
+            )
+        state = self.full_state_dict()
+        if self.ctx.is_main:
+            export_model(self.module, state, path, format)
+        self._barrier()
+        return Path(path)
+
+    def close(self) -> None:
+        """Release what outlives training (offload files, background steps)."""
+
+    def _barrier(self) -> None:
+        if self.ctx.world_size > 1:
+            dist.barrier()

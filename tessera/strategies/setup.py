@@ -1,0 +1,75 @@
+"""`tessera.setup`: one call from a plain model and an optimizer factory to a training Engine.
+
+Everything that can be refused without a process group is refused first: the strategy's name,
+each option (against the strategy's policy dataclass, by name, listing the valid ones) and its
+value (the policy's own checks), so a typo costs one message, before any rank builds anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.runtime.context import Context
+from tessera.strategies.batch import LossFn
+from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
+
+__all__ = ["make_policy", "setup"]
+
+
+def make_policy(strategy: str, options: dict[str, Any]) -> Any:
+    """The policy of `strategy` built from `options`; unknown options are refused by name."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {strategy_names()}")
+    cls = policy_class(strategy)
+    valid = [field.name for field in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(
+            f"strategy {strategy!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(valid) if valid else 'none'}"
+        )
+    return cls(**options)
+
+
+def setup(
+    model: nn.Module,
+    optimizer: OptimizerFactory,
+    *,
+    strategy: str = "ddp",
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    ctx: Context | None = None,
+    **options: Any,
+) -> Engine:
+    """Wrap `model` for training under `strategy`; return its `Engine`.
+
+    `optimizer` is a factory `params -> torch.optim.Optimizer` (the strategy decides over which
+    parameters: ZeRO builds it over this rank's shards). `loss_fn` follows the batch rule of
+    `tessera.strategies.batch`: `loss_fn(output, targets)` for `(inputs, targets)` batches,
+    `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`). `grad_clip` > 0
+    clips the global gradient norm in `engine.step()`. `options` are the fields of the strategy's
+    policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
+    `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
+    """
+    policy = make_policy(strategy, options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        raise TypeError(
+            "optimizer must be a factory params -> torch.optim.Optimizer (e.g. "
+            "lambda params: torch.optim.AdamW(params, lr=1e-3)), not an optimizer: the strategy "
+            "chooses the parameters it steps"
+        )
+    if isinstance(grad_clip, bool) or not grad_clip >= 0:
+        raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
+    if ctx is None:
+        from tessera.runtime.context import init
+
+        ctx = init()
+    build = STRATEGIES[strategy]
+    return build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)

@@ -1,0 +1,126 @@
+"""How the trainer builds its engine: its config translated once into `tessera.setup`'s options.
+
+The trainer's flat config (`--bucket-cap-mb`, `--offload`, ...) names each strategy's knobs; the
+strategies' policy dataclasses own their meaning and defaults. `policy_options` is the single
+place where one becomes the other, so `tessera train` and `tessera.setup` cannot drift apart.
+The learning-rate schedule is a torch `LambdaLR` over the engine's optimizer, a function of the
+step only, so a resumed run sets exactly the rate of the run that never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.runtime.context import Context
+from tessera.strategies import Engine, setup
+from tessera.strategies.batch import LossFn
+from tessera.train.config import TrainConfig
+
+__all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of 0-based `step`: linear warmup, then constant or cosine to lr/10."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.decay_steps == 0:
+        return config.lr
+    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
+    low = config.lr / 10
+    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer the config names, over `params` (at the peak lr: the schedule scales it)."""
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    return torch.optim.AdamW(
+        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
+    )
+
+
+def policy_options(config: TrainConfig) -> dict[str, Any]:
+    """`tessera.setup`'s options for `config.strategy`, from the trainer's config."""
+    strategy = config.strategy
+    if strategy == "ddp":
+        return {"bucket_cap_mb": config.bucket_cap_mb, "algorithm": config.comm_algorithm}
+    if strategy == "local-sgd":
+        return {"average_every": config.average_every, "algorithm": config.comm_algorithm}
+    if strategy in ("zero1", "zero2", "zero3"):
+        from tessera.zero.policy import OffloadPolicy
+
+        offload = None
+        if config.offload is not None:
+            offload = OffloadPolicy(
+                device=config.offload,
+                nvme_dir=config.nvme_dir,
+                nvme_buffer_mb=config.nvme_buffer_mb,
+                params=config.offload_params,
+                moments=config.offload_moments,
+                delayed_update=config.delayed_update,
+                delayed_update_after=config.delayed_update_after,
+            )
+        return {
+            "bucket_cap_mb": config.bucket_cap_mb,
+            "mixed_precision": config.mixed_precision,
+            "offload": offload,
+        }
+    if strategy == "pipeline":
+        return {"microbatches": config.microbatches, "schedule": config.schedule}
+    if strategy == "hybrid":
+        return {
+            "dp": config.dp,
+            "tp": config.tp,
+            "pp": config.pp,
+            "zero": config.zero,
+            "microbatches": config.microbatches,
+            "schedule": config.schedule,
+            "bucket_cap_mb": config.bucket_cap_mb,
+        }
+    return {}  # single, torch-ddp, tensor and users' strategies take no trainer knob
+
+
+def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Context) -> Engine:
+    """`tessera.setup` of `model` as `config` says (strategy, optimizer, clipping, knobs)."""
+    return setup(
+        model,
+        partial(make_optimizer, config),
+        strategy=config.strategy,
+        loss_fn=loss_fn,
+        grad_clip=config.grad_clip,
+        ctx=ctx,
+        **policy_options(config),
+    )
+
+
+def _lr_factor(config: TrainConfig, step: int) -> float:
+    return lr_at(step, config) / config.lr
+
+
+def lr_scheduler(engine: Engine, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The config's schedule (`lr_at`) as a `LambdaLR` over `engine.optimizer`."""
+    return torch.optim.lr_scheduler.LambdaLR(engine.optimizer, partial(_lr_factor, config))
+
+
+def restore_lr_scheduler(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any] | None, step: int
+) -> None:
+    """Put `scheduler` and its optimizer's lr at `step` of the schedule.
+
+    `saved` is the scheduler's `state_dict` from the checkpoint (None for checkpoints written
+    before the trainer used one): the schedule is a function of the step, so either way the lr is
+    `base_lr * factor(step)`, what the uninterrupted run's `scheduler.step()` set.
+    """
+    if saved is not None:
+        scheduler.load_state_dict(saved)
+    scheduler.last_epoch = step
+    factors = [fn(step) for fn in scheduler.lr_lambdas]
+    lrs = [base * factor for base, factor in zip(scheduler.base_lrs, factors)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports, as after a step

@@ -1,0 +1,103 @@
+"""The knobs of ZeRO, one default and one translation each: `ZeroPolicy` and `OffloadPolicy`.
+
+`tessera.zero.initialize`, `tessera.setup(strategy="zero1|2|3")` and `tessera train` all build
+these and hand them to `tessera.zero.api.shard`, so a knob means the same on every path (the
+huge pages of `offload="cpu"`, for one, were once set by `initialize` and not by the trainer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
+
+__all__ = ["MOMENT_STORAGE", "OffloadPolicy", "ZeroPolicy"]
+
+MOMENT_STORAGE: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16": {"bf16_moments": True},
+    "bf16-stochastic": {"bf16_moments": True, "moments_rounding": "stochastic"},
+}
+"""`OffloadPolicy.moments` -> the `CPUAdam` options it stands for."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class OffloadPolicy:
+    """Where ZeRO's sharded optimizer step runs and its state lives (ZeRO-Offload / -Infinity).
+
+    `device="cpu"`: the step runs on the host with `tessera.optim.CPUAdam`, its buffers on
+    transparent huge pages. `device="nvme"`: Adam's moments (and, under mixed precision or with
+    `params=True`, the masters / ZeRO-3's parameter partitions) in files under `nvme_dir`.
+    """
+
+    device: str = "cpu"
+    """`cpu` (ZeRO-Offload) or `nvme` (ZeRO-Infinity)."""
+    nvme_dir: str | None = None
+    """`nvme`: an existing writable folder for the state files."""
+    nvme_buffer_mb: float = 64.0
+    """`nvme`: memory of the streaming buffers, in MB."""
+    params: bool = False
+    """`nvme` with stage 3: ZeRO-3's parameter partitions go to files too."""
+    moments: str = "fp32"
+    """`cpu`: how CPUAdam stores Adam's moments: fp32, bf16 or bf16-stochastic."""
+    delayed_update: bool = False
+    """`cpu`: one-step delayed parameter update (DPU), the host step beside the next backward."""
+    delayed_update_after: int = DEFAULT_WARMUP_STEPS
+    """`delayed_update`: steps run in place before the delay starts."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "nvme"):
+            raise ValueError(f"offload device must be 'cpu' or 'nvme', got {self.device!r}")
+        if self.device != "nvme" and (self.nvme_dir is not None or self.params):
+            raise ValueError(
+                f"nvme_dir and offload_params go with offload='nvme', not offload={self.device!r}"
+            )
+        if not self.nvme_buffer_mb > 0:
+            raise ValueError(f"nvme_buffer_mb must be positive, got {self.nvme_buffer_mb!r}")
+        if self.moments not in MOMENT_STORAGE:
+            raise ValueError(
+                f"moments must be one of {', '.join(MOMENT_STORAGE)}, got {self.moments!r}"
+            )
+        if self.moments != "fp32" and self.device != "cpu":
+            raise ValueError(
+                f"moments={self.moments} is CPUAdam's storage: it needs offload device cpu"
+            )
+        check_delayed_update(self.delayed_update, self.delayed_update_after, offload=self.device)
+
+    def optimizer_options(self) -> dict[str, Any]:
+        """Extra options of the host optimizer this policy asks for (`CPUAdam`'s moments)."""
+        return dict(MOMENT_STORAGE[self.moments])
+
+
+@dataclass(kw_only=True, frozen=True)
+class ZeroPolicy:
+    """ZeRO's own knobs (the stage is the strategy's name: zero1, zero2, zero3).
+
+    `offload` takes an `OffloadPolicy`, or a device name as shorthand (`offload="cpu"` is
+    `OffloadPolicy(device="cpu")`).
+    """
+
+    bucket_cap_mb: float = 25.0
+    """Stages 1-2: gradient bucket size in MB (stage 3 reduces per gather unit)."""
+    mixed_precision: str | None = None
+    """`bf16`: compute and communicate in bf16, fp32 master weights and optimizer state."""
+    units: Sequence[Any] | Any | None = None
+    """Stage 3: module classes and/or name patterns gathered as one (default: every block)."""
+    offload: OffloadPolicy | str | None = None
+    """Offload of the optimizer step and state, or None."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bucket_cap_mb, bool) or not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        if self.mixed_precision not in (None, "bf16"):
+            raise ValueError(
+                f"mixed_precision must be None or 'bf16', got {self.mixed_precision!r}"
+            )
+        if isinstance(self.offload, str):
+            object.__setattr__(self, "offload", OffloadPolicy(device=self.offload))
+        elif self.offload is not None and not isinstance(self.offload, OffloadPolicy):
+            raise ValueError(
+                f"offload must be an OffloadPolicy, 'cpu', 'nvme' or None, got {self.offload!r}"
+            )
