@@ -27,18 +27,22 @@ deferral every gradient is complete before the W pass and all the buckets are re
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
 from tessera.data_parallel.reducer import Reducer
-from tessera.train.strategy import OptimizerFactory
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
 
 __all__ = ["StageDataParallel", "StageZero"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""Builds the optimizer over the parameters it is given (ZeRO: over this rank's slices)."""
 
 
 class _ArmedForWeightPass:
@@ -118,9 +122,10 @@ class StageZero(_ArmedForWeightPass):
             total += (grad.double().square() * weight).sum()
         return total
 
-    def step(self, lr: float) -> None:
-        """Step this rank's slices, all-gather them into the parameters, clear the gradients."""
-        for group in self.optimizer.param_groups:
+    def step(self, lr: float | None = None) -> None:
+        """Step this rank's slices, all-gather them into the parameters, clear the gradients
+        (`lr`: set every group's learning rate first; None: the optimizer's own)."""
+        for group in self.optimizer.param_groups if lr is not None else ():
             group["lr"] = lr
         self.inner.step()
         self.inner.zero_grad()

@@ -1,0 +1,1 @@
+"""One entry point for every strategy: the Engine protocol, `setup`, the registry, the adapters."""
