@@ -19,12 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from _tolerance import check_close, to_float64
 from torch import nn
 
 import tessera
+from tessera.models import GPT, GPTConfig
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.strategies.pipeline import build_hybrid, build_pipeline
 
@@ -147,7 +149,7 @@ def _double(batch: Any) -> Any:
 
 
 def _stage_grads(engine: Any) -> dict[str, torch.Tensor]:
-    return {engine.pipe.full_key(k): p.grad for k, p in engine.pipe.module.named_parameters()}
+    return {engine.full_key(k): p.grad for k, p in engine.pipe.module.named_parameters()}
 
 
 def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=()):
@@ -170,7 +172,7 @@ def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=()):
     exact_loss.backward()
     mine = _stage_grads(engine)
     assert mine, "this rank's stage holds parameters"
-    named = [dict(m.named_parameters()) for m in (oracle, exact)]
+    named = [dict(m.named_parameters(remove_duplicate=False)) for m in (oracle, exact)]
     check_close(
         mine,
         {k: named[0][k].grad for k in mine},
@@ -242,3 +244,70 @@ def _any_model_cases() -> None:
 
 def test_pipeline_and_hybrid_on_models_unlike_the_gpt_equal_a_plain_loop(run_ranks):
     run_ranks(_any_model_cases, 2)
+
+
+def _gpt() -> nn.Module:
+    return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_embd=WIDTH, n_head=2, block_size=SEQ))
+
+
+def _gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(400 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _raises(match: str, fn: Callable[[], Any]) -> None:
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def _hf_gpt_and_errors() -> None:
+    ctx = tessera.init()
+    # (b) a Hugging Face BERT classifier from a config: dict batches, the model's own loss;
+    # hidden states and the extended attention mask cross the boundary. The attention key
+    # biases have a true gradient of zero (softmax is shift-invariant), which AdamW turns into
+    # full-size steps of rounding noise: they are left out of the AdamW comparison only.
+    bert = PipelinePolicy(split=["bert.encoder.layer.1"], microbatches=2)
+    _check_model(ctx, _bert, _bert_batch, None, build_pipeline, bert, skip_adamw=("key.bias",))
+    # the reference GPT (its head tied to the token embedding) split at a block
+    gpt = PipelinePolicy(split=["blocks.1"], microbatches=2)
+    _check_model(ctx, _gpt, _gpt_batch, _lm_loss, build_pipeline, gpt, skip_adamw=("key",))
+
+    def build(split, loss_fn=_residual_loss):
+        return build_pipeline(
+            _built(ResidualNet),
+            lambda ps: torch.optim.SGD(ps, lr=SGD_LR),
+            ctx,
+            loss_fn=loss_fn,
+            policy=PipelinePolicy(split=split),
+        )
+
+    batch = _shard(_residual_batch(0), ctx.rank, ctx.world_size)
+    # every rank raises the same error before any rank trains (nothing waits on a peer)
+    _raises(
+        "split point 'blocks.b9': ResidualNet has no submodule 'blocks.b9'",
+        lambda: build(["blocks.b9"]),
+    )
+    _raises(
+        "gives 3 stages, but the pipeline has 2 ranks", lambda: build(["blocks.b1", "blocks.b2"])
+    )
+    _raises("leaves the stage before 'emb' empty", lambda: build(["emb"]).train_step(batch))
+    _raises("ResidualNet returned no loss", lambda: build(["blocks.b1"], None).train_step(batch))
+    _raises(
+        "split point 'head'",
+        lambda: build_pipeline(
+            _built(_gpt),
+            torch.optim.SGD,
+            ctx,
+            loss_fn=_lm_loss,
+            policy=PipelinePolicy(split=["head"]),
+        ),
+    )
+
+
+def test_hugging_face_bert_the_gpt_and_split_errors(run_ranks):
+    run_ranks(_hf_gpt_and_errors, 2)

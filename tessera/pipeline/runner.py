@@ -211,6 +211,11 @@ class Pipeline:
             raise RuntimeError("a pipeline split at named modules is traced on its first batch")
         return self._stage.module
 
+    @property
+    def stage(self) -> Any:
+        """This rank's stage object (`stage.py`'s `StageSlice` / `ModelStage`, a `TracedStage`)."""
+        return self._stage
+
     def prepare(self, inputs: Any) -> None:
         """Trace and cut a pipeline given `split` on its first micro-batch of `inputs` (every
         rank alike, before any message: a split that empties a stage fails here on every rank)."""

@@ -106,6 +106,12 @@ class TracedStage:
         self.sends = _boundary(nodes, stage_of, index, num_stages)
         """Names of the values this stage sends to the next one, in message order."""
 
+    @property
+    def output_fields(self) -> list[str]:
+        """Names in the model's output (a dict or a Hugging Face `ModelOutput`); [] for others."""
+        context = self.out_spec.context
+        return [str(k) for k in context] if isinstance(context, (list, tuple)) else []
+
     def full_key(self, key: str) -> str:
         """A stage's state-dict key is the model's own (PyTorch keeps the qualified names)."""
         return key

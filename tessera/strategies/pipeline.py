@@ -171,6 +171,9 @@ class PipelineEngine:
         if not self.pipe.ready:
             self.pipe.prepare(inputs)
             self.optimizer = self._adopt_stage(self.optimizer)
+            fields = getattr(self.pipe.stage, "output_fields", ["loss"])
+            if isinstance(batch, Mapping) and self.loss_fn is None and "loss" not in fields:
+                raise ValueError(_no_loss(type(self.module).__name__))  # every rank, at once
         if self.dp_sync is None:
             return self.pipe.train_step(inputs, targets, loss_fn)
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
@@ -238,6 +241,13 @@ class PipelineEngine:
             state = gpt_state_from_sequential(state, self.module.config.n_layer)
         return {key: state.get(key, state.get(canon)) for key, canon in self._canonical.items()}
 
+    def full_key(self, stage_key: str) -> str:
+        """The model's own state-dict key of this rank's stage key `stage_key`."""
+        key = self.pipe.full_key(stage_key)
+        if isinstance(self.module, GPT):
+            key = next(iter(gpt_state_from_sequential({key: 0}, self.module.config.n_layer)))
+        return key
+
     def state_dict(self) -> dict[str, Any]:
         """Dense model and every rank's optimizer state (list by global rank); collective."""
         optimizers: list[Any] = [None] * self.ctx.world_size
@@ -263,9 +273,7 @@ class PipelineEngine:
         layers = dict(stage.named_modules())
         local = {}
         for key in stage.state_dict():
-            full = self.pipe.full_key(key)
-            if isinstance(self.module, GPT):
-                full = next(iter(gpt_state_from_sequential({full: 0}, self.module.config.n_layer)))
+            full = self.full_key(key)
             value = state["model"][full if full in state["model"] else self._canonical[full]]
             owner, _, leaf = key.rpartition(".")
             layer = layers.get(owner)
@@ -281,16 +289,20 @@ class PipelineEngine:
             self.pipe.links.close()
 
 
+def _no_loss(model_name: str) -> str:
+    return (
+        f"{model_name} returned no loss for a dict batch: give loss_fn(output, batch) or a "
+        "batch the model computes its loss from (e.g. with labels)"
+    )
+
+
 def _own_loss(model_name: str) -> LossFn:
     def loss(output: Any, batch: Any) -> torch.Tensor:
         value = getattr(output, "loss", None)
         if value is None and isinstance(output, Mapping):
             value = output.get("loss")
         if value is None:
-            raise ValueError(
-                f"{model_name} returned no loss for a dict batch: give loss_fn(output, batch) "
-                "or a batch the model computes its loss from (e.g. with labels)"
-            )
+            raise ValueError(_no_loss(model_name))
         return value
 
     return loss
