@@ -27,8 +27,8 @@ from torch import nn
 
 import tessera
 from tessera.models import GPT, GPTConfig
-from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
-from tessera.strategies.pipeline import build_hybrid, build_pipeline
+from tessera.pipeline import HybridPolicy, PipelinePolicy
+from tessera.strategies.pipeline import _tensor_parallel, build_hybrid, build_pipeline
 
 VOCAB, WIDTH, SEQ, ROWS = 11, 8, 5, 8
 SGD_LR, ADAMW_LR = 0.5, 1e-2
@@ -61,6 +61,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class Branchy(nn.Module):
+    """A forward with data-dependent Python control flow: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.body = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.head(x)
+        if h.sum() > 0:
+            h = -h
+        return self.body(h)
 
 
 def _seq_mlp() -> nn.Sequential:
@@ -142,6 +156,10 @@ def _oracle_loss(model: nn.Module, batch: Any, loss_fn: Any) -> torch.Tensor:
     return loss_fn(model(batch[0]), batch[1])
 
 
+def named_shape(model: nn.Module, key: str) -> torch.Size:
+    return dict(model.named_parameters())[key].shape
+
+
 def _double(batch: Any) -> Any:
     if isinstance(batch, tuple):
         return tuple(to_float64(t) for t in batch)
@@ -152,7 +170,7 @@ def _stage_grads(engine: Any) -> dict[str, torch.Tensor]:
     return {engine.full_key(k): p.grad for k, p in engine.pipe.module.named_parameters()}
 
 
-def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=()):
+def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=(), sharded=False):
     """Loss, gradients and one SGD step; then three AdamW steps; all against the oracle."""
     rank, world = ctx.rank, ctx.world_size
     engine = build(
@@ -172,6 +190,8 @@ def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=()):
     exact_loss.backward()
     mine = _stage_grads(engine)
     assert mine, "this rank's stage holds parameters"
+    if sharded:  # tensor-parallel shards: compare the unsharded parameters only
+        mine = {k: g for k, g in mine.items() if g.shape == named_shape(oracle, k)}
     named = [dict(m.named_parameters(remove_duplicate=False)) for m in (oracle, exact)]
     check_close(
         mine,
@@ -240,43 +260,13 @@ def _any_model_cases() -> None:
     _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, pp)
     dp = HybridPolicy(dp=2, microbatches=2)
     _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, dp)
+    # tp=2 with a plan on a model of the user's (one stage runs its modules)
+    tp = HybridPolicy(tp=2, plan={"fc1": "column", "fc2": "row"}, microbatches=2)
+    _check_model(ctx, MLP, _mlp_batch, _user_loss, build_hybrid, tp, sharded=True)
+    _split_errors(ctx)
 
 
-def test_pipeline_and_hybrid_on_models_unlike_the_gpt_equal_a_plain_loop(run_ranks):
-    run_ranks(_any_model_cases, 2)
-
-
-def _gpt() -> nn.Module:
-    return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_embd=WIDTH, n_head=2, block_size=SEQ))
-
-
-def _gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(400 + step)
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
-
-
-def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _raises(match: str, fn: Callable[[], Any]) -> None:
-    with pytest.raises(ValueError, match=match):
-        fn()
-
-
-def _hf_gpt_and_errors() -> None:
-    ctx = tessera.init()
-    # (b) a Hugging Face BERT classifier from a config: dict batches, the model's own loss;
-    # hidden states and the extended attention mask cross the boundary. The attention key
-    # biases have a true gradient of zero (softmax is shift-invariant), which AdamW turns into
-    # full-size steps of rounding noise: they are left out of the AdamW comparison only.
-    bert = PipelinePolicy(split=["bert.encoder.layer.1"], microbatches=2)
-    _check_model(ctx, _bert, _bert_batch, None, build_pipeline, bert, skip_adamw=("key.bias",))
-    # the reference GPT (its head tied to the token embedding) split at a block
-    gpt = PipelinePolicy(split=["blocks.1"], microbatches=2)
-    _check_model(ctx, _gpt, _gpt_batch, _lm_loss, build_pipeline, gpt, skip_adamw=("key",))
-
+def _split_errors(ctx) -> None:
     def build(split, loss_fn=_residual_loss):
         return build_pipeline(
             _built(ResidualNet),
@@ -309,5 +299,49 @@ def _hf_gpt_and_errors() -> None:
     )
 
 
-def test_hugging_face_bert_the_gpt_and_split_errors(run_ranks):
-    run_ranks(_hf_gpt_and_errors, 2)
+def test_pipeline_and_hybrid_on_models_unlike_the_gpt_equal_a_plain_loop(run_ranks):
+    run_ranks(_any_model_cases, 2)
+
+
+def _gpt() -> nn.Module:
+    return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_embd=WIDTH, n_head=2, block_size=SEQ))
+
+
+def _gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(400 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _raises(match: str, fn: Callable[[], Any]) -> None:
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def _hf_and_gpt() -> None:
+    ctx = tessera.init()
+    # (b) a Hugging Face BERT classifier from a config: dict batches, the model's own loss;
+    # hidden states and the extended attention mask cross the boundary. The attention key
+    # biases have a true gradient of zero (softmax is shift-invariant), which AdamW turns into
+    # full-size steps of rounding noise: they are left out of the AdamW comparison only.
+    bert = PipelinePolicy(split=["bert.encoder.layer.1"], microbatches=2)
+    _check_model(ctx, _bert, _bert_batch, None, build_pipeline, bert, skip_adamw=("key.bias",))
+    # the reference GPT (its head tied to the token embedding) split at a block
+    gpt = PipelinePolicy(split=["blocks.1"], microbatches=2)
+    _check_model(ctx, _gpt, _gpt_batch, _lm_loss, build_pipeline, gpt, skip_adamw=("key",))
+
+
+@pytest.mark.slow
+def test_hugging_face_bert_and_the_gpt_equal_a_plain_loop(run_ranks):
+    run_ranks(_hf_and_gpt, 2)
+
+
+def test_a_tensor_parallel_plan_is_refused_inside_traced_stages():
+    with pytest.raises(ValueError, match="tp > 1 with a MLP split at named modules"):
+        _tensor_parallel(MLP(), {"fc1": "column"}, False, None)
+    with pytest.raises(ValueError, match="tp > 1 on a MLP needs plan="):
+        _tensor_parallel(MLP(), None, True, None)

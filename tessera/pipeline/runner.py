@@ -1,13 +1,15 @@
 """The pipeline runner: each rank runs one stage through a schedule's action list.
 
-`Pipeline(model, num_microbatches=m, schedule="1f1b")` cuts an `nn.Sequential` into one stage per
-rank of `group`. `train_step(inputs, targets, loss_fn)` splits the batch into m micro-batches and
-executes this stage's actions (`schedule.schedule`): `F i` receives micro-batch i's activation from
-the previous stage (stage 0 reads the input), runs the layers and posts the output to the next
-stage (the last stage computes the loss instead); `B i` receives the output's gradient from the
-next stage (the last stage starts from its loss), back-propagates and posts the input's gradient
-to the previous stage. Sends never wait for the receiver (a copy into a shared-memory ring when
-both stages share a host, else a gloo isend: `links.py`); receives wait with a deadline.
+`Pipeline(model, num_microbatches=m, schedule="1f1b")` cuts an `nn.Sequential` (or any model with
+`split=[module names]`, `trace.py`) into one stage per rank of `group`. `train_step(inputs,
+targets, loss_fn)` splits the batch into m micro-batches and executes this stage's actions
+(`schedule.schedule`): `F i` receives micro-batch i's tuple of activations from the previous
+stage (stage 0 reads the input), runs the stage and posts its tuple to the next stage (the last
+stage computes the loss instead); `B i` receives the gradients of the tuple's floating-point
+tensors from the next stage (the last stage starts from its loss), back-propagates and posts the
+input tuple's gradients to the previous stage (`messages.py`: one message per micro-batch).
+Sends never wait for the receiver (a copy into a shared-memory ring when both stages share a
+host, else a gloo isend: `links.py`); receives wait with a deadline.
 Gradients of the micro-batches accumulate, each loss weighted by its share of the batch, so the
 step equals one process on the whole batch for a mean-reduced loss.
 

@@ -72,18 +72,22 @@ class PipelineEngine:
         first: dict[int, str] = {}
         self._canonical = {key: first.setdefault(id(t), key) for key, t in state.items()}
         """Every state-dict key of the model -> the first key of the same tensor (tied)."""
-        layers, split = model, list(policy.split) if policy.split is not None else None
+        split = list(policy.split) if policy.split is not None else None
+        if isinstance(model, GPT) and split is not None:
+            split = gpt_split(split, model.config.n_layer)
         if isinstance(model, GPT):
-            layers = gpt_as_sequential(model)
-            split = gpt_split(split, model.config.n_layer) if split is not None else None
+            layer_count = model.config.n_layer + 2
+        else:
+            layer_count = len(model) if isinstance(model, nn.Sequential) else 0
         eager = pp == 1 or (
-            isinstance(layers, nn.Sequential)
-            and (split is None or balance_from_split(len(layers), split, pp) is not None)
+            isinstance(model, (GPT, nn.Sequential))
+            and (split is None or balance_from_split(layer_count, split, pp) is not None)
         )
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
-        if tp > 1:
+        if tp > 1:  # before the cut: the plan replaces modules the stages then hold
             _tensor_parallel(model, policy.plan, eager, self.tp_group)
+        layers = gpt_as_sequential(model) if isinstance(model, GPT) else model
         if policy.zero and dp > 1 and not eager:
             raise ValueError(
                 f"zero={policy.zero} with a {type(model).__name__} split at {split}: ZeRO "
