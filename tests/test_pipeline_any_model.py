@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from _tolerance import check_close, to_float64
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 import tessera
 from tessera.models import GPT, GPTConfig
@@ -136,6 +137,11 @@ def _mlp_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
 
 
+def _decay(step: int) -> float:
+    """A learning-rate schedule of the user's: big steps first (the lr the steps must use)."""
+    return 4.0 / (1 + step) ** 2
+
+
 def _built(factory: Callable[[], nn.Module]) -> nn.Module:
     torch.manual_seed(0)  # every rank and the oracle: the same initial weights
     return factory()
@@ -170,14 +176,28 @@ def _stage_grads(engine: Any) -> dict[str, torch.Tensor]:
     return {engine.full_key(k): p.grad for k, p in engine.pipe.module.named_parameters()}
 
 
-def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=(), sharded=False):
-    """Loss, gradients and one SGD step; then three AdamW steps; all against the oracle."""
+def _check_model(
+    ctx,
+    factory,
+    batch_fn,
+    loss_fn,
+    build,
+    policy,
+    skip_adamw=(),
+    sharded=False,
+    resume=False,
+    clip=0.0,
+):
+    """Loss, gradients and one SGD step (clipped to `clip` if set); then three AdamW steps with
+    a LambdaLR schedule attached to `engine.optimizer`; all against the oracle. `resume`: then a
+    fresh engine loaded from `state_dict()` takes a fourth step bit for bit."""
     rank, world = ctx.rank, ctx.world_size
     engine = build(
         _built(factory),
         lambda ps: torch.optim.SGD(ps, lr=SGD_LR),
         ctx,
         loss_fn=loss_fn,
+        grad_clip=clip,
         policy=policy,
     )
     oracle, exact = _built(factory), _built(factory).double()
@@ -201,6 +221,8 @@ def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=(), 
     )
     engine.step()
     for model in (oracle, exact):
+        if clip:  # the global norm, the tied embedding counted once
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip  # it acts
         torch.optim.SGD(model.parameters(), lr=SGD_LR).step()
     state = engine.full_state_dict()
     assert list(state) == list(oracle.state_dict())  # the user's model's own keys, in order
@@ -218,6 +240,7 @@ def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=(), 
     )
     oracle, exact = _built(factory), _built(factory).double()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=ADAMW_LR) for m in (oracle, exact)]
+    schedules = [LambdaLR(o, _decay) for o in [engine.optimizer, *optimizers]]
     for step in range(3):
         batch = batch_fn(step)
         engine.train_step(_shard(batch, rank, world))
@@ -226,6 +249,9 @@ def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=(), 
             _oracle_loss(model, b, loss_fn).backward()
             optimizer.step()
             optimizer.zero_grad()
+        for schedule in schedules:
+            schedule.step()
+    assert engine.optimizer.param_groups[0]["lr"] == ADAMW_LR * _decay(3)
     state = engine.full_state_dict()
     keep = [k for k in state if not any(s in k for s in skip_adamw)]
     check_close(
@@ -235,6 +261,25 @@ def _check_model(ctx, factory, batch_fn, loss_fn, build, policy, skip_adamw=(), 
         what=f"{factory.__name__} after 3 AdamW steps",
     )
     assert engine.model_state_bytes() > 0
+    if resume:
+        saved = engine.state_dict()
+        engine.train_step(_shard(batch_fn(3), rank, world))
+        engine.step()
+        want = engine.full_state_dict()
+        engine.close()
+        again = build(
+            _built(factory),
+            lambda ps: torch.optim.AdamW(ps, lr=ADAMW_LR),
+            ctx,
+            loss_fn=loss_fn,
+            policy=policy,
+        )
+        again.load_state_dict(saved)  # (a traced split: before its first batch cuts it)
+        again.train_step(_shard(batch_fn(3), rank, world))
+        again.step()
+        got = again.full_state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), "resumed step differs"
+        engine = again
     engine.close()
     return engine
 
@@ -243,7 +288,16 @@ def _any_model_cases() -> None:
     ctx = tessera.init()
     # (a) non-chain model: two tensors cross the boundary, the tied head's gradient is summed
     split = PipelinePolicy(split=["blocks.b2"], microbatches=2)
-    engine = _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_pipeline, split)
+    engine = _check_model(
+        ctx,
+        ResidualNet,
+        _residual_batch,
+        _residual_loss,
+        build_pipeline,
+        split,
+        resume=True,
+        clip=0.5,
+    )
     held = {n for n, p in engine.module.named_parameters() if p.device.type != "meta"}
     expected = {"emb.weight", "blocks.b0.weight", "blocks.b0.bias", "blocks.b1.weight"}
     if ctx.rank == 0:  # this rank keeps only its stage; the tied embedding on both
@@ -260,6 +314,10 @@ def _any_model_cases() -> None:
     _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, pp)
     dp = HybridPolicy(dp=2, microbatches=2)
     _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, dp)
+    zero = HybridPolicy(dp=2, zero=1, microbatches=2)
+    _check_model(
+        ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, zero, resume=True, clip=0.5
+    )
     # tp=2 with a plan on a model of the user's (one stage runs its modules)
     tp = HybridPolicy(tp=2, plan={"fc1": "column", "fc2": "row"}, microbatches=2)
     _check_model(ctx, MLP, _mlp_batch, _user_loss, build_hybrid, tp, sharded=True)

@@ -21,6 +21,7 @@ built on the whole model, then narrowed to the stage before its first step).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -243,7 +244,10 @@ class PipelineEngine:
         state = self.pipe.full_state_dict(stage_state=stage_state)
         if isinstance(self.module, GPT):
             state = gpt_state_from_sequential(state, self.module.config.n_layer)
-        return {key: state.get(key, state.get(canon)) for key, canon in self._canonical.items()}
+        # copies: on one stage nothing was gathered, and a payload must not follow the training
+        return {
+            key: state.get(key, state.get(canon)).clone() for key, canon in self._canonical.items()
+        }
 
     def full_key(self, stage_key: str) -> str:
         """The model's own state-dict key of this rank's stage key `stage_key`."""
@@ -258,7 +262,7 @@ class PipelineEngine:
         if self.ctx.world_size > 1:
             dist.all_gather_object(optimizers, self.optimizer.state_dict())
         else:
-            optimizers = [self.optimizer.state_dict()]
+            optimizers = [copy.deepcopy(self.optimizer.state_dict())]  # not the live state
         return {"model": self.full_state_dict(), "optimizer": optimizers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
