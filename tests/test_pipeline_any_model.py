@@ -298,6 +298,8 @@ def _any_model_cases() -> None:
         resume=True,
         clip=0.5,
     )
+    optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in engine.pipe.module.parameters()}  # narrowed to the stage
     held = {n for n, p in engine.module.named_parameters() if p.device.type != "meta"}
     expected = {"emb.weight", "blocks.b0.weight", "blocks.b0.bias", "blocks.b1.weight"}
     if ctx.rank == 0:  # this rank keeps only its stage; the tied embedding on both
@@ -344,6 +346,14 @@ def _split_errors(ctx) -> None:
         "gives 3 stages, but the pipeline has 2 ranks", lambda: build(["blocks.b1", "blocks.b2"])
     )
     _raises("leaves the stage before 'emb' empty", lambda: build(["emb"]).train_step(batch))
+    uneven = build_pipeline(
+        _built(ResidualNet),
+        torch.optim.SGD,
+        ctx,
+        loss_fn=_residual_loss,
+        policy=PipelinePolicy(split=["blocks.b1"], microbatches=3),
+    )
+    _raises("must divide into 3 equal micro-batches", lambda: uneven.train_step(batch))
     _raises("ResidualNet returned no loss", lambda: build(["blocks.b1"], None).train_step(batch))
     _raises(
         "split point 'head'",

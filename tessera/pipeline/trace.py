@@ -18,6 +18,11 @@ engine gives every rank the batch), so only computed values travel, and a value 
 needs passes through the stages between (stage s sends everything produced at or before s that a
 stage after s uses: a tuple of tensors, `messages.py`).
 
+The frontend is called in its two steps (`torch.export.export` after `annotate_split_points`, then
+`Pipe._from_traced`), which is what the public `pipeline()` does, because the export's input and
+output specs are needed to flatten each micro-batch and to rebuild the model's output (a Hugging
+Face `ModelOutput` with its `.loss`) on the last stage, and `pipeline()` does not keep them.
+
 Limits (the errors say so): the forward must be traceable by `torch.export` (no data-dependent
 Python control flow); the graph is specialised to the traced micro-batch shapes and training mode,
 so every micro-batch must have the traced shapes; the stages run ATen graphs, not the model's
