@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 import tessera
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline import HybridPolicy, PipelinePolicy
+from tessera.pipeline.trace import trace_stages
 from tessera.strategies.pipeline import _tensor_parallel, build_hybrid, build_pipeline
 
 VOCAB, WIDTH, SEQ, ROWS = 11, 8, 5, 8
@@ -413,3 +414,45 @@ def test_a_tensor_parallel_plan_is_refused_inside_traced_stages():
         _tensor_parallel(MLP(), {"fc1": "column"}, False, None)
     with pytest.raises(ValueError, match="tp > 1 on a MLP needs plan="):
         _tensor_parallel(MLP(), None, True, None)
+
+
+def test_traced_stages_chain_to_the_model_and_pass_values_through():
+    """Three traced stages run one after another in one process give the model's output; the
+    mask the first stage computes passes through the second to the third (no processes)."""
+    model = _built(ResidualNet)
+    batch = _residual_batch(0)
+    stages, params = trace_stages(model, ["blocks.b1", "blocks.b3"], batch)
+    assert [len(s.receives) for s in stages] == [0, 2, 2]  # hidden states and the mask
+    passed = set(stages[1].receives) & set(stages[1].sends)
+    assert len(passed) == 1 and len(stages[1].sends) == 2  # the mask passes through, new h
+    received: tuple = ()
+    for stage in stages[:-1]:
+        received = stage.run(batch, received)
+    out = stages[-1].run(batch, received)
+    torch.testing.assert_close(out, model(**batch), rtol=0, atol=0)
+    # the tied embedding is the model's own tensor in the first and the last stage
+    assert params[0][0] is model.emb.weight and any(p is model.emb.weight for p in params[2])
+    assert not any("forward" in m.__dict__ for m in model.modules())  # split marks removed
+
+
+def test_policies_refuse_bad_knobs_by_name():
+    assert PipelinePolicy(split=["a", "b"]).split == ("a", "b")
+    for bad, match in [
+        ({"microbatches": 0}, "microbatches must be a positive int"),
+        ({"schedule": "zb"}, "unknown pipeline schedule 'zb'"),
+        ({"split": ["a", "a"]}, "names a module twice"),
+        ({"split": "a"}, "split must be a list of module names"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            PipelinePolicy(**bad)
+    for bad, match in [
+        ({"dp": 0}, "dp must be a positive int"),
+        ({"pp": -1}, "pp must be a non-negative int"),
+        ({"zero": 3}, "zero must be 0, 1 or 2"),
+        ({"plan": {"fc1": 1}}, "plan must map module-name patterns to styles"),
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb must be positive"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            HybridPolicy(**bad)
+    with pytest.raises(AttributeError):  # frozen: one policy, one set of knobs
+        PipelinePolicy().microbatches = 2
