@@ -31,7 +31,15 @@ from tessera.pipeline import (
 )
 from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
-from tessera.pipeline.messages import decode_specs, encode_specs, meta_length, pack, unpack
+from tessera.pipeline.messages import (
+    decode_specs,
+    encode_specs,
+    floating,
+    meta_length,
+    pack,
+    parts,
+    unpack,
+)
 from tessera.pipeline.partition import (
     balance_by_cost,
     check_balance,
@@ -151,8 +159,8 @@ def test_stage_cutting_helpers_without_processes():
         encode_specs([torch.zeros(2, dtype=torch.complex64)], [2])
     # a tuple travels as one message of aligned bytes; one tensor as itself
     tensors = (torch.randn(3, 5), torch.tensor([[1, 0, 1]], dtype=torch.bool), torch.arange(3))
-    parts = [(tuple(t.shape), t.dtype) for t in tensors]
-    back = unpack(pack(tensors), parts)
+    back = unpack(pack(tensors), parts(tensors))
+    assert [t.dtype for t in floating(tensors)] == [torch.float32]
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, tensors))
     assert pack(tensors[:1]) is tensors[0] or torch.equal(pack(tensors[:1]), tensors[0])
 

@@ -404,7 +404,6 @@ def _hf_and_gpt() -> None:
     _check_model(ctx, _gpt, _gpt_batch, _lm_loss, build_pipeline, gpt, skip_adamw=("key",))
 
 
-@pytest.mark.slow
 def test_hugging_face_bert_and_the_gpt_equal_a_plain_loop(run_ranks):
     run_ranks(_hf_and_gpt, 2)
 

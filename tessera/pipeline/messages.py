@@ -29,9 +29,11 @@ __all__ = [
     "TensorSpec",
     "decode_specs",
     "encode_specs",
+    "floating",
     "layout",
     "meta_length",
     "pack",
+    "parts",
     "unpack",
 ]
 
@@ -100,6 +102,16 @@ def decode_specs(meta: torch.Tensor) -> tuple[list[TensorSpec], list[int]]:
         shape = tuple(values[base + 2 : base + 2 + ndim])
         specs.append(TensorSpec(dtype, shape, ndim > 0 and shape[0] == sizes[0]))
     return specs, sizes
+
+
+def floating(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of a boundary that carry gradients back (floating point)."""
+    return [t for t in tensors if t.is_floating_point()]
+
+
+def parts(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """`(shape, dtype)` of each tensor: what `layout` and `unpack` take."""
+    return [(tuple(t.shape), t.dtype) for t in tensors]
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

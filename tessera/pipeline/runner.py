@@ -79,15 +79,6 @@ class _Step:
     meta_sent: bool = False
 
 
-def _floats(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of a boundary that carry gradients back (floating point)."""
-    return [t for t in tensors if t.is_floating_point()]
-
-
-def _parts(tensors: Sequence[torch.Tensor]) -> list[tuple[tuple, torch.dtype]]:
-    return [(tuple(t.shape), t.dtype) for t in tensors]
-
-
 class Pipeline:
     """One stage of a pipeline-parallel model per rank of `group`.
 
@@ -315,8 +306,8 @@ class Pipeline:
         if action.kind == "F" and not self.is_first and step.in_specs is not None:
             return (2 * i, *messages.layout(self._in_parts(step, i)))
         if action.kind == "B" and not self.is_last and i in step.outputs:
-            floats = _floats(step.outputs[i])
-            return (2 * i + 1, *messages.layout(_parts(floats))) if floats else None
+            floats = messages.floating(step.outputs[i])
+            return (2 * i + 1, *messages.layout(messages.parts(floats))) if floats else None
         return None
 
     @staticmethod
@@ -386,10 +377,10 @@ class Pipeline:
         if self.is_last:
             step.outputs.pop(i).backward()
         else:
-            floats = _floats(step.outputs[i])
+            floats = messages.floating(step.outputs[i])
             if floats:  # (a tuple of integer tensors carries no gradient back)
                 message = self._receive(step, 2 * i + 1)  # before the pop: shapes are the outputs'
-                grads = messages.unpack(message, _parts(floats))
+                grads = messages.unpack(message, messages.parts(floats))
                 self._record("recv", i, began)
                 began = time.perf_counter()
                 pairs = [(t, g) for t, g in zip(floats, grads) if t.requires_grad]
@@ -398,7 +389,7 @@ class Pipeline:
             step.outputs.pop(i)
         self._record("B", i, began)
         if not self.is_first:
-            floats = _floats(step.stage_inputs.pop(i))
+            floats = messages.floating(step.stage_inputs.pop(i))
             if floats:
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in floats]
                 began = time.perf_counter()
