@@ -22,7 +22,7 @@ built on the whole model, then narrowed to the stage before its first step).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,17 +39,21 @@ from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
+from tessera.strategies.batch import LossFn, gather_batch
+from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
 
 __all__ = ["HybridPolicy", "PipelineEngine", "PipelinePolicy", "build_hybrid", "build_pipeline"]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-LossFn = Callable[[Any, Any], torch.Tensor]
+class PipelineEngine(Engine):
+    """Data x tensor x pipeline parallel training of any model.
 
-
-class PipelineEngine:
-    """Data x tensor x pipeline parallel training of any model (the Engine protocol)."""
+    An `Engine` whose step runs every stage's micro-batches (`train_step` is the unit: the
+    forward alone is no pipeline step); save/load/export come from the base, over the dense
+    state this engine's `state_dict` gathers. `Engine.__init__` is not called: it would build an
+    optimizer over the whole model, and this engine's optimizer covers this rank's stage only.
+    """
 
     def __init__(
         self,
@@ -167,7 +171,7 @@ class PipelineEngine:
         """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
         world, dp = self.ctx.world_size, self.mesh.size("dp")
         if world > 1:
-            batch = all_gather_batch(batch, world)
+            batch = gather_batch(batch)
         rows = batch_rows(batch)
         if rows % dp:
             raise ValueError(f"global batch of {rows} rows does not split over dp={dp}")
@@ -291,6 +295,10 @@ class PipelineEngine:
         stage.load_state_dict(local)  # (under ZeRO the slices alias these weights)
         self.optimizer.load_state_dict(mine)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not a pipeline step: the stages run forward and backward together in `train_step`."""
+        raise NotImplementedError("a pipeline runs forward and backward together: train_step")
+
     def close(self) -> None:
         """Close the links to the neighbouring stages."""
         if self.pipe.links is not None:
@@ -349,19 +357,6 @@ def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:
         for name, buffer in list(owner.named_buffers(recurse=False)):
             if id(buffer) not in kept:
                 setattr(owner, name, buffer.to("meta"))
-
-
-def all_gather_batch(batch: Any, world: int) -> Any:
-    """Every rank's shard of the batch, concatenated on dim 0 (dicts per key); collective."""
-    if isinstance(batch, torch.Tensor):
-        parts = [torch.empty_like(batch) for _ in range(world)]
-        dist.all_gather(parts, batch.contiguous())
-        return torch.cat(parts)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: all_gather_batch(v, world) for k, v in batch.items()})
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(all_gather_batch(v, world) for v in batch)
-    return batch
 
 
 def build_pipeline(

@@ -20,9 +20,8 @@ from tessera.errors import ConfigError
 from tessera.train.config import TrainConfig
 from tessera.train.workload import Workload, build_workload
 
-__all__ = ["MODEL_PARALLEL", "preflight_workload"]
+__all__ = ["preflight_workload"]
 
-MODEL_PARALLEL = ("pipeline", "tensor", "hybrid")
 
 
 def _build(workload: Workload, config: TrainConfig) -> nn.Module:
@@ -84,13 +83,6 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
         raise ConfigError(f"--model {config.model_factory} built a {type(model).__name__}")
     if config.split is not None:
         _check_split(model, config)
-    if config.strategy in MODEL_PARALLEL:
-        # The model-parallel engines of this version cut the demo GPT only; tessera.strategies'
-        # pipeline and tensor adapters (issue 20, item 2) take any model with --split/--tp-plan.
-        raise ConfigError(
-            f"strategy {config.strategy} splits the demo GPT only in this version; with --model "
-            "use single, torch-ddp, ddp, local-sgd or zero1-3"
-        )
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
