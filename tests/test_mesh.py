@@ -15,8 +15,8 @@ from test_pipeline import _check_mlp  # tests/ is on sys.path under pytest
 import tessera
 from tessera.mesh import AXES, Mesh
 from tessera.models import GPT, GPTConfig
-from tessera.strategies.engine import Engine
 from tessera.pipeline import HybridPolicy
+from tessera.strategies.engine import Engine
 from tessera.strategies.pipeline import build_hybrid
 
 CONFIG = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=4, n_embd=16)
