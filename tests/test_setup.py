@@ -286,4 +286,4 @@ def setup_worker() -> bool:
 
 
 def test_setup_equals_a_plain_loop_for_every_data_parallel_strategy(run_ranks):
-    assert run_ranks(setup_worker, 2, timeout_s=600) == [True, True]
+    assert run_ranks(setup_worker, 2, deadline_s=600) == [True, True]

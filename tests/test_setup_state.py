@@ -160,7 +160,7 @@ def reshard_worker(folder: str) -> bool:
 
 
 def test_save_load_export_reshard_and_the_delayed_update_lr(run_ranks, tmp_path):
-    assert run_ranks(state_worker, 2, str(tmp_path), timeout_s=600) == [True, True]
+    assert run_ranks(state_worker, 2, str(tmp_path), deadline_s=600) == [True, True]
     assert run_ranks(reshard_worker, 1, str(tmp_path)) == [True]
 
 

@@ -376,7 +376,7 @@ def any_model_worker() -> bool:
 
 
 def test_tensor_strategy_on_any_model_equals_a_plain_loop(run_ranks):
-    assert run_ranks(any_model_worker, WORLD, timeout_s=180) == [True, True]
+    assert run_ranks(any_model_worker, WORLD, deadline_s=180) == [True, True]
 
 
 def test_builtin_plans_name_every_block_module():
