@@ -155,6 +155,8 @@ def test_errors_stop_before_any_rank_starts(tmp_path, capsys):
         (["--model", "hf:GPT2LMHeadModel", "--data", pairs], "give --model-config FILE"),
         (["--model", "user_workloads:mlp", "--data", pairs, "--loss", "user_workloads:mse",
           "--strategy", "pipeline", "--split", "nope"], "--split 'nope': Sequential has no module"),
+        (["--model", "user_workloads:mlp", "--data", pairs, "--loss", "user_workloads:mse",
+          "--strategy", "pipeline", "--split", "2,2"], "names a module twice"),  # the policy's
         (["--model", "user_workloads:mlp", "--data", pairs, "--split", "0"],
          "--split cuts pipeline stages: strategy ddp has none"),
         (["--model", "user_workloads:mlp", "--data", pairs, "--strategy", "tensor",
