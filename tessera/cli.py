@@ -105,7 +105,7 @@ def _train(args: argparse.Namespace) -> int:
 
     layers = []
     if args.resume:
-        from tessera.train.run import config_layers_for_resume
+        from tessera.train.resume import config_layers_for_resume
 
         layers.append(config_layers_for_resume(args.resume))
     user_layers = [load_yaml(args.config)] if args.config else []

@@ -20,7 +20,7 @@ from tessera.checkpoint import series
 from tessera.errors import CheckpointError, ConfigError
 from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
 from tessera.train.metrics import read_metrics
-from tessera.train.run import config_layers_for_resume
+from tessera.train.resume import config_layers_for_resume
 
 
 def _save(run_dir: Path, step: int, keep: int = 2, files: dict[str, bytes] | None = None) -> Path:

@@ -24,15 +24,11 @@ from tessera.cli import main
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
+from tessera.parameter_server.options import parse_slow_workers, ps_policy
 from tessera.parameter_server.policy import ASP, BSP, SSP
-from tessera.parameter_server.train import (
-    SERVERS_FOLDER,
-    _server_optimizer,
-    parse_slow_workers,
-    ps_policy,
-)
 from tessera.strategies.registry import OWN_ENTRY_POINTS, own_entry_point, strategy_names
 from tessera.train import build_config, load_checkpoint, run_training
+from tessera.train.ps import SERVERS_FOLDER, _server_optimizer
 
 STEPS, SPLIT, WORKERS, SERVERS = 4, 2, 2, 1
 TINY = {

@@ -27,7 +27,7 @@ import tessera
 from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
 from tessera.train.loop import train_worker
 from tessera.train.metrics import read_metrics
-from tessera.train.run import config_layers_for_resume
+from tessera.train.resume import config_layers_for_resume
 from tessera.zero._safetensors import TensorFile
 from tessera.zero.checkpoint import load_shard_files
 

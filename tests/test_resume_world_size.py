@@ -28,7 +28,7 @@ from tessera.train import TrainConfig, build_config, run_training
 from tessera.train.config import WORLD_SIZE_FREE_STRATEGIES, check_resume_world, config_to_dict
 from tessera.train.loop import train_worker
 from tessera.train.metrics import read_metrics
-from tessera.train.run import config_layers_for_resume
+from tessera.train.resume import config_layers_for_resume
 from tessera.zero import consolidate
 
 K = 2

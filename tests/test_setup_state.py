@@ -265,7 +265,10 @@ def test_batch_rule_microbatches_gather_and_policies(run_ranks):
         export_model(model, model.state_dict(), "unused", "hf")
 
 
-LIBRARIES = ("data_parallel", "zero", "pipeline", "tensor_parallel", "comm", "memory", "optim")
+LIBRARIES = (
+    "data_parallel", "zero", "pipeline", "tensor_parallel", "parameter_server", "federated",
+    "comm", "memory", "optim",
+)  # fmt: skip
 BELOW_LIBRARIES = ("checkpoint", "runtime", "models", "data")
 
 
@@ -290,8 +293,7 @@ def _upper(name: str, *more: str) -> bool:
 
 def test_the_strategy_libraries_import_neither_the_trainer_nor_the_strategies_layer():
     """Layers (DESIGN.md): the libraries sit below `tessera.strategies`, which sits below the
-    trainer; nothing imports upward, not even inside a function. (`parameter_server`, whose
-    `train.py` is the trainer's ps entry point, is not checked here yet.)"""
+    trainer; nothing imports upward, not even inside a function."""
     root = Path(tessera.__file__).parent
     upward = {}
     for package in LIBRARIES + BELOW_LIBRARIES:

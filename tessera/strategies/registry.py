@@ -53,7 +53,7 @@ BUILTIN_STRATEGIES: dict[str, tuple[str, str]] = {
 """tessera's strategies: name -> ("module:builder", "module:PolicyClass")."""
 
 OWN_ENTRY_POINTS: dict[str, str] = {
-    "ps": "tessera.parameter_server.train:train_ps",
+    "ps": "tessera.train.ps:train_ps",
 }
 """Strategies whose ranks play different roles (parameter servers and workers), so no `Engine`
 run alike on every rank fits them: the trainer hands them the whole job,

@@ -353,10 +353,18 @@ class TrainConfig:
         is checked here, so that the user gets one message instead of a traceback per rank.
         """
         if self.strategy == "ps":  # servers + workers processes, whatever nproc says
-            from tessera.parameter_server.train import check_ps_config
+            from tessera.parameter_server.options import check_ps_options
 
             world = torchrun_world()
-            return check_ps_config(self, None if world is None else world[0])
+            return check_ps_options(
+                servers=self.servers,
+                workers=self.workers,
+                consistency=self.consistency,
+                staleness=self.staleness,
+                slow_worker=self.slow_worker,
+                batch_size=self.batch_size,
+                world_size=None if world is None else world[0],
+            )
         if self.strategy == "single" and world_size != 1:
             raise ConfigError(f"strategy 'single' runs one process; got {world_size} ranks")
         if self.batch_size % world_size:

@@ -39,19 +39,16 @@ from tessera.train.faults import FaultInjector
 from tessera.train.metrics import (
     MetricsLog,
     gather_rank_metrics,
+    note_restart,
     peak_memory_mb,
     read_events,
     read_metrics,
 )
-from tessera.train.restarts import note_restart
 from tessera.train.workload import Workload, build_workload
 from tessera.train.workload import corpus_batches as corpus_batches  # noqa: F401 - was here
-from tessera.train.workload import gpt_sample as _sample  # noqa: F401 - parameter_server's
 from tessera.train.workload import next_token_loss as next_token_loss  # noqa: F401 - was here
 
 __all__ = ["lr_at", "make_optimizer", "train_worker"]
-
-
 
 
 def _gather_objects(value: Any, ctx: Context) -> list[Any]:

@@ -12,8 +12,10 @@ file renamed over it: a kill during the rewrite leaves the old file whole).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -23,7 +25,19 @@ import torch.distributed as dist
 
 from tessera._atomic import write_atomically
 
-__all__ = ["MetricsLog", "gather_rank_metrics", "peak_memory_mb", "read_events", "read_metrics"]
+__all__ = [
+    "RESTART_ENV",
+    "MetricsLog",
+    "gather_rank_metrics",
+    "note_restart",
+    "peak_memory_mb",
+    "read_events",
+    "read_metrics",
+]
+
+RESTART_ENV = "TESSERA_RESTART"
+"""JSON the supervisor (`tessera.train.restarts`) gives the ranks of a restarted launch: which
+restart, who failed, why; `note_restart` turns it into the run's restart event line."""
 
 RANK_FIELDS = ("loss", "step_s", "comm_s", "peak_mem_mb", "model_state_mb")
 """What each rank reports per logged step, in the order of the gathered vector."""
@@ -114,3 +128,26 @@ def read_events(path: str | Path, event: str | None = None) -> list[dict[str, An
         for record in _read_lines(path)
         if "event" in record and (event is None or record["event"] == event)
     ]
+
+
+def note_restart(log: Any, start: int, world_size: int) -> None:
+    """Trainer side: if this run is a restart, write its event line to metrics.jsonl (rank 0).
+
+    `start` is the step the trainer resumed from (0: no checkpoint, from scratch).
+    """
+    if log is None:
+        return
+    restart = json.loads(os.environ.get(RESTART_ENV) or "null")
+    torchrun_restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart is None and torchrun_restarts > 0:
+        restart = {
+            "restart": torchrun_restarts,
+            "rank": None,
+            "cause": f"torchrun restarted the workers (restart {torchrun_restarts})",
+        }
+    if restart is None:
+        return
+    event = {"event": "restart", "step": start, "rank": restart.get("rank")}
+    event.update({k: v for k, v in restart.items() if k not in event})
+    event.update(world_size=world_size, resumed_at=time.time())
+    log.write(event)

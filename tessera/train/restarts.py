@@ -12,7 +12,8 @@ failed. After `max_restarts` restarts the next failure stops the run with every 
 (`RestartsExhausted`).
 
 The restarted trainer writes one `{"event": "restart", "step": S, "rank": R, "cause": ...}` line to
-metrics.jsonl (S: the step it resumed from; R: the rank that failed), which the summary counts.
+metrics.jsonl (S: the step it resumed from; R: the rank that failed; written by
+`tessera.train.metrics.note_restart`), which the summary counts.
 Under torchrun (`tessera run --max-restarts K`) the elastic agent restarts the workers instead;
 a worker with TORCHELASTIC_RESTART_COUNT > 0 resumes from the run folder by itself.
 
@@ -42,6 +43,8 @@ from typing import Any
 from tessera.errors import ConfigError, LaunchTimeout, RankFailedError, TesseraError
 from tessera.runtime.launch import launch
 from tessera.train.config import TrainConfig
+from tessera.train.metrics import RESTART_ENV
+from tessera.train.resume import config_layers_for_resume
 
 __all__ = [
     "ELASTIC_STRATEGIES",
@@ -51,19 +54,14 @@ __all__ = [
     "check_restart_options",
     "has_checkpoint",
     "next_world_size",
-    "note_restart",
     "restarted_by_torchrun",
     "supervise",
 ]
-
-RESTART_ENV = "TESSERA_RESTART"
-"""JSON the supervisor gives the ranks of a restarted launch: which restart, who failed, why."""
 
 ELASTIC_STRATEGIES = frozenset({"ddp", "torch-ddp", "zero1", "zero2", "zero3"})
 """Strategies whose checkpoints do not depend on the world size (a full replicated state, or
 ZeRO shards that reshard on load). pipeline, tensor and hybrid tie their layout to the world
 size, single runs one rank, local-sgd keeps one replica per rank."""
-
 
 
 @dataclass(frozen=True)
@@ -161,7 +159,6 @@ def has_checkpoint(run_dir: Path) -> bool:
     restarted from scratch, as one without checkpoints is: resuming it would fail every restart.
     """
     from tessera.checkpoint import series
-    from tessera.train.run import config_layers_for_resume
 
     try:
         config_layers_for_resume(run_dir)
@@ -216,29 +213,6 @@ def supervise(
                 "lost": failure.lost,
                 "failed_at": time.time(),
             }
-
-
-def note_restart(log: Any, start: int, world_size: int) -> None:
-    """Trainer side: if this run is a restart, write its event line to metrics.jsonl (rank 0).
-
-    `start` is the step the trainer resumed from (0: no checkpoint, from scratch).
-    """
-    if log is None:
-        return
-    restart = json.loads(os.environ.get(RESTART_ENV) or "null")
-    torchrun_restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restart is None and torchrun_restarts > 0:
-        restart = {
-            "restart": torchrun_restarts,
-            "rank": None,
-            "cause": f"torchrun restarted the workers (restart {torchrun_restarts})",
-        }
-    if restart is None:
-        return
-    event = {"event": "restart", "step": start, "rank": restart.get("rank")}
-    event.update({k: v for k, v in restart.items() if k not in event})
-    event.update(world_size=world_size, resumed_at=time.time())
-    log.write(event)
 
 
 def restarted_by_torchrun() -> bool:

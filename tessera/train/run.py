@@ -19,17 +19,10 @@ from typing import Any
 import yaml
 
 from tessera.checkpoint import series
-from tessera.errors import CheckpointError, ConfigError
+from tessera.errors import ConfigError
 from tessera.runtime.context import shutdown
 from tessera.strategies.registry import own_entry_point
-from tessera.train.config import (
-    TrainConfig,
-    check_resume_config,
-    check_resume_world,
-    config_to_dict,
-    job_world_size,
-    load_yaml,
-)
+from tessera.train.config import TrainConfig, config_to_dict
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
 from tessera.train.preflight import preflight_workload
@@ -39,43 +32,13 @@ from tessera.train.restarts import (
     restarted_by_torchrun,
     supervise,
 )
+from tessera.train.resume import check_resume
 
-__all__ = ["check_resume", "config_layers_for_resume", "print_summary", "run_training"]
+__all__ = ["print_summary", "run_training"]
 
 
 def _under_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "TESSERA_INIT_FILE" not in os.environ
-
-
-def config_layers_for_resume(run_dir: str | Path) -> dict[str, Any]:
-    """The saved config of a run to resume, as the lowest config layer; checks it can resume."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"cannot resume {run_dir}: no config.yaml there (not a tessera run)")
-    if not series.has_checkpoint(run_dir):
-        raise ConfigError(
-            f"cannot resume {run_dir}: it holds no complete checkpoint "
-            f"({series.CHECKPOINTS_DIR}/step-N/ with its {series.MANIFEST_FILE})"
-        )
-    return load_yaml(run_dir / "config.yaml")
-
-
-def check_resume(config: TrainConfig, run_dir: str | Path) -> None:
-    """Before any rank starts: refuse a resume of `run_dir` with another config or world size.
-
-    Reads config.yaml and the newest checkpoint's manifest only (no checkpoint is loaded); the
-    ranks check again against the checkpoint they load.
-    """
-    run_dir = Path(run_dir)
-    if (run_dir / "config.yaml").is_file():
-        check_resume_config(load_yaml(run_dir / "config.yaml"), config, where=str(run_dir))
-    complete = series.complete_checkpoints(run_dir)
-    if complete:
-        try:
-            saved_world = int(series.read_manifest(complete[0])["world_size"])
-        except (CheckpointError, KeyError, ValueError):
-            return  # the ranks fall back to an older checkpoint, and check that one
-        check_resume_world(config.strategy, saved_world, job_world_size(config.nproc))
 
 
 WORKLOAD_FILE = "workload.json"

@@ -34,16 +34,22 @@ from typing import Any
 
 import torch
 
+from tessera.checkpoint.files import save_checkpoint
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
 from tessera.parameter_server.api import run
 from tessera.parameter_server.checkpoint import latest_common_version
 from tessera.parameter_server.metrics import staleness_histogram, write_metrics
-from tessera.parameter_server.policy import SSP, ConsistencyPolicy, aggregates, resolve_policy
+from tessera.parameter_server.options import parse_slow_workers, ps_policy
+from tessera.parameter_server.policy import aggregates
 from tessera.parameter_server.result import PSResult
+from tessera.train.config import config_to_dict
+from tessera.train.engine_setup import lr_at, make_optimizer
+from tessera.train.metrics import read_metrics
+from tessera.train.workload import gpt_sample
 
-__all__ = ["SERVERS_FOLDER", "parse_slow_workers", "ps_policy", "train_ps"]
+__all__ = ["SERVERS_FOLDER", "train_ps"]
 
 SERVERS_FOLDER = "servers"
 """Sub-folder of the run folder holding the servers' shard checkpoints."""
@@ -52,52 +58,6 @@ CHECKPOINT_NAME = "checkpoint.pt"
 """The run's own state file (tokenizer, config, final weights), one per run folder: the single-file
 layout that `tessera.checkpoint.series` still reads, so `--resume` finds it; the training
 state itself lives in the servers' shard checkpoints."""
-
-
-def ps_policy(consistency: str, staleness: int) -> ConsistencyPolicy:
-    """The policy of `--consistency` (`--staleness K` applies to ssp only)."""
-    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
-        raise ConfigError(f"staleness must be an integer >= 0, got {staleness!r}")
-    if isinstance(consistency, str) and consistency.strip().lower() == "ssp":
-        return SSP(staleness=staleness)
-    return resolve_policy(consistency)
-
-
-def parse_slow_workers(text: str | None, num_workers: int) -> dict[int, float]:
-    """`"W:F[,W:F...]"` -> `{worker: factor}`; worker numbers are 0..num_workers-1."""
-    slow: dict[int, float] = {}
-    for item in filter(None, (part.strip() for part in (text or "").split(","))):
-        worker, sep, factor = item.partition(":")
-        try:
-            key, value = int(worker), float(factor)
-        except ValueError:
-            key, value = -1, math.nan
-        if not sep or not 0 <= key < num_workers or not (math.isfinite(value) and value >= 1):
-            raise ConfigError(
-                f"slow_worker {item!r}: expected WORKER:FACTOR with WORKER in 0..{num_workers - 1}"
-                " and FACTOR >= 1, e.g. 1:3"
-            )
-        slow[key] = value
-    return slow
-
-
-def check_ps_config(config: Any, world_size: int | None) -> None:
-    """What `TrainConfig` refuses for ps before anything starts; `world_size` under torchrun."""
-    for name in ("servers", "workers"):
-        value = getattr(config, name)
-        if value < 1:
-            raise ConfigError(f"{name} must be at least 1 for strategy ps, got {value}")
-    ps_policy(config.consistency, config.staleness)
-    parse_slow_workers(config.slow_worker, config.workers)
-    if world_size is not None and world_size != config.servers + config.workers:
-        raise ConfigError(
-            f"servers + workers = {config.servers} + {config.workers} must equal the "
-            f"{world_size} processes tessera run / torchrun started"
-        )
-    if config.batch_size % config.workers:
-        raise ConfigError(
-            f"batch_size ({config.batch_size}) must be divisible by workers ({config.workers})"
-        )
 
 
 # --- what every process builds (module-level, so the spawned processes can unpickle them) -------
@@ -132,8 +92,6 @@ def _server_optimizer(config: Any, per_gradient: bool, params: list[torch.Tensor
     The count of steps lives in the param group, so it is saved and restored with the
     optimizer's state_dict (a resumed server continues the schedule where it stopped).
     """
-    from tessera.train.loop import lr_at, make_optimizer
-
     optimizer = make_optimizer(config, params)
     workers = config.workers
     lr_scale = 1 / workers if per_gradient and config.optimizer == "adamw" else 1.0
@@ -153,10 +111,6 @@ def _server_optimizer(config: Any, per_gradient: bool, params: list[torch.Tensor
 # --- the job ---------------------------------------------------------------------------------
 def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
     """Train as `config` says with a parameter server; the summary (on every rank)."""
-    from tessera.checkpoint.files import save_checkpoint
-    from tessera.train.config import config_to_dict
-    from tessera.train.loop import _sample
-
     out = Path(run_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank gets here
     servers_dir = out / SERVERS_FOLDER
@@ -217,7 +171,7 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
     weights = _full_state_dict(_gpt(model_config, config.seed), result.state_dict)
     step = _completed_clock(log, config.workers, result.dropped_workers)
     save_checkpoint(out / CHECKPOINT_NAME, {"step": step, "engine": {"model": weights}, **record})
-    sample = _sample(weights, model_config, tokenizer, config)
+    sample = gpt_sample(weights, model_config, tokenizer, config)
     (out / "sample.txt").write_text(sample)
     return _summary(out, config, result, log, wall_s, sample)
 
@@ -249,8 +203,6 @@ def _completed_clock(log: list[dict[str, Any]], workers: int, dropped: list[int]
 
 def _merge_earlier_log(path: Path, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A resumed run's log preceded by the earlier run's gradients it did not redo."""
-    from tessera.train.metrics import read_metrics
-
     redone = {(r["worker"], r["clock"]) for r in log}
     earlier = [
         {k: v for k, v in r.items() if k != "kind"}
