@@ -127,7 +127,7 @@ class TensorEngine(Engine):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build(
+def build_tensor(
     model: nn.Module,
     optimizer_factory: OptimizerFactory,
     ctx: Context,
@@ -142,5 +142,5 @@ def build(
     )
 
 
-build_tensor = build
-"""The name the brief of issue 20 uses for `build`."""
+build = build_tensor
+"""The adapter's builder under the name every adapter module has."""
