@@ -178,7 +178,7 @@ def _two_ranks_stuck_in_gloo(root: str) -> None:
 
 def test_a_rank_stuck_inside_a_gloo_collective_dumps_on_sigterm(run_ranks, tmp_path):
     with pytest.raises(RankFailedError) as ended:
-        run_ranks(_two_ranks_stuck_in_gloo, 3, str(tmp_path), timeout_s=90)
+        run_ranks(_two_ranks_stuck_in_gloo, 3, str(tmp_path), deadline_s=90)
     # The Python handler cannot run (the main threads never leave gloo): the watcher thread
     # writes each record while the main thread is still stuck (its stack says where), then
     # ends its rank by SIGTERM itself. (Before: the records came only once rank 0 gave up and
