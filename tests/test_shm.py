@@ -58,6 +58,15 @@ def _dead_pid() -> int:
 
 
 # ------------------------------------------------------------------------- no processes
+def test_the_transport_package_exports_what_the_old_module_did():
+    # tessera.comm.shm was one module; as a package it re-exports the names callers imported
+    from tessera.comm import shm
+    from tessera.comm.shm import channel, group
+
+    assert (shm.ShmGroup, shm.shm_group) == (group.ShmGroup, group.shm_group)
+    assert (shm.Endpoint, shm.ring_available) == (channel.Endpoint, channel.ring_available)
+
+
 def test_words_read_and_write_the_mapping_in_every_mode():
     raw_map = mmap.mmap(-1, 4096)
     raw = torch.frombuffer(raw_map, dtype=torch.uint8)
