@@ -119,11 +119,14 @@ def train(strategy: str, steps: int) -> list[float]:
     )
     warmup = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(1.0, (s + 1) / 5))
     data = make_dataset()
-    shard = GLOBAL_BATCH // ctx.world_size
+    # this rank's shard of the global batch (`single`: no split, each process trains alone)
+    ranks = 1 if strategy == "single" else ctx.world_size
+    rank = 0 if strategy == "single" else ctx.rank
+    shard = GLOBAL_BATCH // ranks
     losses = []
     for step in range(steps):
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(step))
-        mine = order[: GLOBAL_BATCH][ctx.rank * shard : (ctx.rank + 1) * shard]
+        mine = order[:GLOBAL_BATCH][rank * shard : (rank + 1) * shard]
         loss = engine.train_step((data.x[mine], data.y[mine]))
         engine.step()
         warmup.step()

@@ -15,8 +15,9 @@ from test_pipeline import _check_mlp  # tests/ is on sys.path under pytest
 import tessera
 from tessera.mesh import AXES, Mesh
 from tessera.models import GPT, GPTConfig
+from tessera.pipeline import HybridPolicy
 from tessera.strategies.engine import Engine
-from tessera.strategies.model_parallel_gpt import HybridEngine
+from tessera.strategies.pipeline import build_hybrid
 
 CONFIG = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=4, n_embd=16)
 GLOBAL_BATCH = 8
@@ -83,9 +84,8 @@ def hybrid_worker(degrees):
     rows = GLOBAL_BATCH // ctx.world_size
     shard = slice(ctx.rank * rows, (ctx.rank + 1) * rows)  # the loop's per-rank shard
     for dp, tp, pp, zero in degrees:
-        make = partial(
-            HybridEngine, dp=dp, tp=tp, pp=pp, zero=zero, num_microbatches=2, loss_fn=_loss
-        )
+        policy = HybridPolicy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=2)
+        make = partial(build_hybrid, loss_fn=_loss, policy=policy)
         engine = make(copy.deepcopy(base), _sgd, ctx)
         # this rank keeps its stage's tensors only; other stages' layers are freed (meta)
         assert not any(p.is_meta for p in engine.pipe.module.parameters())

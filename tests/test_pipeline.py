@@ -31,13 +31,22 @@ from tessera.pipeline import (
 )
 from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_state_from_sequential
+from tessera.pipeline.messages import (
+    decode_specs,
+    encode_specs,
+    floating,
+    meta_length,
+    pack,
+    parts,
+    unpack,
+)
 from tessera.pipeline.partition import (
     balance_by_cost,
     check_balance,
     parameter_costs,
     stage_bounds,
 )
-from tessera.pipeline.stage import decode_meta, encode_meta, meta_length, shared_parameters
+from tessera.pipeline.stage import shared_parameters
 from tessera.viz.timeline import pipeline_timeline
 
 _F32_EPS = torch.finfo(torch.float32).eps
@@ -135,13 +144,25 @@ def test_stage_cutting_helpers_without_processes():
     assert shared_parameters(model, bounds) == [(0, [0, 2]), (1, [0, 2])]
     assert shared_parameters(model, stage_bounds([1, 1, 1, 1])) == [(0, [0, 3]), (1, [1, 3])]
     assert shared_parameters(model, stage_bounds([4])) == []  # one stage: nothing to exchange
-    # the metadata message: dtype, shape of one micro-batch's output, every micro-batch's size
-    out = torch.zeros(3, 5, 2, dtype=torch.float64)
-    meta = encode_meta(out, [3, 2, 2])
+    # the metadata message: each tensor's dtype and micro-batch 0's shape, every micro-batch's
+    # size; a tensor whose dim 0 is not the micro-batch's keeps its shape in every micro-batch
+    out = (torch.zeros(3, 5, 2, dtype=torch.float64), torch.ones(4, 4, dtype=torch.bool))
+    meta = encode_specs(out, [3, 2, 2])
     assert meta.numel() == meta_length(3)
-    assert decode_meta(meta) == (torch.float64, [5, 2], [3, 2, 2])
+    specs, sizes = decode_specs(meta)
+    assert sizes == [3, 2, 2]
+    assert [(s.dtype, s.shape_for(2)) for s in specs] == [
+        (torch.float64, (2, 5, 2)),
+        (torch.bool, (4, 4)),
+    ]
     with pytest.raises(ValueError, match="cannot be sent"):
-        encode_meta(torch.zeros(2, dtype=torch.complex64), [2])
+        encode_specs([torch.zeros(2, dtype=torch.complex64)], [2])
+    # a tuple travels as one message of aligned bytes; one tensor as itself
+    tensors = (torch.randn(3, 5), torch.tensor([[1, 0, 1]], dtype=torch.bool), torch.arange(3))
+    back = unpack(pack(tensors), parts(tensors))
+    assert [t.dtype for t in floating(tensors)] == [torch.float32]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, tensors))
+    assert pack(tensors[:1]) is tensors[0] or torch.equal(pack(tensors[:1]), tensors[0])
 
 
 def test_simulate_times_a_schedule_and_refuses_a_deadlocking_one():
@@ -221,8 +242,8 @@ def test_one_stage_pipeline_is_gradient_accumulation_without_processes(defer):
     assert [e.kind for e in pipe.timeline] == ["F"] * 3 + ["B"] * 3 + ["W"] * defer
     if defer:  # the W pass computed every linear weight's gradient: B left them alone
         assert pipe.deferral.peak_bytes > 0 and not pipe.deferral.pending()
-    with pytest.raises(ValueError, match="nn.Sequential"):
-        Pipeline(nn.Linear(2, 2), num_microbatches=1)
+    with pytest.raises(ValueError, match="gives 2 stages, but the pipeline has 1 ranks"):
+        Pipeline(_mlp(), num_microbatches=1, split=["7"])
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         Pipeline(_mlp(), num_microbatches=2, schedule="interleaved")
 

@@ -194,9 +194,20 @@ def _params(engine: Any) -> dict[str, torch.Tensor]:
     return {name: full[name] for name, _ in engine.module.named_parameters()}
 
 
+def _to(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, dict):
+        return {k: v.to(device) for k, v in batch.items()}
+    return tuple(t.to(device) for t in batch)
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.cpu() for name, tensor in tensors.items()}
+
+
 def _run(ctx, kind: str, strategy: str, optimizer: str, clip: float, **options) -> dict:
+    """Three steps through `tessera.setup` on this rank's device (the oracle runs on the CPU)."""
     engine = tessera.setup(
-        _fresh(kind),
+        _fresh(kind).to(ctx.device),
         _make_optimizer(optimizer),
         strategy=strategy,
         loss_fn=MODELS[kind][1],
@@ -208,12 +219,12 @@ def _run(ctx, kind: str, strategy: str, optimizer: str, clip: float, **options) 
     out: dict[str, Any] = {"params": []}
     for step in range(3):
         shards = _shards(_batch(kind, step), strategy, ctx.world_size)
-        engine.train_step(shards[0 if strategy == "single" else ctx.rank])
+        engine.train_step(_to(shards[0 if strategy == "single" else ctx.rank], ctx.device))
         if step == 0 and strategy != "local-sgd":
-            out["grads"] = _full_grads(engine)
+            out["grads"] = _cpu(_full_grads(engine))
         engine.step()
         scheduler.step()
-        out["params"].append(_params(engine))
+        out["params"].append(_cpu(_params(engine)))
     engine.close()
     return out
 
@@ -286,4 +297,27 @@ def setup_worker() -> bool:
 
 
 def test_setup_equals_a_plain_loop_for_every_data_parallel_strategy(run_ranks):
-    assert run_ranks(setup_worker, 2, timeout_s=600) == [True, True]
+    assert run_ranks(setup_worker, 2, deadline_s=600) == [True, True]
+
+
+def gpu_setup_worker() -> bool:
+    """The same checks on CUDA tensors with NCCL (one rank per GPU); the oracle stays on the CPU.
+
+    TF32 is turned off: it rounds matmul and convolution inputs to 10 mantissa bits, an error
+    the float32 oracle does not make (the tolerance is derived from float32 rounding).
+    """
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ctx = tessera.init()
+    assert ctx.device.type == "cuda" and ctx.backend == "nccl"
+    for kind in MODELS:
+        for strategy in ["single", *DATA_PARALLEL, "local-sgd"]:
+            _compare(ctx, kind, strategy)
+    return True
+
+
+@pytest.mark.gpu
+def test_setup_equals_a_plain_loop_on_gpus(run_ranks):
+    # one rank per GPU, as many as divide the global batch of 8 rows (1, 2, 4 or 8)
+    world = max(n for n in (1, 2, 4, 8) if n <= torch.cuda.device_count())
+    assert run_ranks(gpu_setup_worker, world, deadline_s=900) == [True] * world

@@ -22,7 +22,8 @@ from torch import nn
 
 import tessera
 from tessera.models import GPT, GPTConfig
-from tessera.strategies.tensor import build, build_tensor, gather_batch
+from tessera.strategies.batch import gather_batch
+from tessera.strategies.tensor import build, build_tensor
 from tessera.tensor_parallel import (
     ColumnParallelConv1D,
     ColumnParallelEmbedding,
@@ -353,13 +354,13 @@ def _check_gather_batch():
     rank = tessera.init().rank
     rows = 3 - rank  # rank 0: 3 rows, rank 1: 2
     shard = {"ids": torch.full((rows, 2), rank), "pair": (torch.arange(rows) + 10 * rank, "tag")}
-    full = gather_batch(shard, WORLD, torch.device("cpu"))
+    full = gather_batch(shard)
     assert torch.equal(full["ids"], torch.tensor([[0, 0]] * 3 + [[1, 1]] * 2))
     assert (
         torch.equal(full["pair"][0], torch.tensor([0, 1, 2, 10, 11])) and full["pair"][1] == "tag"
     )
     with pytest.raises(ValueError, match="batch shards differ beyond dim 0"):
-        gather_batch(torch.zeros(2, 3 + rank), WORLD, torch.device("cpu"))
+        gather_batch(torch.zeros(2, 3 + rank))
 
 
 def any_model_worker() -> bool:
@@ -375,7 +376,7 @@ def any_model_worker() -> bool:
 
 
 def test_tensor_strategy_on_any_model_equals_a_plain_loop(run_ranks):
-    assert run_ranks(any_model_worker, WORLD, timeout_s=180) == [True, True]
+    assert run_ranks(any_model_worker, WORLD, deadline_s=180) == [True, True]
 
 
 def test_builtin_plans_name_every_block_module():

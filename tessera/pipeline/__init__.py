@@ -1,11 +1,13 @@
 """Pipeline parallelism: a model's layers split into stages, micro-batches streamed through.
 
 Stage (what runs: `stage.py`) is separate from Schedule (when: `schedule.py`, pure data) and from
-the runner (`runner.py`, the only code that sends). `wavefront` streams the time steps of a
-stacked RNN through its layers, one layer per rank.
+the runner (`runner.py`, the only code that sends). Any model is cut at named modules by
+PyTorch's pipeline frontend (`trace.py`); stages exchange tuples of tensors (`messages.py`).
+`wavefront` streams the time steps of a stacked RNN through its layers, one layer per rank.
 """
 
 from tessera.pipeline.partition import balance_by_cost, measure_layer_times
+from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.pipeline.schedule import (
     SCHEDULES,
@@ -23,7 +25,9 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Event",
+    "HybridPolicy",
     "Pipeline",
+    "PipelinePolicy",
     "WavefrontRNN",
     "balance_by_cost",
     "bubble_fraction",

@@ -27,7 +27,7 @@ deferral every gradient is complete before the W pass and all the buckets are re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from tessera.zero.stage1 import ZeroStage1
 from tessera.zero.stage2 import ZeroStage2
 
 __all__ = ["StageDataParallel", "StageZero"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""Builds the optimizer over the parameters it is given (ZeRO: over this rank's slices)."""
 
 
 class _ArmedForWeightPass:

@@ -15,7 +15,7 @@ from torch import nn
 
 from tessera.models import GPT
 
-__all__ = ["gpt_as_sequential", "gpt_state_from_sequential"]
+__all__ = ["gpt_as_sequential", "gpt_split", "gpt_state_from_sequential"]
 
 
 class _Embed(nn.Module):
@@ -61,3 +61,18 @@ def gpt_state_from_sequential(
         else:
             renamed[f"blocks.{i - 1}.{rest}"] = value
     return renamed
+
+
+def gpt_split(split: list[str], n_layer: int) -> list[str]:
+    """GPT split points ("blocks.3", "ln_f") as layers of `gpt_as_sequential` ("4", "n+1")."""
+    layers = {f"blocks.{i}": str(i + 1) for i in range(n_layer)}
+    layers["ln_f"] = layers["lm_head"] = str(n_layer + 1)
+    out = []
+    for name in split:
+        if name not in layers:
+            raise ValueError(
+                f"split point {name!r}: the GPT starts a stage at a block ('blocks.0' .. "
+                f"'blocks.{n_layer - 1}') or at its head ('ln_f')"
+            )
+        out.append(layers[name])
+    return out

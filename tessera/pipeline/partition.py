@@ -16,6 +16,7 @@ from torch import nn
 
 __all__ = [
     "balance_by_cost",
+    "balance_from_split",
     "check_balance",
     "measure_layer_times",
     "parameter_costs",
@@ -35,6 +36,28 @@ def check_balance(balance: Sequence[int], num_layers: int, num_stages: int) -> l
             f"balance {balance} covers {sum(balance)} layers, the model has {num_layers}"
         )
     return balance
+
+
+def balance_from_split(num_layers: int, split: Sequence[str], num_stages: int) -> list[int] | None:
+    """Layer counts of an `nn.Sequential` whose stages start at top-level layers `split` ("3");
+    None if a split point is not a top-level layer (the model is then traced, `trace.py`)."""
+    if not all(str(name).isdigit() for name in split):
+        return None
+    if len(split) + 1 != num_stages:
+        raise ValueError(
+            f"split={list(split)} gives {len(split) + 1} stages, but the pipeline has "
+            f"{num_stages} ranks: name {num_stages - 1} module(s) where a new stage starts"
+        )
+    starts = [0]
+    for name in split:
+        if int(name) >= num_layers:
+            raise ValueError(f"split point {name!r}: the nn.Sequential has no submodule {name!r}")
+        if int(name) <= starts[-1]:
+            raise ValueError(
+                f"split point {name!r} leaves the stage before it empty (split={list(split)})"
+            )
+        starts.append(int(name))
+    return [end - start for start, end in zip(starts, starts[1:] + [num_layers])]
 
 
 def balance_by_cost(costs: Sequence[float], num_stages: int) -> list[int]:

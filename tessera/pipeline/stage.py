@@ -6,18 +6,34 @@ several stages (a language model's embedding tied to its output head) exists onc
 stages holding it add their gradients after backward, as Megatron-LM does for the word embedding
 (Shoeybi et al. 2019), so every copy takes the same step and the model equals the unsplit one.
 
-The links between stages are in `links.py`; this module also encodes the metadata message
-(shapes and micro-batch sizes) that the first activation of a step follows.
+A stage is anything with `module` (its parameters), `index`, `run(inputs, received)` and
+`full_key(key)`: `StageSlice` (layers of an `nn.Sequential`), `ModelStage` (a whole model as the
+only stage) and `trace.TracedStage` (a stage cut out of any model's traced graph). The links between
+stages are in `links.py`, the messages they carry in `messages.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["StageSlice", "shared_parameters", "slice_stage"]
+__all__ = [
+    "ModelStage",
+    "StageSlice",
+    "call_model",
+    "shared_parameters",
+    "slice_stage",
+    "tied_parameters",
+]
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """`model(**inputs)` for a dict micro-batch (Hugging Face style), else `model(inputs)`."""
+    return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
 
 
 @dataclass
@@ -34,6 +50,26 @@ class StageSlice:
         head, _, rest = local_key.partition(".")
         return f"{self.start + int(head)}.{rest}"
 
+    def run(self, inputs: Any, received: tuple[torch.Tensor, ...]) -> Any:
+        """The layers on the model's input (first stage) or on the received activation."""
+        return self.module(inputs if self.index == 0 else received[0])
+
+
+@dataclass
+class ModelStage:
+    """A whole model of any kind as the only stage (no split: gradient accumulation)."""
+
+    module: nn.Module
+    index: int = 0
+
+    def full_key(self, local_key: str) -> str:
+        """The model's own key."""
+        return local_key
+
+    def run(self, inputs: Any, received: tuple[torch.Tensor, ...]) -> Any:
+        """The model on one micro-batch."""
+        return call_model(self.module, inputs)
+
 
 def slice_stage(model: nn.Sequential, bounds: list[tuple[int, int]], index: int) -> StageSlice:
     """The stage `index` of `model` cut at `bounds` (sharing the model's layer objects)."""
@@ -49,37 +85,21 @@ def shared_parameters(
     Positions follow `model.parameters()` of the full model, identical on every rank, so the
     stages agree on which tied gradient a message carries without exchanging names.
     """
+    stage_params = [
+        [p for i in range(start, end) for p in model[i].parameters()] for start, end in bounds
+    ]
+    return tied_parameters(model, stage_params)
+
+
+def tied_parameters(
+    model: nn.Module, stage_params: Sequence[Sequence[nn.Parameter]]
+) -> list[tuple[int, list[int]]]:
+    """`(position in model.parameters(), stages)` of each parameter several stages hold."""
     stages_of: dict[int, set[int]] = {}
-    for stage, (start, end) in enumerate(bounds):
-        for i in range(start, end):
-            for p in model[i].parameters():
-                stages_of.setdefault(id(p), set()).add(stage)
+    for stage, params in enumerate(stage_params):
+        for p in params:
+            stages_of.setdefault(id(p), set()).add(stage)
     order = {id(p): k for k, p in enumerate(model.parameters())}
     return sorted(
         (order[pid], sorted(stages)) for pid, stages in stages_of.items() if len(stages) > 1
     )
-
-
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
-_META_DIMS = 8
-
-
-def encode_meta(output: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Describe micro-batch outputs: dtype, ndim, shape of one, dim-0 size of every micro-batch."""
-    if output.dim() > _META_DIMS or output.dtype not in _DTYPES:
-        raise ValueError(f"stage output {tuple(output.shape)} {output.dtype} cannot be sent")
-    shape = list(output.shape) + [0] * (_META_DIMS - output.dim())
-    return torch.tensor([_DTYPES.index(output.dtype), output.dim(), *shape, *sizes])
-
-
-def meta_length(num_microbatches: int) -> int:
-    """Length of the metadata message for `num_microbatches`."""
-    return 2 + _META_DIMS + num_microbatches
-
-
-def decode_meta(meta: torch.Tensor) -> tuple[torch.dtype, list[int], list[int]]:
-    """`(dtype, shape of micro-batch 0's output without dim 0, dim-0 sizes)` from `encode_meta`."""
-    values = meta.tolist()
-    dtype, ndim = _DTYPES[values[0]], values[1]
-    shape = values[2 : 2 + ndim]
-    return dtype, shape[1:], values[2 + _META_DIMS :]

@@ -17,7 +17,8 @@ _MODULES = (
     "tessera.train.loop",
     "tessera.strategies.ddp",
     "tessera.strategies.zero",
-    "tessera.strategies.model_parallel_gpt",
+    "tessera.strategies.pipeline",
+    "tessera.strategies.tensor",
     "tessera.parameter_server.api",
 )
 

@@ -92,19 +92,57 @@ def split_microbatches(batch: Batch, m: int) -> list[Any]:
     return [_map_tensors(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(m)]
 
 
-def gather_batch(batch: Batch, group: dist.ProcessGroup | None = None) -> Any:
+_META = 10
+"""Ints describing one gathered tensor: ndim, element size, is-float, then up to 7 dims."""
+
+
+def _gather_rows(
+    tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Every rank's `tensor` concatenated on dim 0 in rank order (shards may differ in length).
+
+    The shapes are exchanged first, so a rank whose shard has another trailing shape or dtype
+    raises on every rank instead of leaving the collective mismatched.
+    """
+    tensor = tensor.contiguous()
+    if tensor.dim() == 0 or tensor.dim() > _META - 3:
+        raise ValueError(f"a batch tensor needs 1 to {_META - 3} dimensions, got {tensor.dim()}")
+    meta = [tensor.dim(), tensor.element_size(), int(tensor.is_floating_point()), *tensor.shape]
+    meta = torch.tensor(meta + [0] * (_META - len(meta)), dtype=torch.int64, device=tensor.device)
+    metas = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(metas, meta, group=group)
+    rows = [int(m[3]) for m in metas]
+    for rank, other in enumerate(metas):
+        if not torch.equal(torch.cat([other[:3], other[4:]]), torch.cat([meta[:3], meta[4:]])):
+            raise ValueError(
+                f"batch shards differ beyond dim 0: rank {rank} has shape "
+                f"{tuple(other[3 : 3 + int(other[0])].tolist())}, this rank {tuple(tensor.shape)}"
+            )
+    longest = max(rows)
+    if tensor.shape[0] < longest:  # all_gather needs equal sizes: pad, then trim
+        pad = tensor.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))
+        tensor = torch.cat([tensor, pad])
+    parts = [torch.empty_like(tensor) for _ in range(world)]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
+
+def gather_batch(batch: Any, group: dist.ProcessGroup | None = None) -> Any:
     """All-gather every rank's shard of a batch into the global batch, in rank order.
 
-    Tensors are concatenated on dim 0 (dicts key by key); each rank must hold the same keys and
-    shapes. Collective over `group`.
+    Tensors are concatenated on dim 0 (shards may differ in length; a shard whose trailing shape
+    or dtype differs raises on every rank), dicts key by key (in this rank's key order, which
+    must be every rank's), tuples and lists element by element; a non-tensor value (a flag) is
+    taken as it is. Model-parallel engines use it: every rank of a tensor-parallel group, and
+    every stage of a pipeline, computes on the same global batch. Collective over `group`.
     """
-    world = dist.get_world_size(group)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     if world == 1:
         return batch
-
-    def gather(tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts)
-
-    return _map_tensors(batch, gather)
+    if isinstance(batch, torch.Tensor):
+        return _gather_rows(batch, world, group)
+    if isinstance(batch, Mapping):
+        return type(batch)({key: gather_batch(value, group) for key, value in batch.items()})
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(gather_batch(value, group) for value in batch)
+    return batch

@@ -52,15 +52,6 @@ BUILTIN_STRATEGIES: dict[str, tuple[str, str]] = {
 }
 """tessera's strategies: name -> ("module:builder", "module:PolicyClass")."""
 
-_INTERIM_MODULES = {
-    "tessera.strategies.pipeline": "tessera.strategies.model_parallel_gpt",
-    "tessera.strategies.tensor": "tessera.strategies.model_parallel_gpt",
-    "tessera.pipeline.policy": "tessera.strategies.model_parallel_gpt",
-    "tessera.tensor_parallel.policy": "tessera.strategies.model_parallel_gpt",
-}
-"""Until the model-parallel adapters for any model exist, their names resolve to the GPT-only
-engine (`model_parallel_gpt`); a module that exists always wins."""
-
 OWN_ENTRY_POINTS: dict[str, str] = {
     "ps": "tessera.parameter_server.train:train_ps",
 }
@@ -73,13 +64,7 @@ _user_strategies: dict[str, tuple[Callable[..., Any], type]] = {}
 
 def _load(target: str) -> Any:
     module_name, _, attribute = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name or module_name not in _INTERIM_MODULES:
-            raise
-        module = importlib.import_module(_INTERIM_MODULES[module_name])
-    return getattr(module, attribute)
+    return getattr(importlib.import_module(module_name), attribute)
 
 
 def own_entry_point(name: str) -> Callable[..., Any] | None:

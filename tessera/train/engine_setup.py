@@ -19,7 +19,7 @@ from torch import nn
 from tessera.runtime.context import Context
 from tessera.strategies import Engine, setup
 from tessera.strategies.batch import LossFn
-from tessera.train.config import TrainConfig
+from tessera.train.config import TrainConfig, read_tp_plan
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
 
@@ -70,19 +70,25 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
             "mixed_precision": config.mixed_precision,
             "offload": offload,
         }
+    split = [name.strip() for name in config.split.split(",")] if config.split else None
+    plan = read_tp_plan(config.tp_plan) if config.tp_plan else None
     if strategy == "pipeline":
-        return {"microbatches": config.microbatches, "schedule": config.schedule}
+        return {"split": split, "microbatches": config.microbatches, "schedule": config.schedule}
+    if strategy == "tensor":
+        return {"plan": plan}
     if strategy == "hybrid":
         return {
             "dp": config.dp,
             "tp": config.tp,
             "pp": config.pp,
             "zero": config.zero,
+            "split": split,
+            "plan": plan,
             "microbatches": config.microbatches,
             "schedule": config.schedule,
             "bucket_cap_mb": config.bucket_cap_mb,
         }
-    return {}  # single, torch-ddp, tensor and users' strategies take no trainer knob
+    return {}  # single, torch-ddp and users' strategies take no trainer knob
 
 
 def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Context) -> Engine:

@@ -20,9 +20,8 @@ from tessera.errors import ConfigError
 from tessera.train.config import TrainConfig
 from tessera.train.workload import Workload, build_workload
 
-__all__ = ["MODEL_PARALLEL", "preflight_workload"]
+__all__ = ["preflight_workload"]
 
-MODEL_PARALLEL = ("pipeline", "tensor", "hybrid")
 
 
 def _build(workload: Workload, config: TrainConfig) -> nn.Module:
@@ -69,12 +68,29 @@ def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig)
         raise ConfigError(f"the loss must be a floating-point scalar tensor, got {shown}")
 
 
+def _check_policy(config: TrainConfig) -> None:
+    """The config's strategy options through the strategy's policy (one translation, one check)."""
+    from tessera.strategies.registry import OWN_ENTRY_POINTS
+    from tessera.strategies.setup import make_policy
+    from tessera.train.engine_setup import policy_options
+
+    if config.strategy in OWN_ENTRY_POINTS:
+        return  # the parameter server checks its own options (tessera.train's ps entry point)
+    try:
+        make_policy(config.strategy, policy_options(config))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"strategy {config.strategy}: {exc}") from None
+
+
 def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     """Check `config`'s user workload end to end (see the module docstring); None for the demo.
 
     Returns what it checked: the model's class and parameter count, the item kind, and the
     workload's `identity` (what its checkpoints record: a resume compares it up front).
+    First, for every run, the strategy's options go through its policy's own checks (the same
+    translation `tessera.setup` gets), so a bad value stops here and not in every rank.
     """
+    _check_policy(config)
     if config.model_factory is None:
         return None
     workload = build_workload(config)
@@ -84,13 +100,6 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
         raise ConfigError(f"--model {config.model_factory} built a {type(model).__name__}")
     if config.split is not None:
         _check_split(model, config)
-    if config.strategy in MODEL_PARALLEL:
-        # The model-parallel engines of this version cut the demo GPT only; tessera.strategies'
-        # pipeline and tensor adapters (issue 20, item 2) take any model with --split/--tp-plan.
-        raise ConfigError(
-            f"strategy {config.strategy} splits the demo GPT only in this version; with --model "
-            "use single, torch-ddp, ddp, local-sgd or zero1-3"
-        )
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 

@@ -1,0 +1,271 @@
+"""Any model cut at named modules: PyTorch's pipeline frontend splits, tessera's runner runs.
+
+`split=["blocks.2", "head"]` starts a new stage at each named module, as
+`torch.distributed.pipelining.pipeline(model, mb_args, mb_kwargs, split_spec={name:
+SplitPoint.BEGINNING})` does: the model's forward is traced once with `torch.export` (on the first
+micro-batch, on every rank alike) and PyTorch's `Pipe` cuts the graph into one `GraphModule` per
+stage. Why PyTorch's frontend rather than a tessera partitioner: the hard parts of cutting an
+arbitrary forward (a residual stream, a parameter used outside any submodule, a weight tied
+between the first and the last stage, which values cross which boundary) are exactly what `Pipe`
+already solves on the exported graph, and it keeps the user's own `nn.Parameter` objects (so an
+optimizer built on the model trains the stage, and a stage's state-dict keys are the model's).
+What tessera adds is the execution: its schedules, links, deferral-free backward, tied-gradient
+sum and dp sharding, unchanged from the `nn.Sequential` path.
+
+Values between stages: the root graph of `Pipe.split_gm` says which stage produces each value and
+which stages use it. The model's inputs are read by every stage from its own micro-batch (the
+engine gives every rank the batch), so only computed values travel, and a value a later stage
+needs passes through the stages between (stage s sends everything produced at or before s that a
+stage after s uses: a tuple of tensors, `messages.py`).
+
+The frontend is called in its two steps (`torch.export.export` after `annotate_split_points`, then
+`Pipe._from_traced`), which is what the public `pipeline()` does, because the export's input and
+output specs are needed to flatten each micro-batch and to rebuild the model's output (a Hugging
+Face `ModelOutput` with its `.loss`) on the last stage, and `pipeline()` does not keep them.
+
+Limits (the errors say so): the forward must be traceable by `torch.export` (no data-dependent
+Python control flow); the graph is specialised to the traced micro-batch shapes and training mode,
+so every micro-batch must have the traced shapes; the stages run ATen graphs, not the model's
+modules, so a tensor-parallel plan (which swaps modules) cannot apply inside them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.distributed.pipelining._IR import (
+    MultiUseParameterConfig,
+    Pipe,
+    SplitPoint,
+    annotate_split_points,
+)
+
+__all__ = ["TracedStage", "check_split", "trace_stages"]
+
+
+def check_split(model: nn.Module, split: Sequence[str], num_stages: int) -> list[str]:
+    """Validate split points before anything runs: ValueError naming the module otherwise."""
+    split = [str(name) for name in split]
+    if len(split) + 1 != num_stages:
+        raise ValueError(
+            f"split={split} gives {len(split) + 1} stages, but the pipeline has {num_stages} "
+            f"ranks: name {num_stages - 1} module(s) where a new stage starts"
+        )
+    for k, name in enumerate(split):
+        if name in split[:k]:
+            raise ValueError(f"split point {name!r} is given twice: the stage between is empty")
+        if name == "":
+            raise ValueError("split point '' is the whole model: name a submodule")
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"split point {name!r}: {type(model).__name__} has no submodule {name!r}"
+            ) from None
+    return split
+
+
+def call_args(inputs: Any) -> tuple[tuple, dict[str, Any]]:
+    """How a micro-batch calls the model: a dict as keywords, anything else as one argument."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+class TracedStage:
+    """One stage of the cut graph: reads the micro-batch and the received tuple, runs its
+    `GraphModule`, returns the tuple the next stage needs (the last stage: the model's output)."""
+
+    def __init__(
+        self,
+        module: fx.GraphModule,
+        index: int,
+        root: fx.Graph,
+        stage_of: dict[str, int],
+        num_stages: int,
+        in_spec: pytree.TreeSpec,
+        out_spec: pytree.TreeSpec,
+    ) -> None:
+        self.module = module
+        self.index = index
+        self.in_spec, self.out_spec = in_spec, out_spec
+        nodes = list(root.nodes)
+        self._inputs = [n.name for n in nodes if n.op == "placeholder"]
+        call = [n for n in nodes if n.op == "call_module"][index]
+        self._args = [a.name for a in call.args]
+        self._call = call.name
+        self._items = [  # (name, position) of this stage's getitem nodes
+            (n.name, n.args[1])
+            for n in nodes
+            if n.op == "call_function" and n.target is operator.getitem and n.args[0] is call
+        ]
+        output = next(n for n in nodes if n.op == "output")
+        self._outputs = [a.name for a in pytree.tree_leaves(output.args[0])]
+        self.receives = _boundary(nodes, stage_of, index - 1, num_stages)
+        """Names of the values this stage receives from the previous one, in message order."""
+        self.sends = _boundary(nodes, stage_of, index, num_stages)
+        """Names of the values this stage sends to the next one, in message order."""
+
+    @property
+    def output_fields(self) -> list[str]:
+        """Names in the model's output (a dict or a Hugging Face `ModelOutput`); [] for others."""
+        context = self.out_spec.context
+        return [str(k) for k in context] if isinstance(context, (list, tuple)) else []
+
+    def full_key(self, key: str) -> str:
+        """A stage's state-dict key is the model's own (PyTorch keeps the qualified names)."""
+        return key
+
+    def flat_inputs(self, inputs: Any) -> list[Any]:
+        """The micro-batch's leaves in the traced order (ValueError if its structure differs)."""
+        args, kwargs = call_args(inputs)
+        order = self.in_spec.children()[1].context if kwargs else []
+        if kwargs and set(order) == set(kwargs):
+            kwargs = {k: kwargs[k] for k in order}
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            raise ValueError(
+                f"the batch's structure {spec} differs from the traced one {self.in_spec}"
+            )
+        return leaves
+
+    def run(self, inputs: Any, received: tuple[torch.Tensor, ...]) -> Any:
+        """Run the stage on one micro-batch."""
+        env: dict[str, Any] = dict(zip(self._inputs, self.flat_inputs(inputs)))
+        env.update(zip(self.receives, received))
+        result = self.module(*[env[a] for a in self._args])
+        env[self._call] = result
+        for name, position in self._items:
+            env[name] = result[position]
+        if self.sends:
+            return tuple(env[name] for name in self.sends)
+        return pytree.tree_unflatten([env[name] for name in self._outputs], self.out_spec)
+
+
+def _boundary(nodes: list[fx.Node], stage_of: dict[str, int], s: int, num_stages: int) -> list:
+    """Values produced at or before stage `s` and used after it (graph order)."""
+    if s < 0 or s >= num_stages - 1:
+        return []
+    out = []
+    for node in nodes:
+        if stage_of.get(node.name, -1) < 0 or stage_of[node.name] > s:
+            continue
+        users = [
+            num_stages - 1 if u.op == "output" else stage_of.get(u.name, -1) for u in node.users
+        ]
+        if node.op == "call_module" and all(
+            u.op == "call_function" and u.target is operator.getitem for u in node.users
+        ):
+            continue  # a tuple result: its items travel, not the tuple
+        if any(user > s for user in users):
+            out.append(node.name)
+    return out
+
+
+def _empty_stage_error(graph: fx.Graph, split: list[str], model: nn.Module) -> str | None:
+    """Why the traced graph does not give one non-empty stage per split point, or None."""
+    markers, segments, ops = [], [], 0
+    for node in graph.nodes:
+        if node.op == "call_function" and "pipe_split" in str(node.target):
+            stack = node.meta.get("nn_module_stack") or {}
+            markers.append(list(stack.values())[-1][0] if stack else "?")
+            segments.append(ops)
+            ops = 0
+        elif node.op == "call_function":
+            ops += 1
+    segments.append(ops)
+    name = type(model).__name__
+    for point in split:
+        count = markers.count(point)
+        if count != 1:
+            return (
+                f"split point {point!r} runs {count} times in {name}.forward: a split point "
+                "must be a module called exactly once"
+            )
+    for k, ops in enumerate(segments):
+        if ops == 0:
+            where = f"before {markers[k]!r}" if k == 0 else f"from {markers[k - 1]!r}"
+            return f"split={split} leaves the stage {where} empty: no computation there"
+    return None
+
+
+def trace_stages(
+    model: nn.Module, split: list[str], example: Any
+) -> tuple[list[TracedStage], list[list[nn.Parameter]]]:
+    """Trace `model` on the micro-batch `example`, cut it at `split`; every stage's runner and
+    its parameters (the model's own objects), on every rank alike."""
+    args, kwargs = call_args(example)
+    annotate_split_points(model, {name: SplitPoint.BEGINNING for name in split})
+    try:
+        try:
+            program = torch.export.export(model, args, kwargs)
+        except Exception as exc:
+            raise ValueError(
+                f"{type(model).__name__} cannot be split at {split}: torch.export could not "
+                f"trace its forward ({type(exc).__name__}: {str(exc).splitlines()[0]}). A model "
+                "split at named modules needs a forward without data-dependent Python control "
+                "flow; an nn.Sequential split at its top-level layers needs no tracing"
+            ) from exc
+    finally:
+        for name in split:  # undo annotate_split_points: the user's modules stay as they were
+            module = model.get_submodule(name)
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("_orig_forward", None)
+    reason = _empty_stage_error(program.graph, split, model)
+    if reason is not None:
+        raise ValueError(reason)
+    pipe = Pipe._from_traced(model, program, MultiUseParameterConfig.REPLICATE)
+    root = pipe.split_gm.graph
+    calls = [n for n in root.nodes if n.op == "call_module"]
+    stage_of: dict[str, int] = {}
+    for node in root.nodes:
+        if node.op == "call_module":
+            stage_of[node.name] = calls.index(node)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            stage_of[node.name] = stage_of[node.args[0].name]
+        elif node.op == "call_function":
+            raise ValueError(f"unexpected computation {node.target} between the stages")
+    spec = program.call_spec
+    stages = [
+        TracedStage(
+            pipe.split_gm.get_submodule(call.target),
+            k,
+            root,
+            stage_of,
+            len(calls),
+            spec.in_spec,
+            spec.out_spec,
+        )
+        for k, call in enumerate(calls)
+    ]
+    for stage in stages:
+        _use_model_tensors(stage.module, model)
+    return stages, [list(stage.module.parameters()) for stage in stages]
+
+
+def _use_model_tensors(stage: nn.Module, model: nn.Module) -> None:
+    """Point the stage at the model's own parameters and buffers (by qualified name).
+
+    `Pipe` keeps most of them, but torch.export lifts a tensor the forward reaches twice (a tied
+    embedding) into a copy: training the copy would leave the model, the optimizer and the
+    cross-stage gradient sum (which finds tied parameters by identity) each on another tensor.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for kind, own in (("parameter", params), ("buffer", buffers)):
+        named = stage.named_parameters if kind == "parameter" else stage.named_buffers
+        for name, tensor in list(named(remove_duplicate=False)):
+            if name not in own:  # (a buffer may be a constant the trace lifted)
+                if kind == "parameter":
+                    raise ValueError(f"traced stage parameter {name!r} is not one of the model's")
+                continue
+            if tensor is not own[name]:
+                owner, _, leaf = name.rpartition(".")
+                module = stage.get_submodule(owner)
+                table = module._parameters if kind == "parameter" else module._buffers
+                table[leaf] = own[name]

@@ -1,0 +1,402 @@
+"""Strategies `pipeline` and `hybrid`: any model on a dp x tp x pp mesh, as an Engine.
+
+Order of composition (Megatron-LM, torchtitan): tensor parallelism inside each stage
+(`tessera.tensor_parallel.parallelize` with the policy's plan, or `parallelize_gpt` for the
+reference GPT), then the model cut into pipeline stages (`tessera.pipeline.Pipeline` over the pp
+group: an `nn.Sequential` or the GPT by layers, any other model at the `split` modules through
+PyTorch's pipeline frontend), then data parallelism over the dp group inside each stage
+(`dp_sharding.py`: tessera's DDP reducer or ZeRO-1/2, reducing during the stage's W pass).
+
+Batches: every rank passes its shard of the global batch; the engine all-gathers the shards
+(tensors on dim 0, dicts per key) and gives dp replica d rows `[d B/dp, (d+1) B/dp)`, so a step
+equals one process on the global batch and the returned loss is the global batch's mean. A dict
+batch calls `model(**batch)` and takes `loss_fn(output, batch)`, or the output's own `.loss` /
+`["loss"]`; an `(inputs, targets)` pair takes `loss_fn(model(inputs), targets)`.
+
+Memory: every rank builds the whole model; once it is cut (at once for layers, on the first batch
+for a traced split) the tensors of other stages move to the meta device, so each rank keeps only
+its stage. The optimizer the factory builds holds this rank's stage parameters (a traced split:
+built on the whole model, then narrowed to the stage before its first step).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tessera.clip import clip_grad_norm, squared_sum, sum_over
+from tessera.mesh import Mesh
+from tessera.models import GPT
+from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
+from tessera.pipeline.gpt import gpt_as_sequential, gpt_split, gpt_state_from_sequential
+from tessera.pipeline.microbatch import batch_rows, take_rows
+from tessera.pipeline.partition import balance_from_split
+from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
+from tessera.pipeline.runner import Pipeline
+from tessera.runtime.context import Context
+from tessera.strategies.batch import LossFn, gather_batch
+from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
+from tessera.tensor_parallel.layers import _Parallel, shard
+
+__all__ = ["HybridPolicy", "PipelineEngine", "PipelinePolicy", "build_hybrid", "build_pipeline"]
+
+class PipelineEngine(Engine):
+    """Data x tensor x pipeline parallel training of any model.
+
+    An `Engine` whose step runs every stage's micro-batches (`train_step` is the unit: the
+    forward alone is no pipeline step); save/load/export come from the base, over the dense
+    state this engine's `state_dict` gathers. `Engine.__init__` is not called: it would build an
+    optimizer over the whole model, and this engine's optimizer covers this rank's stage only.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        ctx: Context,
+        *,
+        loss_fn: LossFn | None,
+        grad_clip: float,
+        policy: HybridPolicy,
+    ) -> None:
+        dp, tp = policy.dp, policy.tp
+        pp = policy.pp or max(1, ctx.world_size // (dp * tp))
+        if dp * tp * pp != ctx.world_size:
+            raise ValueError(f"dp {dp} x tp {tp} x pp {pp} != world size {ctx.world_size}")
+        if grad_clip < 0:
+            raise ValueError(f"grad_clip must be >= 0, got {grad_clip}")
+        self.module, self.ctx, self.policy = model, ctx, policy
+        self.loss_fn, self.grad_clip, self.comm_seconds = loss_fn, grad_clip, 0.0
+        state = model.state_dict(keep_vars=True)
+        first: dict[int, str] = {}
+        self._canonical = {key: first.setdefault(id(t), key) for key, t in state.items()}
+        """Every state-dict key of the model -> the first key of the same tensor (tied)."""
+        split = list(policy.split) if policy.split is not None else None
+        if isinstance(model, GPT) and split is not None:
+            split = gpt_split(split, model.config.n_layer)
+        if isinstance(model, GPT):
+            layer_count = model.config.n_layer + 2
+        else:
+            layer_count = len(model) if isinstance(model, nn.Sequential) else 0
+        eager = pp == 1 or (
+            isinstance(model, (GPT, nn.Sequential))
+            and (split is None or balance_from_split(layer_count, split, pp) is not None)
+        )
+        self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
+        self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
+        if tp > 1:  # before the cut: the plan replaces modules the stages then hold
+            _tensor_parallel(model, policy.plan, eager, self.tp_group)
+        layers = gpt_as_sequential(model) if isinstance(model, GPT) else model
+        if policy.zero and dp > 1 and not eager:
+            raise ValueError(
+                f"zero={policy.zero} with a {type(model).__name__} split at {split}: ZeRO "
+                "builds its optimizer over the stage, known only once traced; use zero=0"
+            )
+        self.pipe = Pipeline(
+            layers,
+            num_microbatches=policy.microbatches,
+            schedule=policy.schedule,
+            group=self.mesh.group("pp"),
+            split=split,
+            timeout_s=ctx.timeout_s,
+            defer_weight_grads=policy.defer_weight_grads,
+        )
+        self._make_optimizer = optimizer_factory
+        self.dp_sync: StageDataParallel | StageZero | None = None
+        """Averages (or shards) the stage's gradients over the dp group during the W pass."""
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        self.params: list[nn.Parameter] = []
+        if self.pipe.ready:
+            self.optimizer = self._adopt_stage(None)
+        else:  # traced on the first batch: the whole model until then, narrowed in _adopt_stage
+            self.optimizer = optimizer_factory(list(model.parameters()))
+
+    # ------------------------------------------------------------------------------ setup
+    def _adopt_stage(self, built: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
+        """Free other stages' tensors, set up the dp reduction, return the stage's optimizer."""
+        stage = self.pipe.module
+        _release_other_stages(self.module, stage)
+        self.params = list(stage.parameters())
+        split_ids = {
+            id(getattr(m, name))
+            for m in stage.modules()
+            if isinstance(m, _Parallel)
+            for name in m.shard_dims
+        }
+        # A parameter counts in the global gradient norm once: tensor-parallel shards on every tp
+        # rank, replicated ones on tp rank 0 only, tied ones on their first stage only.
+        tp_rank = self.mesh.rank("tp")
+        self._norm_weight = [
+            float(self.pipe.counts_in_norm(p) and (id(p) in split_ids or tp_rank == 0))
+            for p in self.params
+        ]
+        dp = self.mesh.size("dp")
+        if self.policy.zero and dp > 1:
+            self.dp_sync = StageZero(
+                stage,
+                self._make_optimizer,
+                stage=self.policy.zero,
+                group=self.dp_group,
+                norm_weight={id(p): w for p, w in zip(self.params, self._norm_weight)},
+                bucket_cap_mb=self.policy.bucket_cap_mb,
+            )
+            return self.dp_sync.optimizer
+        if dp > 1:
+            self.dp_sync = StageDataParallel(
+                stage, group=self.dp_group, bucket_cap_mb=self.policy.bucket_cap_mb
+            )
+        if built is None:
+            return self._make_optimizer(self.params)
+        mine = {id(p) for p in self.params}
+        for group in built.param_groups:  # no step taken yet: the state is empty
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+        if self._pending_optimizer_state is not None:
+            built.load_state_dict(self._pending_optimizer_state)
+            self._pending_optimizer_state = None
+        return built
+
+    @property
+    def zero(self) -> StageZero | None:
+        """The ZeRO sharding of this rank's stage over its dp group, if any."""
+        return self.dp_sync if isinstance(self.dp_sync, StageZero) else None
+
+    # ----------------------------------------------------------------------------- a step
+    def train_step(self, batch: Any) -> float:
+        """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
+        world, dp = self.ctx.world_size, self.mesh.size("dp")
+        if world > 1:
+            batch = gather_batch(batch)
+        rows = batch_rows(batch)
+        if rows % dp:
+            raise ValueError(f"global batch of {rows} rows does not split over dp={dp}")
+        d, share = self.mesh.rank("dp"), rows // dp
+        inputs, targets, loss_fn = self._loss_parts(take_rows(batch, d * share, (d + 1) * share))
+        if not self.pipe.ready:
+            self.pipe.prepare(inputs)
+            self.optimizer = self._adopt_stage(self.optimizer)
+            fields = getattr(self.pipe.stage, "output_fields", ["loss"])
+            if isinstance(batch, Mapping) and self.loss_fn is None and "loss" not in fields:
+                raise ValueError(_no_loss(type(self.module).__name__))  # every rank, at once
+        if self.dp_sync is None:
+            return self.pipe.train_step(inputs, targets, loss_fn)
+        # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
+        loss = self.pipe.train_step(inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm)
+        self.comm_seconds = self.dp_sync.finish()
+        loss_sum = torch.tensor([loss])
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        return float(loss_sum) / dp
+
+    def _loss_parts(self, batch: Any) -> tuple[Any, Any, LossFn]:
+        """(what the model is called with, what the loss compares with, the loss)."""
+        if isinstance(batch, Mapping):
+            if self.loss_fn is not None:
+                return batch, batch, self.loss_fn
+            return batch, batch, _own_loss(type(self.module).__name__)
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            if self.loss_fn is None:
+                raise ValueError("an (inputs, targets) batch needs loss_fn(output, targets)")
+            return batch[0], batch[1], self.loss_fn
+        raise ValueError(f"a batch is a dict or an (inputs, targets) pair, not {type(batch)}")
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm over every stage and shard (replicated and tied parameters once)."""
+        if self.zero is not None:  # each dp rank holds a distinct slice of the averaged grads
+            total, grads = self.zero.grad_norm_sq(), self.zero.inner.gradient_slices()
+        else:  # dp replicas hold equal gradients after averaging: dp rank 0 counts them
+            grads = [p.grad for p in self.params]
+            weights = self._norm_weight if self.mesh.rank("dp") == 0 else [0.0] * len(grads)
+            total = squared_sum(grads, weights)
+        all_reduce = sum_over(None) if self.ctx.world_size > 1 else None
+        return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
+
+    def step(self) -> None:
+        """Clip (grad_clip > 0), step the optimizer at its own learning rate, zero the grads."""
+        if self.grad_clip > 0 and self.pipe.ready:
+            self.clip_grad_norm(self.grad_clip)
+        if self.zero is not None:
+            self.zero.step()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # --------------------------------------------------------------------------- state
+    def model_state_bytes(self) -> int:
+        """Bytes of this rank's parameters, gradients and optimizer state (its stage only)."""
+        if self.zero is not None:
+            return self.zero.model_state_bytes()
+        params = self.params if self.pipe.ready else list(self.module.parameters())
+        tensors = [p for p in params] + [p.grad for p in params if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The dense model's state dict with the model's own keys, on every rank; collective."""
+        if not self.pipe.ready:  # not cut yet: every rank holds the whole model
+            return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        stage = self.pipe.module
+        if self.mesh.size("tp") > 1:
+            stage_state = full_state_dict(stage, group=self.tp_group)
+        else:
+            stage_state = stage.state_dict()
+        state = self.pipe.full_state_dict(stage_state=stage_state)
+        if isinstance(self.module, GPT):
+            state = gpt_state_from_sequential(state, self.module.config.n_layer)
+        # copies: on one stage nothing was gathered, and a payload must not follow the training
+        return {
+            key: state.get(key, state.get(canon)).clone() for key, canon in self._canonical.items()
+        }
+
+    def full_key(self, stage_key: str) -> str:
+        """The model's own state-dict key of this rank's stage key `stage_key`."""
+        key = self.pipe.full_key(stage_key)
+        if isinstance(self.module, GPT):
+            key = next(iter(gpt_state_from_sequential({key: 0}, self.module.config.n_layer)))
+        return key
+
+    def state_dict(self) -> dict[str, Any]:
+        """Dense model and every rank's optimizer state (list by global rank); collective."""
+        optimizers: list[Any] = [None] * self.ctx.world_size
+        if self.ctx.world_size > 1:
+            dist.all_gather_object(optimizers, self.optimizer.state_dict())
+        else:
+            optimizers = [copy.deepcopy(self.optimizer.state_dict())]  # not the live state
+        return {"model": self.full_state_dict(), "optimizer": optimizers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Slice the dense model into this rank's stage and shards; take this rank's optimizer."""
+        if len(state["optimizer"]) != self.ctx.world_size:
+            raise ValueError(
+                f"checkpoint holds {len(state['optimizer'])} ranks' optimizers, "
+                f"this run has {self.ctx.world_size} ranks"
+            )
+        mine = state["optimizer"][self.ctx.rank]
+        if not self.pipe.ready:  # the whole model is still here; the optimizer after the cut
+            self.module.load_state_dict(state["model"])
+            self._pending_optimizer_state = mine
+            return
+        stage = self.pipe.module
+        layers = dict(stage.named_modules())
+        local = {}
+        for key in stage.state_dict():
+            full = self.full_key(key)
+            value = state["model"][full if full in state["model"] else self._canonical[full]]
+            owner, _, leaf = key.rpartition(".")
+            layer = layers.get(owner)
+            if isinstance(layer, _Parallel) and leaf in layer.shard_dims:
+                value = shard(value, layer.shard_dims[leaf], self.tp_group, layer.chunks)
+            local[key] = value
+        stage.load_state_dict(local)  # (under ZeRO the slices alias these weights)
+        self.optimizer.load_state_dict(mine)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not a pipeline step: the stages run forward and backward together in `train_step`."""
+        raise NotImplementedError("a pipeline runs forward and backward together: train_step")
+
+    def close(self) -> None:
+        """Close the links to the neighbouring stages."""
+        if self.pipe.links is not None:
+            self.pipe.links.close()
+
+
+def _no_loss(model_name: str) -> str:
+    return (
+        f"{model_name} returned no loss for a dict batch: give loss_fn(output, batch) or a "
+        "batch the model computes its loss from (e.g. with labels)"
+    )
+
+
+def _own_loss(model_name: str) -> LossFn:
+    def loss(output: Any, batch: Any) -> torch.Tensor:
+        value = getattr(output, "loss", None)
+        if value is None and isinstance(output, Mapping):
+            value = output.get("loss")
+        if value is None:
+            raise ValueError(_no_loss(model_name))
+        return value
+
+    return loss
+
+
+def _tensor_parallel(
+    model: nn.Module, plan: Mapping[str, str] | None, eager: bool, group: dist.ProcessGroup
+) -> None:
+    """Apply the plan (or the GPT's own) before the model is cut; refuse a traced split."""
+    name = type(model).__name__
+    if not eager:
+        raise ValueError(
+            f"tp > 1 with a {name} split at named modules: traced stages run ATen graphs, not "
+            "the modules a plan replaces; split an nn.Sequential at its layers, or use pp=1"
+        )
+    if plan is not None:
+        parallelize(model, plan, group=group)
+    elif isinstance(model, GPT):
+        parallelize_gpt(model, group=group)
+    else:
+        raise ValueError(f"tp > 1 on a {name} needs plan={{module-name pattern: style}}")
+
+
+def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:
+    """Free the storage of the tensors other ranks train: this rank keeps only its stage.
+
+    Every rank builds the whole model (the same seed gives the same weights everywhere); once
+    cut, the tensors of other stages move to the meta device (shape without storage). A tensor
+    the stage shares, such as a tied embedding, stays.
+    """
+    kept = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
+    for owner in model.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if id(param) not in kept:
+                setattr(owner, name, nn.Parameter(param.to("meta"), param.requires_grad))
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if id(buffer) not in kept:
+                setattr(owner, name, buffer.to("meta"))
+
+
+def build_pipeline(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: PipelinePolicy | None = None,
+) -> PipelineEngine:
+    """Every rank one pipeline stage of `model` (the mesh pp = world)."""
+    policy = policy or PipelinePolicy()
+    hybrid = HybridPolicy(
+        pp=ctx.world_size,
+        split=policy.split,
+        microbatches=policy.microbatches,
+        schedule=policy.schedule,
+        defer_weight_grads=policy.defer_weight_grads,
+    )
+    return PipelineEngine(
+        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=hybrid
+    )
+
+
+def build_hybrid(
+    model: nn.Module,
+    optimizer_factory: OptimizerFactory,
+    ctx: Context,
+    *,
+    loss_fn: LossFn | None = None,
+    grad_clip: float = 0.0,
+    policy: HybridPolicy | None = None,
+) -> PipelineEngine:
+    """dp x tp x pp training of `model` (pp 0: what dp and tp leave)."""
+    return PipelineEngine(
+        model,
+        optimizer_factory,
+        ctx,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        policy=policy or HybridPolicy(),
+    )
