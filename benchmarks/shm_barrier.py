@@ -33,16 +33,17 @@ VARIANTS = {  # name: (the group's sleep, how long a waiting main thread spins f
 
 
 def _groups(world: int) -> dict:
-    from tessera.comm import _futex, shm
+    import tessera.comm.shm.group as shm
     from tessera.comm._p2p import group_info
+    from tessera.comm.shm import futex
 
     groups = {}
     for sleep in ("futex", "pipe"):
-        _futex.ENABLED = sleep == "futex"
+        futex.ENABLED = sleep == "futex"
         group = dist.new_group(list(range(world)))
         groups[sleep] = group
         assert shm.shm_group(group_info(group)).same_host
-    _futex.ENABLED = True
+    futex.ENABLED = True
     for sleep, group in groups.items():  # the set-up happened: the mode is what we asked
         mode = shm.shm_group(group_info(group))._futex
         assert mode == (sleep == "futex"), (sleep, mode)
@@ -50,8 +51,8 @@ def _groups(world: int) -> dict:
 
 
 def _timed(groups: dict, variant: str, tensor: torch.Tensor, calls: int, side: bool) -> float:
+    import tessera.comm.shm.group as shm
     from tessera import comm
-    from tessera.comm import shm
 
     sleep, shm.SPIN_S = VARIANTS[variant]
     group = groups[sleep]
@@ -78,7 +79,7 @@ def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
     """Per-phase seconds of `calls` futex all-reduces, from stamps around the barriers: wall
     time of every phase, and the CPU time this rank spent outside the barriers ("work cpu")."""
     from tessera import comm
-    from tessera.comm.shm import ShmGroup
+    from tessera.comm.shm.group import ShmGroup
 
     stamps: list[tuple[float, float]] = []
     real = ShmGroup.barrier
@@ -116,8 +117,8 @@ def _phases(group, tensor: torch.Tensor, calls: int) -> dict:
 
 def _rank(sizes: list[int], rounds: int, phases: bool) -> dict:
     import tessera
+    import tessera.comm.shm.group as shm
     from tessera import comm
-    from tessera.comm import shm
 
     ctx = tessera.init()
     torch.set_num_threads(1)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import subprocess
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError, TesseraError
@@ -201,12 +203,22 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(args: argparse.Namespace) -> int:
-    """`tessera bench comm [options]`: the collectives benchmark (tessera.comm.bench)."""
-    from tessera.comm import bench
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+"""The benchmark scripts: the `benchmarks/` folder of the source checkout holding this package.
+Benchmark code is not the library's, so an installed wheel has none (`tessera bench` says so)."""
 
-    bench.main(args.bench_args)
-    return 0
+
+def _bench(args: argparse.Namespace) -> int:
+    """`tessera bench comm [options]`: runs `benchmarks/comm.py [options]` in a new interpreter,
+    exactly as `python benchmarks/comm.py [options]` from the current folder would."""
+    script = BENCHMARKS / f"{args.name}.py"
+    if not script.is_file():
+        raise TesseraError(
+            f"tessera bench runs the scripts of a source checkout's benchmarks/ folder, and "
+            f"{script} does not exist (tessera was installed without them): clone the repository "
+            f"and run `python benchmarks/{args.name}.py` there"
+        )
+    return subprocess.run([sys.executable, str(script), *args.bench_args]).returncode
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

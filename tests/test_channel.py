@@ -19,8 +19,8 @@ from _tolerance import check_close
 from torch import nn
 
 import tessera
-from tessera.comm import _shm_files
-from tessera.comm.channel import Endpoint, ring_available
+from tessera.comm.shm import files as shm_files
+from tessera.comm.shm.channel import Endpoint, ring_available
 from tessera.errors import CollectiveTimeout, PeerLostError
 from tessera.pipeline import Pipeline
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not ring_available(), reason="no ordered shared 
 
 
 def _our_files() -> list[str]:
-    return glob.glob(os.path.join(_shm_files.SHM_DIR, f"tessera-*-{os.getpid()}-*"))
+    return glob.glob(os.path.join(shm_files.SHM_DIR, f"tessera-*-{os.getpid()}-*"))
 
 
 def _pair(slots: int, timeout_s: float = 20.0) -> tuple[Endpoint, Endpoint]:
@@ -134,8 +134,8 @@ def test_a_peer_that_dies_is_reported_at_once_and_its_files_are_gone():
     a.close()
     # the peer's segment (SIGKILL-like exit, no cleanup) was unlinked when we mapped it; its
     # setup pipe is swept by the next group setup like any dead process's file
-    _shm_files.sweep_stale()
-    assert glob.glob(os.path.join(_shm_files.SHM_DIR, f"tessera-*-{process.pid}-*")) == []
+    shm_files.sweep_stale()
+    assert glob.glob(os.path.join(shm_files.SHM_DIR, f"tessera-*-{process.pid}-*")) == []
     assert _our_files() == []
 
 
@@ -171,7 +171,7 @@ def pipeline_links_worker(private_dir: str) -> dict:
     result = {}
     for case in ("shm", "other host", "off"):
         if case == "other host" and dist.get_rank() == 1:
-            _shm_files.SHM_DIR = private_dir
+            shm_files.SHM_DIR = private_dir
         pipe = Pipeline(_model(), num_microbatches=3, balance=[3, 3], shm_links=case != "off")
         pipe.train_step(x, y, F.mse_loss)
         peer = 1 - dist.get_rank()
@@ -182,7 +182,7 @@ def pipeline_links_worker(private_dir: str) -> dict:
             "grads": [p.grad.clone() for p in pipe.module.parameters()],
         }
         pipe.links.close()
-    _shm_files.SHM_DIR = "/dev/shm"
+    shm_files.SHM_DIR = "/dev/shm"
     return result
 
 

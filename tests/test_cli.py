@@ -77,3 +77,25 @@ def test_train_under_tessera_run_takes_the_world_it_is_given(tmp_path):
     assert bad.returncode != 0
     assert bad.stderr.count("tessera: error: ") == 1, bad.stderr
     assert "--nproc 3 disagrees with the 2 processes per node" in bad.stderr
+
+
+def test_bench_runs_the_benchmark_scripts_of_the_checkout(capfd):
+    # `tessera bench comm [ARGS]` is `python benchmarks/comm.py [ARGS]`: its options are the
+    # all-reduce benchmark's, and `gather` hands the rest to the gather benchmark beside it
+    from tessera.cli import main
+
+    assert main(["bench", "comm", "--help"]) == 0
+    allreduce = capfd.readouterr().out
+    assert main(["bench", "comm", "gather", "--help"]) == 0
+    gather = capfd.readouterr().out
+    assert "--quick" in allreduce and "--sizes" not in allreduce, allreduce
+    assert "--sizes" in gather and "--quick" not in gather, gather
+
+
+def test_bench_without_the_benchmark_scripts_says_where_to_find_them(monkeypatch, tmp_path, capsys):
+    from tessera import cli
+
+    monkeypatch.setattr(cli, "BENCHMARKS", tmp_path)  # an installed wheel: no benchmarks/ folder
+    assert cli.main(["bench", "comm", "--quick"]) == 2
+    error = capsys.readouterr().err
+    assert str(tmp_path / "comm.py") in error and "python benchmarks/comm.py" in error, error

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 
 import tessera
 from tessera import comm
-from tessera.comm import _shm_files
 from tessera.comm._ops import accumulate_dtype
+from tessera.comm.shm import files as shm_files
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
 
 COLLECTIVE_TIMEOUT_S = 20
@@ -324,7 +324,7 @@ def _rank_shared_buffer() -> list:
     big = torch.ones(3000, dtype=torch.float32) * ctx.rank  # grows the scratch segment
     comm.all_reduce(big, algorithm="shm")
     # every file was unlinked once all ranks had it mapped: nothing of ours is left in /dev/shm
-    mine = glob.glob(os.path.join(_shm_files.SHM_DIR, f"tessera-*-{os.getpid()}-*"))
+    mine = glob.glob(os.path.join(shm_files.SHM_DIR, f"tessera-*-{os.getpid()}-*"))
     assert mine == [], mine
     results.append(("big", big[0].item(), big[-1].item()))
     return results

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import tessera
+import tessera.comm.shm.group as shm  # the module that reads SPIN_S
 from tessera import comm
-from tessera.comm import shm
 from tessera.errors import CollectiveTimeout
 
 SPAWN_TIMEOUT_S = 90

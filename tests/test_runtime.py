@@ -179,12 +179,12 @@ def test_ranks_are_spawned_when_variables_read_at_process_start_changed(monkeypa
     # glibc, OpenMP and the loader read them when the process started. Such a launch spawns.
     import importlib
 
-    launch_module = importlib.import_module("tessera.runtime.launch")  # the module, not launch()
-    monkeypatch.setattr(launch_module, "_server_environment", launch_module._start_variables())
-    assert launch_module.process_context().get_start_method() == "forkserver"
+    spawner = importlib.import_module("tessera.runtime.spawner")
+    monkeypatch.setattr(spawner, "_server_environment", spawner._start_variables())
+    assert spawner.process_context().get_start_method() == "forkserver"
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
-    assert launch_module.process_context().get_start_method() == "spawn"
-    assert launch_module.process_context("fork").get_start_method() == "fork"
+    assert spawner.process_context().get_start_method() == "spawn"
+    assert spawner.process_context("fork").get_start_method() == "fork"
 
 
 def _sleep_then_report(seconds: float) -> float:

@@ -31,7 +31,8 @@ from torch import nn
 
 import tessera
 from tessera import comm
-from tessera.comm import _atomics, _shm_files, _shm_setup
+from tessera.comm.shm import atomics, segments
+from tessera.comm.shm import files as shm_files
 from tessera.zero import full_state_dict, initialize
 
 SPAWN_TIMEOUT_S = 90
@@ -42,7 +43,7 @@ SQUATTED = b"a stranger's file"
 
 def _ours(pid: int, directory: str | None = None) -> list[str]:
     """Files in /dev/shm (or `directory`) named after process `pid`."""
-    return sorted(glob.glob(os.path.join(directory or _shm_files.SHM_DIR, f"tessera-*-{pid}-*")))
+    return sorted(glob.glob(os.path.join(directory or shm_files.SHM_DIR, f"tessera-*-{pid}-*")))
 
 
 def _namespace() -> int:
@@ -57,13 +58,22 @@ def _dead_pid() -> int:
 
 
 # ------------------------------------------------------------------------- no processes
+def test_the_transport_package_exports_what_the_old_module_did():
+    # tessera.comm.shm was one module; as a package it re-exports the names callers imported
+    from tessera.comm import shm
+    from tessera.comm.shm import channel, group
+
+    assert (shm.ShmGroup, shm.shm_group) == (group.ShmGroup, group.shm_group)
+    assert (shm.Endpoint, shm.ring_available) == (channel.Endpoint, channel.ring_available)
+
+
 def test_words_read_and_write_the_mapping_in_every_mode():
     raw_map = mmap.mmap(-1, 4096)
     raw = torch.frombuffer(raw_map, dtype=torch.uint8)
     view = memoryview(raw_map)
-    modes = ["x86-tso"] + (["atomics"] if _atomics.MODE == "atomics" else [])
+    modes = ["x86-tso"] + (["atomics"] if atomics.MODE == "atomics" else [])
     for k, mode in enumerate(modes):
-        words = _atomics.Words(raw, view, mode)
+        words = atomics.Words(raw, view, mode)
         words.store(64, 12345 + k)
         words.store(80, -7)
         plain = view.cast("q")
@@ -72,40 +82,40 @@ def test_words_read_and_write_the_mapping_in_every_mode():
         assert words.load(81) == 99 and words.load(64) == 12345 + k, mode
         del plain
     with pytest.raises(ValueError, match="no ordered"):
-        _atomics.Words(raw, view, None)
+        atomics.Words(raw, view, None)
 
 
 def test_ordering_mode_refuses_unordered_machines():
-    assert _atomics.ordering_mode("aarch64", have_atomics=True) == "atomics"
-    assert _atomics.ordering_mode("x86_64", have_atomics=False) == "x86-tso"
-    assert _atomics.ordering_mode("aarch64", have_atomics=False) is None
-    assert _atomics.ordering_mode("ppc64le", have_atomics=False) is None
+    assert atomics.ordering_mode("aarch64", have_atomics=True) == "atomics"
+    assert atomics.ordering_mode("x86_64", have_atomics=False) == "x86-tso"
+    assert atomics.ordering_mode("aarch64", have_atomics=False) is None
+    assert atomics.ordering_mode("ppc64le", have_atomics=False) is None
 
 
 def test_peer_files_of_the_wrong_kind_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(_shm_files, "SHM_DIR", str(tmp_path))
-    name, fd = _shm_files.create_file("seg", 4096)
+    monkeypatch.setattr(shm_files, "SHM_DIR", str(tmp_path))
+    name, fd = shm_files.create_file("seg", 4096)
     os.close(fd)
     assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600
     with pytest.raises(PermissionError, match="not a private pipe"):
-        _shm_files.open_checked(name, os.O_RDWR, fifo=True)
+        shm_files.open_checked(name, os.O_RDWR, fifo=True)
     os.chmod(tmp_path / name, 0o644)
     with pytest.raises(PermissionError, match="not a private file"):
-        _shm_files.open_checked(name, os.O_RDWR, fifo=False)
+        shm_files.open_checked(name, os.O_RDWR, fifo=False)
     with pytest.raises(ValueError, match="not a tessera shared-memory name"):
-        _shm_files.open_checked("../etc/passwd", os.O_RDONLY, fifo=False)
-    _shm_files.unlink(name)
+        shm_files.open_checked("../etc/passwd", os.O_RDONLY, fifo=False)
+    shm_files.unlink(name)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_sigterm_handler_unlinks_then_chains(tmp_path, monkeypatch):
-    monkeypatch.setattr(_shm_files, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm_files, "SHM_DIR", str(tmp_path))
     calls = []
     for previous in (lambda signum, frame: calls.append(signum), signal.SIG_IGN):
-        name, fd = _shm_files.create_file("seg", 64)
+        name, fd = shm_files.create_file("seg", 64)
         os.close(fd)
-        monkeypatch.setattr(_shm_files, "_previous_sigterm", previous)
-        _shm_files._on_sigterm(signal.SIGTERM, None)  # SIG_IGN: returns, the process lives on
+        monkeypatch.setattr(shm_files, "_previous_sigterm", previous)
+        shm_files._on_sigterm(signal.SIGTERM, None)  # SIG_IGN: returns, the process lives on
         assert not (tmp_path / name).exists()
     assert calls == [signal.SIGTERM]
 
@@ -127,13 +137,13 @@ def _rank_files(stale: list[str]) -> dict:
     ctx = tessera.init()
     torch.set_num_threads(1)
     drawn: list[str] = []
-    new_name = _shm_files._new_name
+    new_name = shm_files._new_name
 
     def recording(kind: str) -> str:
         drawn.append(new_name(kind))
         return drawn[-1]
 
-    with mock.patch.object(_shm_files, "_new_name", recording):
+    with mock.patch.object(shm_files, "_new_name", recording):
         sums = []
         for n in (1000, 5000, 30000):  # the copy-in segment grows twice
             x = torch.arange(n, dtype=torch.float32) * (ctx.rank + 1)
@@ -155,7 +165,7 @@ def _rank_files(stale: list[str]) -> dict:
                 path = f"/dev/shm/tessera-{_namespace()}-{os.getpid()}-{token}.{kind}"
                 Path(path).write_bytes(SQUATTED)
                 squatters.append(path)
-    with mock.patch.object(_shm_files.secrets, "token_hex", _token_source(squat_tokens)):
+    with mock.patch.object(shm_files.secrets, "token_hex", _token_source(squat_tokens)):
         group = dist.new_group(list(range(ctx.world_size)))
         squatted_same_host = comm.same_host(group)
         z = torch.full((3000,), float(ctx.rank + 1))
@@ -226,13 +236,13 @@ def _rank_stalls_in_setup(pid_dir: str) -> None:
     ctx = tessera.init()
     Path(pid_dir, f"rank{ctx.rank}").write_text(str(os.getpid()))
     if ctx.rank == 1:  # stops between creating its pipe and voting: rank 0 waits in gloo
-        opened = _shm_setup._open_peers
+        opened = segments._open_peers
 
         def slow(*args):
             time.sleep(60)
             return opened(*args)
 
-        mock.patch.object(_shm_setup, "_open_peers", slow).start()
+        mock.patch.object(segments, "_open_peers", slow).start()
     comm.all_reduce(torch.ones(4), algorithm="shm")
 
 
@@ -341,9 +351,9 @@ def _rank_apart(private_dir: str) -> dict:
     torch.set_num_threads(1)
     world, rank = ctx.world_size, ctx.rank
     scenarios = [
-        ("rank 2 sees another /dev/shm", 2, mock.patch.object(_shm_files, "SHM_DIR", private_dir)),
-        ("rank 0 sees another /dev/shm", 0, mock.patch.object(_shm_files, "SHM_DIR", private_dir)),
-        ("rank 1 cannot order accesses", 1, mock.patch.object(_atomics, "MODE", None)),
+        ("rank 2 sees another /dev/shm", 2, mock.patch.object(shm_files, "SHM_DIR", private_dir)),
+        ("rank 0 sees another /dev/shm", 0, mock.patch.object(shm_files, "SHM_DIR", private_dir)),
+        ("rank 1 cannot order accesses", 1, mock.patch.object(atomics, "MODE", None)),
     ]
     out: dict = {"scenarios": {}}
     apart = None

@@ -2,7 +2,7 @@
 
 One spawn of 3 ranks (two sleepers per barrier, so the last arriver's wake must reach both);
 each rank sets up one group that sleeps on the futex and one that uses the pipe
-(`_futex.ENABLED` off, as TESSERA_SHM_FUTEX=0 or a machine without futex does). For each:
+(`futex.ENABLED` off, as TESSERA_SHM_FUTEX=0 or a machine without futex does). For each:
 
 - all_reduce through shm gives torch.distributed's result, bit for bit, on the main thread and
   on a side thread (DDP's comm stream); the futex group's arrival counter is started just below
@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 import tessera
+import tessera.comm.shm.group as shm  # the module that reads SPIN_S
 from tessera import comm
-from tessera.comm import _futex, shm
 from tessera.comm._p2p import group_info
+from tessera.comm.shm import futex
 from tessera.errors import CollectiveTimeout
 
 SPAWN_TIMEOUT_S = 120
@@ -122,10 +123,10 @@ def _rank_barriers() -> dict:
     rank = ctx.rank
     groups, shms = {}, {}
     for variant in VARIANTS:
-        _futex.ENABLED = variant == "futex"
+        futex.ENABLED = variant == "futex"
         groups[variant] = dist.new_group(list(range(WORLD)))
         shms[variant] = shm.shm_group(group_info(groups[variant]))  # set up in this mode
-    _futex.ENABLED = True
+    futex.ENABLED = True
     futex_group = shms["futex"]
     start = 2**32 // WORLD - 5  # barrier number whose target is just below 2**32
     futex_group._count = start
@@ -167,7 +168,7 @@ def test_futex_and_pipe_barriers_match_torch_lose_no_wakeup_and_time_out():
     late = {rank: result["late"] for rank, result in enumerate(results)}
     assert all(v == {"futex": [], "pipe": []} for v in late.values()), f"lost wake-up: {late}"
     for rank, result in enumerate(results):
-        assert result["modes"] == {"futex": _futex.AVAILABLE, "pipe": False}, result["modes"]
+        assert result["modes"] == {"futex": futex.AVAILABLE, "pipe": False}, result["modes"]
         assert result["wrong"] == {"futex": [], "pipe": []}, (rank, result["wrong"])
         assert result["futex_wrapped"], "the futex group's counter did not wrap around 2**32"
     for variant in VARIANTS:

@@ -28,7 +28,7 @@ import tessera
 from tessera import comm
 from tessera.comm import cost
 from tessera.comm._p2p import group_info
-from tessera.comm.shm import shm_group
+from tessera.comm.shm.group import shm_group
 from tessera.errors import CollectiveTimeout
 from tessera.tensor_parallel import _comm as tp_comm
 
@@ -191,7 +191,7 @@ def test_cost_model_prefers_shm_on_one_host_and_knows_each_kind():
                     cost.choose(nbytes, world, candidates=("ring", "native", "shm"), kind=kind)
                     == "shm"
                 )
-    # closed forms (module docstring of shm_gather, Thakur et al. for the ring)
+    # closed forms (module docstring of tessera.comm.shm.gather, Thakur et al. for the ring)
     n, p = 8e6, 4
     ring = cost.predict("ring", n, p, kind="reduce_scatter")
     assert ring == pytest.approx(3 * params.alpha + n * 3 / 4 * (params.beta + params.gamma))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm import diagnostics
+from tessera.comm import diagnostics, flight_recorder
 from tessera.errors import CollectiveMismatch
 
 __all__ = ["Comm", "GroupInfo", "group_info"]
@@ -211,7 +211,7 @@ class Comm:
         except RuntimeError as exc:
             if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                 raise
-            raise diagnostics.timeout_error(
+            raise flight_recorder.timeout_error(
                 info.key, self.seq, info.ranks, self.op_name, self.timeout_s, peer_global
             ) from exc
         finally:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tessera.comm import cost, diagnostics, shm_gather
+from tessera.comm import cost, diagnostics
 from tessera.comm._ops import ALGORITHMS, accumulate_dtype, check_op, finish_mean, native_op
 from tessera.comm._p2p import Comm, GroupInfo, group_info, next_seq
 from tessera.comm.all_to_all import all_reduce_all_to_all
@@ -24,7 +24,8 @@ from tessera.comm.master_worker import (
 )
 from tessera.comm.ring import all_gather_ring, all_reduce_ring, reduce_scatter_ring, split_bounds
 from tessera.comm.round_robin import all_reduce_round_robin
-from tessera.comm.shm import shm_group
+from tessera.comm.shm import gather as shm_gather
+from tessera.comm.shm.group import shm_group
 from tessera.comm.tree import all_reduce_tree, broadcast_tree, reduce_tree
 from tessera.runtime.context import default_timeout_s
 
@@ -74,7 +75,7 @@ def same_host(group: dist.ProcessGroup | None = None) -> bool:
 
     Decided by a probe, not by host names: the first call per group (every rank at once) has
     group rank 0 create a file in /dev/shm holding a random token, and succeeds only if every
-    rank can map it, read the token and reach every peer's wake-up pipe (`tessera.comm.shm`).
+    rank can map it, read the token and reach every peer's wake-up pipe (`shm.segments.probe`).
     False also where this machine cannot order shared-memory accesses. A one-rank group: True.
     """
     info = group_info(group)
@@ -327,7 +328,7 @@ def all_gather(
 
     `algorithm`: one of `GATHER_ALGORITHMS` or "auto" (the cost model's fastest: shm on one
     host for all but tiny tensors). Ring: (p-1)α + n(p-1)/p·β for n bytes of output; shm: one
-    barrier and n(1 + 1/p) bytes copied (`shm_gather`). A 0-d tensor counts as shape (1,).
+    barrier and n(1 + 1/p) bytes copied (`shm.gather`). A 0-d tensor counts as shape (1,).
     `out`: a contiguous tensor of the result's shape and dtype to write into (it may hold
     `tensor` itself, as ZeRO's flat buffers do); else a new one is returned.
     """
@@ -386,7 +387,7 @@ def reduce_scatter(
     Uneven splits follow `tensor_split` (the first `len % p` ranks get one more row). Returns a
     new tensor; the input is not modified. `algorithm`: one of `GATHER_ALGORITHMS` or "auto".
     Ring: (p-1)α + n(p-1)/p·(β + γ); shm: one barrier, n bytes copied in and this rank's n/p
-    reduced from every rank's copy, in rank order (`shm_gather`). bf16/fp16 accumulate in
+    reduced from every rank's copy, in rank order (`shm.gather`). bf16/fp16 accumulate in
     float32 and are rounded once.
     """
     check_op(op, tensor.dtype)

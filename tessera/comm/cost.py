@@ -113,7 +113,7 @@ def _predict_half(algorithm: str, n: float, p: int, c: CostParams, kind: str) ->
     """all_gather / reduce_scatter: one half of a ring all-reduce, or one shm exchange.
 
     Ring (Thakur, Rabenseifner & Gropp 2005): (p-1)α + n(p-1)/p·β, plus n(p-1)/p·γ reduced
-    for reduce_scatter; native is gloo's ring with its own α. shm (`shm_gather`): one barrier;
+    for reduce_scatter; native is gloo's ring with its own α. shm (`shm.gather`): one barrier;
     all_gather copies n/p in and the gathered n out, reduce_scatter copies the n(p-1)/p that
     peers read in and reduces this rank's n/p from p copies; ranks beyond the cores take turns.
     """

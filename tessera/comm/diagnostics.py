@@ -12,7 +12,9 @@ typed errors:
   4 or more, two groups of ranks that each agree internally could still exchange data.
 - Timeout: every wait has a deadline. A watchdog thread notices waits that last longer than a
   moment and posts "rank r waits in collective #s" to the process group's store; the rank whose
-  deadline passes reads those posts and names the ranks that never reached #s.
+  deadline passes reads those posts and names the ranks that never reached #s (the error itself
+  is built by `flight_recorder.timeout_error`, which writes the rank's record first: the
+  recorder reads this module's history, never the other way round).
 
 `set_checks(False)` (or TESSERA_COMM_CHECK=0) turns the descriptor exchange off for speed.
 """
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.comm._ops import ALGORITHMS, OPS, SUPPORTED_DTYPES
-from tessera.errors import CollectiveMismatch, CollectiveTimeout
+from tessera.errors import CollectiveMismatch
 
 __all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
 
@@ -280,37 +282,3 @@ def missing_ranks(key: str, seq: int, ranks: tuple[int, ...]) -> list[int] | Non
         return None
     return missing
 
-
-def timeout_error(
-    key: str, seq: int, ranks: tuple[int, ...], op: str, timeout_s: float, peer: int | None
-) -> CollectiveTimeout:
-    """Build the `CollectiveTimeout` of this rank, naming the peer and the ranks not arrived."""
-    post_progress(key, seq)
-    time.sleep(0.2)  # let the other waiting ranks' watchdogs post too
-    detail = f"collective #{seq}"
-    if peer is not None:
-        detail += f", waiting for rank {peer}"
-    missing = missing_ranks(key, seq, ranks)
-    if missing:
-        detail += f"; ranks {missing} have not reached collective #{seq} (never called it?)"
-    elif missing is not None:
-        detail += "; every rank reached it: a peer may have died or the network stalled"
-    waited = {"group": key, "seq": seq, "op": op, "peer": peer, "missing_ranks": missing}
-    return timeout_with_record(dist.get_rank(), op, timeout_s, detail, waited)
-
-
-def timeout_with_record(
-    rank: int, op: str, timeout_s: float, detail: str, waiting: dict[str, object]
-) -> CollectiveTimeout:
-    """A `CollectiveTimeout`, after this rank's flight record is written (if dumping is on).
-
-    The error names the record's path and carries it as `flight_record`.
-    """
-    from tessera.comm.flight_recorder import dump
-
-    path = dump(f"timeout: {op} did not complete within {timeout_s:g} s; {detail}", waiting)
-    if path is not None:
-        detail += f" (flight record: {path})"
-    error = CollectiveTimeout(rank, op, timeout_s, detail)
-    error.flight_record = str(path) if path is not None else None
-    return error

@@ -12,7 +12,8 @@ collective times out, the rank writes `DIR/hang-rank-N.json`:
 
 Who writes it:
 - tessera's own collectives (every algorithm, shm, and "native" gloo through `tessera.comm`) at
-  their timeout (`diagnostics.timeout_error`, the shm barrier, ZeRO's stream waits);
+  their timeout: the error they raise is built here (`timeout_error`, `timeout_with_record`),
+  after the record is written, so the error can name the record's path;
 - any rank on SIGTERM or SIGUSR1 (`install_signal_dump`; the launcher and torchrun send SIGTERM
   before SIGKILL), even one stuck inside a native wait (a gloo collective, a futex) that never
   gives the main thread back to Python: a watcher thread, woken through the signal module's
@@ -37,11 +38,21 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from tessera.comm.diagnostics import (
+    current_wait,
+    describe_label,
+    history,
+    missing_ranks,
+    post_progress,
+)
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
 
 __all__ = [
@@ -80,16 +91,12 @@ def dump_dir() -> Path | None:
 
 
 def _rank() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _collectives() -> list[dict[str, Any]]:
-    from tessera.comm.diagnostics import describe_label, history
-
     return [
         {
             "seq": entry.seq,
@@ -144,8 +151,6 @@ def _dump(folder: Path, reason: str, waiting: dict[str, Any] | None, replace: bo
     if not replace and path in _written:
         return path
     try:
-        from tessera.comm.diagnostics import current_wait
-
         record = {
             "rank": rank,
             "world_size": world_size,
@@ -164,6 +169,39 @@ def _dump(folder: Path, reason: str, waiting: dict[str, Any] | None, replace: bo
         return path
     except Exception:  # noqa: BLE001 - best effort, see the docstring
         return None
+
+
+def timeout_error(
+    key: str, seq: int, ranks: tuple[int, ...], op: str, timeout_s: float, peer: int | None
+) -> CollectiveTimeout:
+    """Build the `CollectiveTimeout` of this rank, naming the peer and the ranks not arrived."""
+    post_progress(key, seq)
+    time.sleep(0.2)  # let the other waiting ranks' watchdogs post too
+    detail = f"collective #{seq}"
+    if peer is not None:
+        detail += f", waiting for rank {peer}"
+    missing = missing_ranks(key, seq, ranks)
+    if missing:
+        detail += f"; ranks {missing} have not reached collective #{seq} (never called it?)"
+    elif missing is not None:
+        detail += "; every rank reached it: a peer may have died or the network stalled"
+    waited = {"group": key, "seq": seq, "op": op, "peer": peer, "missing_ranks": missing}
+    return timeout_with_record(dist.get_rank(), op, timeout_s, detail, waited)
+
+
+def timeout_with_record(
+    rank: int, op: str, timeout_s: float, detail: str, waiting: dict[str, object]
+) -> CollectiveTimeout:
+    """A `CollectiveTimeout`, after this rank's flight record is written (if dumping is on).
+
+    The error names the record's path and carries it as `flight_record`.
+    """
+    path = dump(f"timeout: {op} did not complete within {timeout_s:g} s; {detail}", waiting)
+    if path is not None:
+        detail += f" (flight record: {path})"
+    error = CollectiveTimeout(rank, op, timeout_s, detail)
+    error.flight_record = str(path) if path is not None else None
+    return error
 
 
 @contextlib.contextmanager
@@ -214,8 +252,6 @@ def reached(label: str) -> None:
     `torch.distributed` call then times out inside `dump_on_failure` (gloo's message names no
     rank), the error names the ranks that never reached this rank's last point.
     """
-    from tessera.comm.diagnostics import post_progress
-
     _sync["count"] += 1
     _sync["label"] = label
     post_progress(_SYNC_KEY, _sync["count"])
@@ -226,7 +262,6 @@ def _name_the_stopped_ranks(exc: RuntimeError) -> CollectiveTimeout | None:
     text = str(exc).lower()
     if _sync["count"] == 0 or not ("timed out" in text or "timeout" in text):
         return None
-    from tessera.comm.diagnostics import missing_ranks
     from tessera.runtime.context import default_timeout_s
 
     rank, world_size = _rank()

@@ -1,59 +1,40 @@
 """Start the S + W local processes of a run and wait for the coordinator's result.
 
-Why not `tessera.launch`: it treats any rank that dies as the end of the run and stops the others,
-which is right for collectives (the survivors would hang) but wrong here: under ASP and SSP a dead
-worker is dropped by the servers and training goes on. This launcher gives each process the same
-environment (RANK, WORLD_SIZE, a FileStore rendezvous file in a folder only this user can read,
-so no TCP port to pick; TensorPipe's listeners on loopback only, so no other machine can reach
-them) and reports:
+The processes come from the runtime's rank spawner (`tessera.runtime.spawner`: a FileStore
+rendezvous file in a folder only this user can read, so no TCP port to pick; one process per rank
+with the caller's environment; silent deaths noticed; everything stopped at the end). What is the
+parameter server's own is here:
 
-- an exception on any server, or on any worker under BSP: `RankFailedError` naming the process
-  (`server-S` / `worker-W`) with its traceback, after which the others are stopped;
-- a worker that raised or died under ASP/SSP: recorded, the run continues; the servers drop it;
-- a server dying silently, or any worker dying silently under BSP: `RankFailedError` naming it.
+- each process runs `entry(config, rank, world_size, init_method)` as server `rank` (rank < S)
+  or worker `rank - S`, its store in TESSERA_PS_INIT_FILE (not TESSERA_INIT_FILE: these
+  processes join an RPC world, not tessera's process group);
+- TensorPipe's listeners on loopback only (TP_SOCKET_IFNAME=lo), so no other machine can reach
+  them;
+- the result policy, `CoordinatorResult`. Not `launch`'s, which treats any rank that dies as the
+  end of the run, right for collectives (the survivors would hang) but wrong here: under ASP and
+  SSP a dead worker is dropped by the servers and training goes on. So:
+  - an exception on any server, or on any worker under BSP: `RankFailedError` naming the process
+    (`server-S` / `worker-W`) with its traceback, after which the others are stopped;
+  - a worker that raised or died under ASP/SSP: recorded, the run continues; the servers drop it;
+  - a server dying silently, or any worker dying silently under BSP: `RankFailedError` naming it.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue as queue_module
-import shutil
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 from tessera.errors import RankFailedError
 from tessera.parameter_server.transport import peer_name
-from tessera.runtime.launch import decode_result, encode_result, process_context, stop_processes
+from tessera.runtime.spawner import ResultPolicy, spawn_ranks
 
-__all__ = ["spawn_local"]
+__all__ = ["CoordinatorResult", "spawn_local"]
 
-_POLL_S = 0.2
 LOOPBACK_ENV = "TP_SOCKET_IFNAME"
 """TensorPipe's choice of network interface; a local run sets it to loopback."""
-_GRACE_S = 1.0
-
-
-def _child(entry: Callable[..., Any], config: Any, rank: int, world_size: int, init_file: str,
-           environment: dict[str, str], results: mp.Queue) -> None:
-    # A forkserver child starts with the server's environment: give it the caller's, as it is now.
-    os.environ.clear()
-    os.environ.update(environment)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), TESSERA_PS_INIT_FILE=init_file)
-    # Every peer is on this machine: TensorPipe listens on loopback only, not on the interface
-    # the host name resolves to (or one TP_SOCKET_IFNAME names), so no other machine can connect.
-    os.environ[LOOPBACK_ENV] = "lo"
-    name = peer_name(rank, config.num_servers)
-    try:
-        value = entry(config, rank, world_size, f"file://{init_file}")
-        # Bytes, not tensors: a queued tensor is a shared-memory handle that dies with this process.
-        results.put(("ok", rank, encode_result(value) if rank == 0 else None, ""))
-    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        results.put(("error", rank, f"{name}: {type(exc).__name__}: {exc}", traceback.format_exc()))
+INIT_FILE_ENV = "TESSERA_PS_INIT_FILE"
+"""Where each process finds the rendezvous store's path."""
 
 
 def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss: bool) -> Any:
@@ -63,68 +44,58 @@ def spawn_local(entry: Callable[..., Any], config: Any, *, tolerate_worker_loss:
     failed while `tolerate_worker_loss` let the run go on.
     """
     world_size = config.num_servers + config.num_workers
-    context = process_context()  # a forkserver that imported torch and tessera once
-    results: mp.Queue = context.Queue()
-    store_dir = tempfile.mkdtemp(prefix="tessera-ps-")
-    init_file = os.path.join(store_dir, "rpc-store")
-    environment = dict(os.environ)
-    processes = [
-        context.Process(
-            target=_child,
-            args=(entry, config, r, world_size, init_file, environment, results),
-            name=f"tessera-ps-{peer_name(r, config.num_servers)}",
-        )
-        for r in range(world_size)
-    ]
-    try:
-        for process in processes:
-            process.start()
-        return _collect(processes, results, config.num_servers, tolerate_worker_loss)
-    finally:
-        stop_processes(processes)
-        shutil.rmtree(store_dir, ignore_errors=True)
+    # Every peer is on this machine: TensorPipe listens on loopback only, not on the interface
+    # the host name resolves to (or one TP_SOCKET_IFNAME names), so no other machine can connect.
+    return spawn_ranks(
+        _process,
+        world_size,
+        (entry, config),
+        CoordinatorResult(config.num_servers, tolerate_worker_loss),
+        env={LOOPBACK_ENV: "lo"},
+        init_file_variable=INIT_FILE_ENV,
+        label="ps",
+    )
 
 
-def _collect(processes: list[mp.Process], results: mp.Queue, num_servers: int,
-             tolerate_worker_loss: bool) -> tuple[Any, list[tuple[int, str]]]:
-    reported: set[int] = set()
-    worker_failures: list[tuple[int, str]] = []
-    exited_at: dict[int, float] = {}  # rank -> when its exit was first seen without a message
-    while True:
-        try:
-            kind, rank, payload, remote_traceback = results.get(timeout=_POLL_S)
-        except queue_module.Empty:
-            for rank in _silent_deaths(processes, reported, exited_at):
-                text = (f"{peer_name(rank, num_servers)}: process exited with code "
-                        f"{processes[rank].exitcode} without reporting")
-                if rank >= num_servers and tolerate_worker_loss:
-                    reported.add(rank)
-                    worker_failures.append((rank - num_servers, text))
-                else:
-                    raise RankFailedError(rank, text) from None
-            continue
-        reported.add(rank)
-        if kind == "ok":
-            if rank == 0:
-                return decode_result(payload), worker_failures
-            continue
-        if rank >= num_servers and tolerate_worker_loss:
-            worker_failures.append((rank - num_servers, payload))
-            continue
-        raise RankFailedError(rank, payload, remote_traceback)
+def _process(entry: Callable[..., Any], config: Any) -> Any:
+    """One process of the run; only the coordinator's (rank 0's) result travels back."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    value = entry(config, rank, world_size, f"file://{os.environ[INIT_FILE_ENV]}")
+    return value if rank == 0 else None
 
 
-def _silent_deaths(processes: list[mp.Process], reported: set[int],
-                   exited_at: dict[int, float]) -> list[int]:
-    """Ranks whose process ended over `_GRACE_S` ago without a message.
+class CoordinatorResult(ResultPolicy):
+    """Rank 0's value and the workers lost on the way; any other failure ends the run."""
 
-    A process's last message can still be in the pipe when its exit is seen, hence the grace.
-    """
-    now = time.monotonic()
-    silent = []
-    for rank, process in enumerate(processes):
-        if rank in reported or process.exitcode is None:
-            continue
-        if now - exited_at.setdefault(rank, now) > _GRACE_S:
-            silent.append(rank)
-    return silent
+    def __init__(self, num_servers: int, tolerate_worker_loss: bool) -> None:
+        self.num_servers = num_servers
+        self.tolerate_worker_loss = tolerate_worker_loss
+        self.value: Any = None
+        self.worker_failures: list[tuple[int, str]] = []
+
+    def on_value(self, rank: int, value: Any) -> bool:
+        """Over when the coordinator (rank 0) has returned."""
+        if rank == 0:
+            self.value = value
+        return rank == 0
+
+    def on_error(self, rank: int, message: str, remote_traceback: str) -> bool:
+        """A worker lost under ASP/SSP is recorded; anything else raises `RankFailedError`."""
+        self._fail(rank, f"{peer_name(rank, self.num_servers)}: {message}", remote_traceback)
+        return False
+
+    def on_exit(self, rank: int, exitcode: int) -> bool:
+        """As `on_error`, for a process that died without a word."""
+        name = peer_name(rank, self.num_servers)
+        self._fail(rank, f"{name}: process exited with code {exitcode} without reporting", "")
+        return False
+
+    def _fail(self, rank: int, text: str, remote_traceback: str) -> None:
+        if rank >= self.num_servers and self.tolerate_worker_loss:
+            self.worker_failures.append((rank - self.num_servers, text))
+            return
+        raise RankFailedError(rank, text, remote_traceback)
+
+    def result(self, unreported: dict[int, int | None]) -> tuple[Any, list[tuple[int, str]]]:
+        """`(rank 0's value, [(worker, message), ...])`; the other processes are stopped."""
+        return self.value, self.worker_failures

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm.channel import Endpoint, ring_available
+from tessera.comm.shm.channel import Endpoint, ring_available
 from tessera.errors import CollectiveTimeout
 
 __all__ = ["Links", "Posted"]

@@ -21,7 +21,7 @@ forward and backward (ZeRO-Offload's DPU, `tessera.zero.delayed`).
 
 Transport: a reduce-scatter and an all-gather (the paper's Ψ elements each) through
 `tessera.comm` with the cost model's choice: on one host its shared-memory collectives
-(`comm.shm_gather`: one barrier each, the reduce-scatter moving about a third of the bytes of an
+(`comm.shm.gather`: one barrier each, the reduce-scatter moving about a third of the bytes of an
 all-reduce), across hosts the ring or gloo's own. Stage 1 on one host reduces gradients with the
 in-place all-reduce instead: its buffers keep the group mean between backwards, which gradient
 accumulation needs without a separate shard (see `stage1`).

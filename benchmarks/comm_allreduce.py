@@ -1,4 +1,4 @@
-"""`tessera bench comm`: every allreduce algorithm against gloo's own, sizes 4 KB to 64 MB.
+"""Every allreduce algorithm against gloo's own, sizes 4 KB to 64 MB (`benchmarks/comm.py`).
 
 For each world size (2 and 4 local ranks) and message size, every algorithm runs in turn
 (A B C … A B C …, `repeats` rounds, after one warm-up), each sample timing enough back-to-back

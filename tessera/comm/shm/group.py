@@ -39,7 +39,7 @@ a time slice), so there the rank sleeps at once. Past `SPIN_S` the rank sleeps, 
 idle wait never burns a core.
 
 How a rank sleeps: where every rank of the group has futex(2) and atomic read-modify-writes
-(`_futex`, `_atomics`; Linux on x86_64 or aarch64), each arrival adds one to a shared 32-bit
+(`futex`, `atomics`; Linux on x86_64 or aarch64), each arrival adds one to a shared 32-bit
 arrival counter, waiters sleep on that counter, and the last rank to arrive wakes them all with
 one call (only if one raised its sleeping flag). Elsewhere, or with TESSERA_SHM_FUTEX=0, each
 rank stores its own counter and sleeps in poll() on a named pipe; every arriving rank writes a
@@ -47,15 +47,15 @@ byte to each sleeping peer, who wakes, looks, and may sleep again. The futex sav
 intermediate wake-ups with 4 ranks and the pipe's write/poll/read; measured against the pipe,
 variants alternating in one run (`benchmarks/shm_barrier.py`, BENCHMARKS.md's comm section).
 Either way each rank's own counter names the ranks that never arrived when a wait times out,
-and the accesses are sequentially consistent (`_atomics`): a release/acquire pair orders each
+and the accesses are sequentially consistent (`atomics`): a release/acquire pair orders each
 slot's data before the counter that announces it, on any CPU, and "raise the flag, then look"
 against "arrive, then look at the flags" cannot both miss.
 
-Who shares memory is probed, not guessed from host names (`_shm_setup.probe`); a group that
+Who shares memory is probed, not guessed from host names (`segments.probe`); a group that
 cannot share it, or a machine that cannot order the accesses, falls back to the native
 algorithm for every shm request. Files get unguessable names, private modes and exclusive
 creation, are unlinked as soon as every rank has them mapped, and are cleaned up on SIGTERM
-and after dead jobs (`_shm_files`).
+and after dead jobs (`files`).
 """
 
 from __future__ import annotations
@@ -69,10 +69,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from tessera.comm import _futex, _shm_files, diagnostics
+from tessera.comm import diagnostics, flight_recorder
 from tessera.comm._ops import PAIRWISE, accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
-from tessera.comm._shm_setup import NAME_AT, NAME_MAX, PAGE, Segment, probe
+from tessera.comm.shm import files, futex
+from tessera.comm.shm.segments import NAME_AT, NAME_MAX, PAGE, Segment, probe
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
 
@@ -97,7 +98,7 @@ class ShmGroup:
     """The shared-memory state of one process group: control page, pipes and segments.
 
     Created collectively (every rank of the group at once); `same_host` says whether the probe
-    (`_shm_setup.probe`) found every rank able to share memory with every other.
+    (`segments.probe`) found every rank able to share memory with every other.
     """
 
     def __init__(self, info: GroupInfo) -> None:
@@ -119,7 +120,7 @@ class ShmGroup:
         self._count = 0  # barriers passed: the same on every rank
         self._segments: dict[str, Segment] = {}  # "scratch", "staging": grown by doubling
         self._shared: list[Segment] = []
-        self.turns = 0  # double-buffered collectives done (`shm_gather`): the same on every rank
+        self.turns = 0  # double-buffered collectives done (`gather`): the same on every rank
 
     # --------------------------------------------------------------------------- barrier
     def _arrived(self, count: int) -> bool:
@@ -181,7 +182,7 @@ class ShmGroup:
         target = count * self.info.size & _MASK32
         if words.add32(self._arrivals, 1) == target:  # last: wake whoever went to sleep
             if self._wake_needed():
-                _futex.wake(self._arrivals_address)
+                futex.wake(self._arrivals_address)
             return
         deadline = time.monotonic() + timeout_s
         stop = self._spin_stop(deadline)
@@ -199,7 +200,7 @@ class ShmGroup:
                 if remaining <= 0:
                     self._timeout(op, seq, timeout_s, count)
                 # returns at once if the counter moved since `seen`: no wake-up is lost
-                _futex.wait(self._arrivals_address, seen, min(self._nap_ms / 1e3, remaining))
+                futex.wait(self._arrivals_address, seen, min(self._nap_ms / 1e3, remaining))
         finally:
             words.store(me + _SLEEPING, 0)
 
@@ -207,7 +208,7 @@ class ShmGroup:
         load, stride = self._words.load, self._slot_words
         missing = [self.info.ranks[q] for q in self._peers if load(q * stride + _COUNTER) < count]
         waited = {"group": self.info.key, "seq": seq, "op": f"{op} (shm)", "peer": None}
-        raise diagnostics.timeout_with_record(
+        raise flight_recorder.timeout_with_record(
             dist.get_rank(),
             op,
             timeout_s,
@@ -254,7 +255,7 @@ class ShmGroup:
                 self.barrier("shm segment", -1, timeout_s)  # the name is out
                 self.barrier("shm segment", -1, timeout_s)  # every rank has it mapped
             finally:  # the memory lives until the last rank unmaps it
-                _shm_files.unlink(segment.name)
+                files.unlink(segment.name)
             return segment
         self.barrier("shm segment", -1, timeout_s)
         name = bytes(self._control.map[header : header + NAME_MAX]).rstrip(b"\0").decode()
@@ -271,7 +272,7 @@ class ShmGroup:
     def scratch(self, nbytes: int, timeout_s: float, purpose: str = "scratch") -> Segment:
         """The copy-in segment of `purpose`, grown (by doubling, alike on every rank) to `nbytes`
         per slot. "scratch" serves all_reduce and broadcast; "staging" the double-buffered
-        all_gather and reduce_scatter (`shm_gather`), whose slots others may still be reading
+        all_gather and reduce_scatter (`gather`), whose slots others may still be reading
         when this rank starts its next call, so they must not share a segment with all_reduce.
         """
         segment = self._segments.get(purpose)

@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from tessera.comm._ops import reduce_many
-from tessera.comm._shm_setup import Segment
-from tessera.comm.shm import ShmGroup
+from tessera.comm.shm.group import ShmGroup
+from tessera.comm.shm.segments import Segment
 
 __all__ = ["DESCRIPTOR_AT", "all_gather", "reduce_scatter"]
 

@@ -1,6 +1,6 @@
 """All-gather and reduce-scatter against gloo's own, 64 KB to 64 MB, 2 and 4 ranks.
 
-    python benchmarks/comm.py gather [--worlds 2 4] [--repeats 5]
+    python benchmarks/comm.py gather [--worlds 2 4] [--repeats 5]    # or: tessera bench comm gather
 
 Size: bytes of the whole tensor (all_gather's output, reduce_scatter's input), float32. Each
 round runs every variant in turn (A B C ... A B C ..., `repeats` rounds after a warm-up), a
@@ -55,10 +55,11 @@ def _calls(kind: str, nbytes: int, world: int):
 
 
 def _bench_rank(sizes: list[int], repeats: int) -> list[dict] | None:
+    from comm_allreduce import interleaved_medians  # beside this file, on sys.path in the ranks
+
     import tessera
     from tessera.comm import api, calibrate
     from tessera.comm._p2p import group_info
-    from tessera.comm.bench import interleaved_medians
 
     ctx = tessera.init()
     world = ctx.world_size

@@ -1,6 +1,6 @@
 """Sleeping on a 32-bit word of shared memory until a peer changes it: Linux futex(2).
 
-Why: the shm barrier (`shm.ShmGroup.barrier`) used to sleep in poll() on a named pipe that an
+Why: the shm barrier (`group.ShmGroup.barrier`) used to sleep in poll() on a named pipe that an
 arriving rank wrote a byte to, one pipe write per sleeping peer per arrival, each waking a rank
 that then found the barrier still short of ranks and slept again. A futex sleeps on the barrier's
 own arrival counter: `wait(address, seen, timeout)` returns at once if the word no longer holds
@@ -65,7 +65,7 @@ AVAILABLE = _FOUND is not None
 
 ENABLED = os.environ.get("TESSERA_SHM_FUTEX", "1") != "0"
 """Whether new shm groups may use it (TESSERA_SHM_FUTEX=0: the pipe, as where it is missing).
-Read when a group is set up; every rank of the group must agree (`_shm_setup.probe` votes)."""
+Read when a group is set up; every rank of the group must agree (`segments.probe` votes)."""
 
 
 def wait(address: int, seen: int, timeout_s: float) -> None:

@@ -13,7 +13,7 @@ consumer's on another (`_TAIL` messages consumed, `_CONSUMER_SLEEPING`).
 Messages live in a data segment of `slots` slots; slot `k % slots` holds message k: a header
 (tag, dtype, shape, bytes) and the payload. Message k may be written once `k - tail < slots`
 and read once `head > k`. The counters are stored after the data they announce and loaded
-before it is read, with sequentially consistent atomics (`_atomics.Words`): a release/acquire
+before it is read, with sequentially consistent atomics (`atomics.Words`): a release/acquire
 pair, so the reader never sees a counter before the bytes it covers.
 
 Growing. The producer creates the data segment at its first send, sized for that message; a
@@ -24,12 +24,12 @@ never came).
 
 Waiting. A waiter raises its sleeping flag, looks at the counters again and sleeps in poll() on
 its own named pipe, which the other side writes a byte to after moving a counter (the
-handshake of `shm.ShmGroup.barrier`). Only the peer holds that pipe's write end, so when the
+handshake of `group.ShmGroup.barrier`). Only the peer holds that pipe's write end, so when the
 peer exits or dies the kernel reports a hang-up: the waiter raises `PeerLostError` at once,
 naming the peer, instead of waiting out its deadline. Every wait has the deadline `timeout_s`
 and raises `CollectiveTimeout` naming this rank, the peer and the operation.
 
-Files: `_shm_files` names, creates and cleans them up; each lives in /dev/shm only until the
+Files: `files` names, creates and cleans them up; each lives in /dev/shm only until the
 peer has mapped or opened it.
 """
 
@@ -44,8 +44,8 @@ from collections.abc import Callable
 
 import torch
 
-from tessera.comm import _atomics, _shm_files
-from tessera.comm._shm_setup import PAGE, Segment
+from tessera.comm.shm import atomics, files
+from tessera.comm.shm.segments import PAGE, Segment
 from tessera.errors import CollectiveTimeout, PeerLostError
 
 __all__ = ["Endpoint", "ring_available"]
@@ -78,7 +78,7 @@ _DTYPES = (
 
 def ring_available() -> bool:
     """Whether this machine orders shared-memory accesses well enough for a channel."""
-    return _atomics.MODE is not None
+    return atomics.MODE is not None
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -103,20 +103,20 @@ class Endpoint:
     def __init__(
         self, me: int, peer: int, *, creator: bool, timeout_s: float, slots: int = 4
     ) -> None:
-        if _atomics.MODE is None:
+        if atomics.MODE is None:
             raise ValueError("no ordered shared-memory access on this machine")
         if slots < 1:
             raise ValueError(f"a ring needs at least one slot, got {slots}")
-        _shm_files.install_sigterm_cleanup()
+        files.install_sigterm_cleanup()
         self.me, self.peer, self.creator, self.timeout_s = me, peer, creator, timeout_s
         self.slots = slots
         self.bytes_sent = 0
         self._control: Segment | None = None
         self._token = secrets.token_hex(16) if creator else ""
         self._peer_pipe = -1
-        self._pipe_name = _shm_files.create_fifo()
+        self._pipe_name = files.create_fifo()
         # Read-only: the peer's write end is the only one, so its exit shows as a hang-up.
-        self._inbox = _shm_files.open_checked(self._pipe_name, os.O_RDONLY | os.O_NONBLOCK, True)
+        self._inbox = files.open_checked(self._pipe_name, os.O_RDONLY | os.O_NONBLOCK, True)
         self._fds = [self._inbox]  # closed by `close`, or when the endpoint is collected
         self._closer = weakref.finalize(self, _close_fds, self._fds)
         self._poll = select.poll()
@@ -145,7 +145,7 @@ class Endpoint:
         """Open the peer's pipe (and map the creator's control file); False if not possible."""
         try:
             pipe, control, token = (offer.split(" ") + ["", ""])[:3]
-            self._peer_pipe = _shm_files.open_checked(pipe, os.O_WRONLY | os.O_NONBLOCK, True)
+            self._peer_pipe = files.open_checked(pipe, os.O_WRONLY | os.O_NONBLOCK, True)
             self._fds.append(self._peer_pipe)
             if not self.creator:
                 self._control = Segment.open(control, 2, PAGE)
@@ -154,23 +154,23 @@ class Endpoint:
         except (OSError, ValueError):
             return False
         raw, view = self._control.raw, memoryview(self._control.map)
-        self._words = _atomics.Words(raw, view, _atomics.MODE)
-        self._nap_ms = _atomics.NAP_MS[_atomics.MODE]
+        self._words = atomics.Words(raw, view, atomics.MODE)
+        self._nap_ms = atomics.NAP_MS[atomics.MODE]
         out_page, in_page = (0, 1) if self.creator else (1, 0)
         self._out, self._in = out_page * _WORDS_PER_PAGE, in_page * _WORDS_PER_PAGE
         return True
 
     def unlink(self) -> None:
         """Remove our setup files (call once both sides connected, or gave up)."""
-        _shm_files.unlink(self._pipe_name)
+        files.unlink(self._pipe_name)
         if self._control is not None and self.creator:
-            _shm_files.unlink(self._control.name)
+            files.unlink(self._control.name)
 
     def close(self) -> None:
         """Close the pipes (the peer's next wait reports us gone) and drop our files."""
         self.unlink()
         for name in self._segments:  # (already gone once the consumer mapped them)
-            _shm_files.unlink(name)
+            files.unlink(name)
         self._segments = []
         self._closer()
 
@@ -301,7 +301,7 @@ class Endpoint:
             slots, slot_bytes = words.load(inn + _SLOTS), words.load(inn + _SLOT_BYTES)
             name = raw.rstrip(b"\0").decode()
             self._in_data = Segment.open(name, slots, slot_bytes)
-            _shm_files.unlink(name)  # mapped: the memory lives on until both sides unmap it
+            files.unlink(name)  # mapped: the memory lives on until both sides unmap it
             self._in_generation = generation
         data = self._in_data
         slot = tail % (data.raw.numel() // data.slot_bytes)

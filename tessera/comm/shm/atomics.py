@@ -119,7 +119,7 @@ class Words:
             self._view[index] = value
 
     def address(self, byte: int) -> int:
-        """The address of byte `byte` of the mapping (for futex(2), `_futex`)."""
+        """The address of byte `byte` of the mapping (for futex(2), `futex`)."""
         return self._base + byte
 
     def load32(self, byte: int) -> int:

@@ -9,11 +9,11 @@ and not a /dev/shm):
      token through its own mapping (so the page is really shared, not merely visible) and
      opens every peer's pipe;
   3. the verdicts are all-gathered; every rank has then opened what it could, so the names are
-     unlinked at once (`_shm_files`: the files exist only between steps 1 and 3).
+     unlinked at once (`files`: the files exist only between steps 1 and 3).
 
 Unless every rank succeeded, `probe` returns None on every rank and the group has no shared
-memory; so too where this machine cannot order shared-memory accesses (`_atomics.MODE`). The
-verdicts also say whether each rank can sleep on a futex (`_futex`) and has atomic
+memory; so too where this machine cannot order shared-memory accesses (`atomics.MODE`). The
+verdicts also say whether each rank can sleep on a futex (`futex`) and has atomic
 read-modify-writes: the group's barrier uses the futex only if every rank can, the pipes
 otherwise, so that a sleeper and its waker always agree on how to wake.
 """
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm import _atomics, _futex, _shm_files
 from tessera.comm._p2p import GroupInfo
+from tessera.comm.shm import atomics, files, futex
 
 __all__ = ["NAME_AT", "NAME_MAX", "PAGE", "Link", "Segment", "probe"]
 
@@ -58,14 +58,14 @@ class Segment:
 
     @classmethod
     def create(cls, kind: str, slots: int, slot_bytes: int) -> Segment:
-        """A new file under a fresh random name (see `_shm_files`), mapped."""
-        name, fd = _shm_files.create_file(kind, slots * slot_bytes)
+        """A new file under a fresh random name (see `files`), mapped."""
+        name, fd = files.create_file(kind, slots * slot_bytes)
         return cls(name, fd, slots, slot_bytes)
 
     @classmethod
     def open(cls, name: str, slots: int, slot_bytes: int) -> Segment:
         """Map the file a peer created and published as `name`."""
-        return cls(name, _shm_files.open_checked(name, os.O_RDWR, fifo=False), slots, slot_bytes)
+        return cls(name, files.open_checked(name, os.O_RDWR, fifo=False), slots, slot_bytes)
 
     def slot(self, rank: int, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         """A (numel,) tensor of `dtype` at byte `offset` of `rank`'s slot."""
@@ -89,7 +89,7 @@ class Link:
     control: Segment  # one page per rank (descriptor, barrier words), then the header page
     inbox: int  # our wake-up pipe, open for reading
     outboxes: list[int]  # every peer's wake-up pipe, open for writing (-1 at our own rank)
-    words: _atomics.Words  # the control page's int64 words, accessed in order
+    words: atomics.Words  # the control page's int64 words, accessed in order
     nap_ms: float
     futex: bool  # every rank sleeps on a futex in the barrier (else on its pipe)
 
@@ -103,17 +103,17 @@ def _close(fds: list[int]) -> None:
 def probe(info: GroupInfo) -> Link | None:
     """Collective: the group's shared-memory link, or None (on every rank) if not all can share."""
     global _swept
-    _shm_files.install_sigterm_cleanup()
+    files.install_sigterm_cleanup()
     if not _swept:
         _swept = True
-        _shm_files.sweep_stale()
-    mode = _atomics.MODE
+        files.sweep_stale()
+    mode = atomics.MODE
     inbox_name, offer, control, inbox = None, None, None, -1
     if mode is not None:
         try:
-            inbox_name = _shm_files.create_fifo()
+            inbox_name = files.create_fifo()
             # O_RDWR: opening never blocks and the pipe never reports EOF while we hold it.
-            inbox = _shm_files.open_checked(inbox_name, os.O_RDWR | os.O_NONBLOCK, fifo=True)
+            inbox = files.open_checked(inbox_name, os.O_RDWR | os.O_NONBLOCK, fifo=True)
             if info.rank == 0:
                 control = Segment.create("control", info.size + 1, PAGE)
                 token = secrets.token_bytes(TOKEN_BYTES)
@@ -131,19 +131,19 @@ def probe(info: GroupInfo) -> Link | None:
             control, outboxes = _open_peers(info, offers, control)
         except (OSError, ValueError):
             able = False
-    futex = _futex.AVAILABLE and _futex.ENABLED and mode == "atomics"
+    can_futex = futex.AVAILABLE and futex.ENABLED and mode == "atomics"
     votes: list = [None] * info.size
-    dist.all_gather_object(votes, (able, futex), group=info.group)
+    dist.all_gather_object(votes, (able, can_futex), group=info.group)
     if inbox_name is not None:
-        _shm_files.unlink(inbox_name)
+        files.unlink(inbox_name)
     if control is not None and info.rank == 0:
-        _shm_files.unlink(control.name)
+        files.unlink(control.name)
     if not all(able for able, _ in votes):
         _close([inbox, *outboxes])
         return None
-    words = _atomics.Words(control.raw, memoryview(control.map), mode)
-    futex = all(futex for _, futex in votes)
-    return Link(control, inbox, outboxes, words, _atomics.NAP_MS[mode], futex)
+    words = atomics.Words(control.raw, memoryview(control.map), mode)
+    every_futex = all(can for _, can in votes)
+    return Link(control, inbox, outboxes, words, atomics.NAP_MS[mode], every_futex)
 
 
 def _open_peers(
@@ -162,7 +162,7 @@ def _open_peers(
         for q in range(p):
             flags = os.O_WRONLY | os.O_NONBLOCK
             outboxes.append(
-                _shm_files.open_checked(offers[q][0], flags, fifo=True) if q != r else -1
+                files.open_checked(offers[q][0], flags, fifo=True) if q != r else -1
             )
     except OSError:
         _close(outboxes)
