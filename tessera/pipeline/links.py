@@ -1,7 +1,7 @@
 """Messages between pipeline stages: shared-memory rings on one host, gloo otherwise.
 
 Each link (two neighbouring stages) is chosen on its own when the stages are built: the two
-ranks try to share a shared-memory `Endpoint` (`tessera.comm.channel`) and keep it only if both
+ranks try to share a shared-memory `Endpoint` (`tessera.comm.shm.channel`) and keep it only if both
 could map the other's files, which is the same probe `tessera.comm.same_host` makes for a group
 (a file only a process of this host and user can open, holding a random token), asked of the
 two ranks of the link alone. So a pipeline spanning two hosts runs its links inside each host
