@@ -109,13 +109,20 @@ def test_peer_files_of_the_wrong_kind_are_refused(tmp_path, monkeypatch):
 
 
 def test_sigterm_handler_unlinks_then_chains(tmp_path, monkeypatch):
+    # one SIGTERM chain per process (tessera.runtime.signals): the cleanups, then the handler
+    # that was there before (called; SIG_IGN: the process lives on)
+    from tessera.runtime import signals
+
     monkeypatch.setattr(shm_files, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(signals, "_cleanups", [])
+    monkeypatch.setattr(signals, "_installed", True)  # the handler is called by hand below
+    shm_files.install_sigterm_cleanup()
     calls = []
     for previous in (lambda signum, frame: calls.append(signum), signal.SIG_IGN):
         name, fd = shm_files.create_file("seg", 64)
         os.close(fd)
-        monkeypatch.setattr(shm_files, "_previous_sigterm", previous)
-        shm_files._on_sigterm(signal.SIGTERM, None)  # SIG_IGN: returns, the process lives on
+        monkeypatch.setattr(signals, "_previous", previous)
+        signals._handle(signal.SIGTERM, None)
         assert not (tmp_path / name).exists()
     assert calls == [signal.SIGTERM]
 

@@ -31,16 +31,15 @@ import json
 import multiprocessing.util
 import os
 import shutil
-import signal
 import socket
 import tempfile
-import threading
 import uuid
 import weakref
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from tessera.runtime.signals import on_sigterm
 
 __all__ = ["ALIGN", "SwapFile", "SwapFolder", "aligned_empty", "check_swap_dir"]
 
@@ -173,38 +172,21 @@ def _remove(path: Path, files: list[SwapFile]) -> None:
 
 _live_folders: dict[Path, None] = {}
 """This process's swap folders not yet removed (what a SIGTERM removes)."""
-_previous_sigterm: Any = None
-_sigterm_installed = False
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """Remove this process's swap folders, then do what the previous handler did.
+def _remove_live_folders() -> None:
+    """Remove this process's swap folders (on SIGTERM, `tessera.runtime.signals`).
 
     Only the names go (`rmtree`); the files stay open, so should the previous handler let the
     process go on, its swap files still work, and the kernel frees their space at exit.
     """
     for path in list(_live_folders):
         shutil.rmtree(path, ignore_errors=True)
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:  # the default action: die by the same signal
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
 
 
 def _install_sigterm_cleanup() -> None:
-    """Chain `_on_sigterm` in front of the current SIGTERM handler (once per process).
-
-    Python lets only the main thread install handlers: from another thread this does nothing,
-    and the next run's `remove_stale` is the backstop (as after `kill -9`). The handler is
-    Python's, so it runs when the main thread next executes Python code.
-    """
-    global _previous_sigterm, _sigterm_installed
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return
-    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _sigterm_installed = True
+    """Remove the swap folders on SIGTERM, before the previous handler runs (idempotent)."""
+    on_sigterm(_remove_live_folders)
 
 
 def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:

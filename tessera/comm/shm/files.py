@@ -31,10 +31,9 @@ import contextlib
 import os
 import re
 import secrets
-import signal
 import stat
-import threading
-from typing import Any
+
+from tessera.runtime.signals import on_sigterm
 
 __all__ = [
     "SHM_DIR",
@@ -53,8 +52,6 @@ _NAME = re.compile(r"^tessera-(\d+)-(\d+)-([0-9a-f]{32})\.(control|seg|pipe)$")
 _TRIES = 16  # fresh names tried before giving up (a collision of 128 random bits: never)
 
 _created: dict[str, str] = {}  # name -> path of the files we created and have not unlinked
-_previous_sigterm: Any = None
-_installed = False
 
 
 def _pid_namespace() -> int:
@@ -170,24 +167,7 @@ def _cleanup() -> None:
         unlink(name)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    _cleanup()
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:  # the default action: die by the same signal
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
 def install_sigterm_cleanup() -> None:
-    """Unlink our files on SIGTERM, then do what the previous handler did (idempotent).
-
-    Python lets only the main thread install handlers; called from another thread this does
-    nothing, and `sweep_stale` is the backstop.
-    """
-    global _previous_sigterm, _installed
-    if _installed or threading.current_thread() is not threading.main_thread():
-        return
-    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _installed = True
+    """Unlink our files on SIGTERM, then do what the previous handler did (idempotent;
+    `tessera.runtime.signals`)."""
+    on_sigterm(_cleanup)
