@@ -235,7 +235,8 @@ def test_your_model_and_data_then_an_hf_model_exported_for_transformers(tmp_path
         "tessera train --model hf:GPT2LMHeadModel --model-config gpt2-tiny.json --data corpus.txt "
         "--out runs/gpt2"
     )
-    out = _run([*command, *small, "--block-size", "16"], tmp_path, timeout=240)
+    # one rank: the README's command as written, without paying a second launch of two ranks
+    out = _run([*command, *small, "--block-size", "16", "--nproc", "1"], tmp_path, timeout=240)
     assert out.returncode == 0, out.stderr
     assert "generated for the demo GPT only" in out.stdout
     assert not (tmp_path / "runs/gpt2/sample.txt").exists()
