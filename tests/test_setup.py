@@ -279,7 +279,7 @@ def _errors(ctx) -> None:
     model = NoLoss()
     engine = tessera.setup(model, _make_optimizer("sgd"), strategy="ddp", ctx=ctx)
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="NoLoss returned none"):
+    with pytest.raises(ValueError, match="NoLoss returned no loss"):
         engine.train_step({"x": torch.randn(2, 5)})
     with pytest.raises(ValueError, match="pass loss_fn=fn\\(output, targets\\)"):
         engine.train_step((torch.randn(2, 5), torch.randn(2, 2)))

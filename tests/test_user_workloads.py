@@ -145,7 +145,7 @@ def test_errors_stop_before_any_rank_starts(tmp_path, capsys):
         (["--model", "user_workloads:mlp", "--data", str(tmp_path / "bad.jsonl")],
          "bad.jsonl:2 is not JSON"),
         (["--model", "user_workloads:classifier_without_loss", "--data", dicts],
-         "holds no loss for the batch keys ['features', 'labels']: give --loss"),
+         "returned no loss for a dict item with keys ['features', 'labels']: give --loss"),
         (["--model", "user_workloads:mlp", "--data", pairs], "(inputs, targets) items need --loss"),
         (["--model", "user_workloads:mlp", "--data", "user_workloads:wrong_items",
           "--loss", "user_workloads:mse"], "items must be (inputs, targets) pairs or dicts"),

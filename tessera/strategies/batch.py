@@ -21,7 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["LossFn", "Batch", "compute_loss", "gather_batch", "split_microbatches"]
+__all__ = [
+    "Batch",
+    "LossFn",
+    "compute_loss",
+    "gather_batch",
+    "model_loss",
+    "no_loss_message",
+    "split_microbatches",
+]
 
 Batch = Mapping[str, Any] | tuple[Any, Any] | list[Any]
 """A dict of tensors (`model(**batch)`) or an `(inputs, targets)` pair."""
@@ -29,16 +37,22 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 """`loss_fn(output, targets)` for pairs, `loss_fn(output, batch)` for dicts."""
 
 
-def _model_loss(out: Any, model_name: str) -> torch.Tensor:
+def no_loss_message(model_name: str) -> str:
+    """The error of a dict batch whose model returned no loss and no `loss_fn` was given."""
+    return (
+        f"the batch is a dict and no loss_fn was given, so the loss must be the model's own "
+        f"(`output.loss` or `output['loss']`), but {model_name} returned no loss (a Hugging Face "
+        f"model returns one when the batch holds 'labels'); pass loss_fn(output, batch)"
+    )
+
+
+def model_loss(out: Any, model_name: str = "model") -> torch.Tensor:
+    """The model's own loss of a dict batch: `out.loss` or `out["loss"]` (Hugging Face's rule)."""
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
     if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            f"the batch is a dict and no loss_fn was given, so the loss must be the model's own "
-            f"(`output.loss` or `output['loss']`), but {model_name} returned none (a Hugging Face "
-            f"model returns one when the batch holds 'labels'); pass loss_fn(output, batch)"
-        )
+        raise ValueError(no_loss_message(model_name))
     return loss
 
 
@@ -51,7 +65,7 @@ def compute_loss(
     """
     if isinstance(batch, Mapping):
         out = call(**batch)
-        return loss_fn(out, batch) if loss_fn is not None else _model_loss(out, model_name)
+        return loss_fn(out, batch) if loss_fn is not None else model_loss(out, model_name)
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         if loss_fn is None:
             raise ValueError(

@@ -39,7 +39,7 @@ from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
-from tessera.strategies.batch import LossFn, gather_batch
+from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
@@ -182,7 +182,7 @@ class PipelineEngine(Engine):
             self.optimizer = self._adopt_stage(self.optimizer)
             fields = getattr(self.pipe.stage, "output_fields", ["loss"])
             if isinstance(batch, Mapping) and self.loss_fn is None and "loss" not in fields:
-                raise ValueError(_no_loss(type(self.module).__name__))  # every rank, at once
+                raise ValueError(no_loss_message(type(self.module).__name__))  # every rank, at once
         if self.dp_sync is None:
             return self.pipe.train_step(inputs, targets, loss_fn)
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
@@ -197,7 +197,8 @@ class PipelineEngine(Engine):
         if isinstance(batch, Mapping):
             if self.loss_fn is not None:
                 return batch, batch, self.loss_fn
-            return batch, batch, _own_loss(type(self.module).__name__)
+            name = type(self.module).__name__
+            return batch, batch, lambda output, _batch: model_loss(output, name)
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
             if self.loss_fn is None:
                 raise ValueError("an (inputs, targets) batch needs loss_fn(output, targets)")
@@ -303,25 +304,6 @@ class PipelineEngine(Engine):
         """Close the links to the neighbouring stages."""
         if self.pipe.links is not None:
             self.pipe.links.close()
-
-
-def _no_loss(model_name: str) -> str:
-    return (
-        f"{model_name} returned no loss for a dict batch: give loss_fn(output, batch) or a "
-        "batch the model computes its loss from (e.g. with labels)"
-    )
-
-
-def _own_loss(model_name: str) -> LossFn:
-    def loss(output: Any, batch: Any) -> torch.Tensor:
-        value = getattr(output, "loss", None)
-        if value is None and isinstance(output, Mapping):
-            value = output.get("loss")
-        if value is None:
-            raise ValueError(_no_loss(model_name))
-        return value
-
-    return loss
 
 
 def _tensor_parallel(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
+from tessera.strategies.batch import compute_loss, no_loss_message
 from tessera.train.config import TrainConfig
 from tessera.train.workload import Workload, build_workload
 
@@ -46,23 +47,30 @@ def _check_split(model: nn.Module, config: TrainConfig) -> None:
             )
 
 
+def _forward_failed(config: TrainConfig, batch: Any, exc: Exception) -> ConfigError:
+    what = "dict item (model(**item))" if isinstance(batch, Mapping) else "(inputs, targets)"
+    return ConfigError(
+        f"one forward and loss of --model {config.model_factory} on one {what} of "
+        f"--data {config.data} failed: {type(exc).__name__}: {exc}"
+    )
+
+
 def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig) -> None:
     batch = workload.batches(0, 0, config.batch_size)  # one row of step 0's global batch
     model.eval()
+    name = type(model).__name__
     try:
-        with torch.no_grad():
-            if isinstance(batch, Mapping):
-                loss = workload.loss_fn(model(**batch), batch)
-            else:
-                loss = workload.loss_fn(model(batch[0]), batch[1])
-    except ConfigError:
-        raise
+        with torch.no_grad():  # the engines' own batch rule, on one item
+            loss = compute_loss(model, batch, workload.loss_fn, model_name=name)
+    except ValueError as exc:
+        if str(exc) == no_loss_message(name):  # a dict item, no --loss, no loss of its own
+            raise ConfigError(
+                f"--model {config.model_factory} returned no loss for a dict item with keys "
+                f"{sorted(batch)}: give --loss PKG.MODULE:FN (loss(output, batch) for dict items)"
+            ) from None
+        raise _forward_failed(config, batch, exc) from exc
     except Exception as exc:
-        what = "dict item (model(**item))" if isinstance(batch, Mapping) else "(inputs, targets)"
-        raise ConfigError(
-            f"one forward and loss of --model {config.model_factory} on one {what} of "
-            f"--data {config.data} failed: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise _forward_failed(config, batch, exc) from exc
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         shown = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(f"the loss must be a floating-point scalar tensor, got {shown}")

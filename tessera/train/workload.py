@@ -17,7 +17,7 @@ identifies differently is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -40,7 +40,6 @@ __all__ = [
     "build_workload",
     "corpus_batches",
     "gpt_sample",
-    "model_loss",
     "next_token_loss",
 ]
 
@@ -55,8 +54,9 @@ class Workload:
     """Builds the model; called after `torch.manual_seed(seed)` so every rank has the same."""
     batches: Callable[[int, int, int], Batch]
     """`(step, rank, world_size) -> batch`: this rank's rows of the global batch of `step`."""
-    loss_fn: LossFn
-    """`(output, targets)` for pair batches, `(output, batch)` for dict batches."""
+    loss_fn: LossFn | None
+    """`(output, targets)` for pair batches, `(output, batch)` for dict batches; None: dict
+    batches whose model computes its own loss (`tessera.strategies.batch`'s rule)."""
     batch_kind: str
     """"pair" or "dict": how the loop hands a batch to the engine."""
     tokens_per_step: int
@@ -74,21 +74,6 @@ class Workload:
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of next-character prediction: logits (b, T, vocab), targets (b, T)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def model_loss(output: Any, batch: Mapping[str, Any]) -> torch.Tensor:
-    """The loss a model computes itself from a dict batch: `output.loss` or `output["loss"]`."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if loss is None:
-        raise ConfigError(
-            f"{type(output).__name__} returned by the model holds no loss for the batch keys "
-            f"{sorted(batch)}: give --loss PKG.MODULE:FN (loss(output, batch) for dict items)"
-        )
-    return loss
-
-
-def _needs_loss(output: Any, targets: Any) -> torch.Tensor:
-    raise ConfigError("(inputs, targets) items need --loss PKG.MODULE:FN: loss(output, targets)")
 
 
 def corpus_batches(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
@@ -168,10 +153,13 @@ def _user(config: TrainConfig) -> Workload:
     opened = open_data(config.data, tokenizer=config.tokenizer, block_size=config.model.block_size)
     sample = _first_items(opened.dataset, config.data)
     kind = "dict" if isinstance(sample, dict) else "pair"
+    loss_fn: LossFn | None = None  # dict items without --loss: the model's own (batch rule)
     if config.loss is not None:
-        loss_fn: LossFn = load_reference(config.loss, what="--loss")
-    else:
-        loss_fn = model_loss if kind == "dict" else _needs_loss
+        loss_fn = load_reference(config.loss, what="--loss")
+    elif kind == "pair":
+        raise ConfigError(
+            "(inputs, targets) items need --loss PKG.MODULE:FN: loss(output, targets)"
+        )
     try:
         batches = DatasetBatches(
             opened.dataset, global_batch_size=config.batch_size, seed=config.seed
