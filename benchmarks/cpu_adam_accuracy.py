@@ -25,7 +25,7 @@ import torch
 from tessera.models import GPT, GPTConfig
 from tessera.optim import CPUAdam
 from tessera.train import build_config
-from tessera.train.config import config_to_dict
+from tessera.train.config_build import config_to_dict
 from tessera.train.loop import corpus_batches, lr_at, next_token_loss
 
 RESULTS = Path(__file__).parent / "results"

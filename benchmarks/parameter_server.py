@@ -67,8 +67,9 @@ def logistic_regression() -> nn.Module:
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, CLASSES))
+    return nn.Sequential(
+        nn.Linear(FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, CLASSES)
+    )
 
 
 def wide_mlp() -> nn.Module:
@@ -76,8 +77,13 @@ def wide_mlp() -> nn.Module:
     models, so the straggler's extra time shows in BSP; the digits-sized models above are bound
     by RPC latency on one machine."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, CLASSES))
+    return nn.Sequential(
+        nn.Linear(FEATURES, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, CLASSES),
+    )
 
 
 def big_model() -> nn.Module:
@@ -110,18 +116,32 @@ def _time_to_target(times: list[float], losses: list[float], window: int = 3) ->
 
 
 def _ps_row(model: str, mode: str, steps: int) -> dict:
-    result = run(MODELS[model], F.cross_entropy, batch, lr=LR, num_servers=1, num_workers=3,
-                 consistency=MODES[mode], steps=steps, slow_workers=SLOW, timeout_s=60)
+    result = run(
+        MODELS[model],
+        F.cross_entropy,
+        batch,
+        lr=LR,
+        num_servers=1,
+        num_workers=3,
+        consistency=MODES[mode],
+        steps=steps,
+        slow_workers=SLOW,
+        timeout_s=60,
+    )
     times, losses = [r["time"] for r in result.log], [r["loss"] for r in result.log]
     span = times[-1] - times[0]
     return {
-        "model": model, "mode": mode, "updates": len(result.log),
+        "model": model,
+        "mode": mode,
+        "updates": len(result.log),
         "updates_per_s": sum(result.updates_per_s),
         "whole_run_updates_per_s": (len(result.log) - 1) / span,
-        "ms_per_update": [{k: 1e3 * v / steps for k, v in phases.items()}
-                          for phases in result.phases_s],
+        "ms_per_update": [
+            {k: 1e3 * v / steps for k, v in phases.items()} for phases in result.phases_s
+        ],
         "time_to_target_s": _time_to_target(times, losses),
-        "wait_s": result.wait_s, "max_staleness": max(r["staleness"] for r in result.log),
+        "wait_s": result.wait_s,
+        "max_staleness": max(r["staleness"] for r in result.log),
         "curve": [(t - times[0], loss) for t, loss in zip(times, losses)],
     }
 
@@ -153,17 +173,31 @@ def _ddp_row(model: str, steps: int) -> dict:
     times, losses = ranks[0]["times"], ranks[0]["losses"]
     span = times[-1] - times[0]
     return {
-        "model": model, "mode": "ddp", "updates": 3 * steps,
-        "updates_per_s": 3 * (steps - 1) / span, "whole_run_updates_per_s": 3 * (steps - 1) / span,
-        "ms_per_update": None, "time_to_target_s": _time_to_target(times, losses),
-        "wait_s": None, "max_staleness": 0,
+        "model": model,
+        "mode": "ddp",
+        "updates": 3 * steps,
+        "updates_per_s": 3 * (steps - 1) / span,
+        "whole_run_updates_per_s": 3 * (steps - 1) / span,
+        "ms_per_update": None,
+        "time_to_target_s": _time_to_target(times, losses),
+        "wait_s": None,
+        "max_staleness": 0,
         "curve": [(t - times[0], loss) for t, loss in zip(times, losses)],
     }
 
 
 def _push_pull_ms(num_servers: int, steps: int) -> float:
-    result = run(big_model, F.cross_entropy, batch, lr=0.01, num_servers=num_servers,
-                 num_workers=1, consistency="asp", steps=steps, timeout_s=120)
+    result = run(
+        big_model,
+        F.cross_entropy,
+        batch,
+        lr=0.01,
+        num_servers=num_servers,
+        num_workers=1,
+        consistency="asp",
+        steps=steps,
+        timeout_s=120,
+    )
     return 1e3 * result.wait_s[0] / steps
 
 
@@ -174,8 +208,10 @@ def _push_pull_rows(steps: int, repeats: int) -> list[dict]:
     for _ in range(repeats):
         for servers in times:
             times[servers].append(_push_pull_ms(servers, steps))
-    return [{"servers": s, "params": params, "push_pull_ms_per_update": statistics.median(t),
-             "each": t} for s, t in times.items()]
+    return [
+        {"servers": s, "params": params, "push_pull_ms_per_update": statistics.median(t), "each": t}
+        for s, t in times.items()
+    ]
 
 
 def _compute_alone_ms(model: str, steps: int = 15) -> float:
@@ -201,9 +237,12 @@ def _median_row(rows: list[dict]) -> dict:
         "updates_per_s": statistics.median(r["updates_per_s"] for r in rows),
         "updates_per_s_all": [r["updates_per_s"] for r in rows],
         "whole_run_updates_per_s": statistics.median(r["whole_run_updates_per_s"] for r in rows),
-        "ms_per_update": None if rows[0]["ms_per_update"] is None else [
+        "ms_per_update": None
+        if rows[0]["ms_per_update"] is None
+        else [
             {k: statistics.median(r["ms_per_update"][w][k] for r in rows) for k in phases}
-            for w, phases in enumerate(rows[0]["ms_per_update"])],
+            for w, phases in enumerate(rows[0]["ms_per_update"])
+        ],
         "time_to_target_s": statistics.median(reached) if len(reached) == len(rows) else None,
         "max_staleness": max(r["max_staleness"] for r in rows),
     }
@@ -221,8 +260,12 @@ def _plot(rows: list[dict], path: Path) -> None:
         for row in (r for r in rows if r["model"] == model):
             ts, ls = zip(*row["curve"])
             ax.plot(ts, ls, label=row["mode"], linewidth=1)
-        ax.set(title=f"{model}: 1 server, 3 workers, worker 2 3x slower",
-               xlabel="wall time (s)", ylabel="mini-batch loss", yscale="log")
+        ax.set(
+            title=f"{model}: 1 server, 3 workers, worker 2 3x slower",
+            xlabel="wall time (s)",
+            ylabel="mini-batch loss",
+            yscale="log",
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -232,8 +275,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, logreg only")
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all modes (medians)")
-    parser.add_argument("--from-json", action="store_true",
-                        help="rebuild the table and plot from results/parameter_server.json")
+    parser.add_argument(
+        "--from-json",
+        action="store_true",
+        help="rebuild the table and plot from results/parameter_server.json",
+    )
     args = parser.parse_args(argv)
     if args.from_json:
         result = json.loads((RESULTS / "parameter_server.json").read_text())
@@ -241,25 +287,36 @@ def main(argv: list[str] | None = None) -> dict:
         (RESULTS / "parameter_server.md").write_text(_table(result))
         return result
     steps = 20 if args.quick else 60
-    runs = [(model, mode) for model in (["logreg"] if args.quick else list(MODELS))
-            for mode in [*MODES, "ddp"]]
+    runs = [
+        (model, mode)
+        for model in (["logreg"] if args.quick else list(MODELS))
+        for mode in [*MODES, "ddp"]
+    ]
     repeats: dict[tuple[str, str], list[dict]] = {run_: [] for run_ in runs}
     for _ in range(args.repeats):  # A B C ... A B C ...: every mode sees the same machine load
         for model, mode in runs:
             row = _ddp_row(model, steps) if mode == "ddp" else _ps_row(model, mode, steps)
             repeats[(model, mode)].append(row)
-            print(f"{model:7} {mode:5} {row['updates_per_s']:7.1f} updates/s  "
-                  f"target in {row['time_to_target_s']}", flush=True)
+            print(
+                f"{model:7} {mode:5} {row['updates_per_s']:7.1f} updates/s  "
+                f"target in {row['time_to_target_s']}",
+                flush=True,
+            )
     rows = [_median_row(repeats[run_]) for run_ in runs]
     push_pull = _push_pull_rows(4 if args.quick else 8, args.repeats)
     alone = {model: _compute_alone_ms(model) for model in sorted({m for m, _ in runs})}
     result = {
         "benchmark": "parameter_server",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                   f"load average {os.getloadavg()[0]:.1f}",
-        "steps_per_worker": steps, "repeats": args.repeats, "batch": BATCH, "lr": LR,
+        f"load average {os.getloadavg()[0]:.1f}",
+        "steps_per_worker": steps,
+        "repeats": args.repeats,
+        "batch": BATCH,
+        "lr": LR,
         "slow_workers": SLOW,
-        "rows": rows, "push_pull": push_pull, "compute_alone_ms": alone,
+        "rows": rows,
+        "push_pull": push_pull,
+        "compute_alone_ms": alone,
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "parameter_server.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -291,14 +348,21 @@ def _table(result: dict) -> str:
     for r in result["rows"]:
         target = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f}"
         each = ", ".join(f"{u:.0f}" for u in r.get("updates_per_s_all", []))
-        lines.append(f"| {r['model']} | {r['mode']} | {r['updates_per_s']:.1f} ({each}) "
-                     f"| {r['updates_per_s'] / bsp[r['model']]:.2f} "
-                     f"| {r['whole_run_updates_per_s']:.1f} | {target} | {r['max_staleness']} |")
-    lines += ["", "Where the time goes, ms per update (medians): a fast worker (0) and the slow "
-              "one (2); compute alone = the same data + forward + backward in one process with the "
-              "machine otherwise as loaded.", "",
-              "| model | mode | worker 0 pull / compute / push | worker 2 pull / compute / sleep "
-              "/ push | compute alone |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {r['updates_per_s']:.1f} ({each}) "
+            f"| {r['updates_per_s'] / bsp[r['model']]:.2f} "
+            f"| {r['whole_run_updates_per_s']:.1f} | {target} | {r['max_staleness']} |"
+        )
+    lines += [
+        "",
+        "Where the time goes, ms per update (medians): a fast worker (0) and the slow "
+        "one (2); compute alone = the same data + forward + backward in one process with the "
+        "machine otherwise as loaded.",
+        "",
+        "| model | mode | worker 0 pull / compute / push | worker 2 pull / compute / sleep "
+        "/ push | compute alone |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         if r["ms_per_update"] is None:
             continue
@@ -307,13 +371,21 @@ def _table(result: dict) -> str:
             f"| {r['model']} | {r['mode']} | {fast['pull_s']:.1f} / {fast['compute_s']:.1f} / "
             f"{fast['push_s']:.1f} | {slow['pull_s']:.1f} / {slow['compute_s']:.1f} / "
             f"{slow['sleep_s']:.1f} / {slow['push_s']:.1f} "
-            f"| {result['compute_alone_ms'][r['model']]:.1f} |")
+            f"| {result['compute_alone_ms'][r['model']]:.1f} |"
+        )
     lines += ["", *READING]
-    lines += ["", "Push + pull time per update of one worker, 10M+ parameters (target: 2 servers "
-              "below 1):", "", "| servers | params | push+pull ms per update (each round) |",
-              "|---|---|---|"]
-    lines += [f"| {p['servers']} | {p['params'] / 1e6:.1f}M | {p['push_pull_ms_per_update']:.1f} "
-              f"({', '.join(f'{t:.0f}' for t in p['each'])}) |" for p in result["push_pull"]]
+    lines += [
+        "",
+        "Push + pull time per update of one worker, 10M+ parameters (target: 2 servers below 1):",
+        "",
+        "| servers | params | push+pull ms per update (each round) |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {p['servers']} | {p['params'] / 1e6:.1f}M | {p['push_pull_ms_per_update']:.1f} "
+        f"({', '.join(f'{t:.0f}' for t in p['each'])}) |"
+        for p in result["push_pull"]
+    ]
     lines += ["", "![loss against wall time](benchmarks/results/parameter_server.png)"]
     return "\n".join(lines) + "\n"
 

@@ -103,7 +103,8 @@ def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> N
 
 
 def _train(args: argparse.Namespace) -> int:
-    from tessera.train.config import build_config, load_yaml
+    from tessera.train.config import load_yaml
+    from tessera.train.config_build import build_config
 
     layers = []
     if args.resume:

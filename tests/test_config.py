@@ -130,7 +130,7 @@ ENGINE_PACKAGES = ("tessera.zero", "tessera.pipeline", "tessera.data_parallel", 
 
 def test_validating_a_config_imports_no_engine():
     loaded = _fresh_modules(
-        "import tessera.train.config as c\n"
+        "import tessera.train.config_build as c\n"
         "c.build_config({'strategy': 'hybrid', 'nproc': 4, 'dp': 2})\n"
         "c.build_config({'strategy': 'zero3'})\n"
         "from tessera.train import STRATEGIES\n"

@@ -167,8 +167,12 @@ def test_a_large_tensor_is_split_and_scatter_writes_back():
 # --- one server, in-process --------------------------------------------------------------------
 def _server(policy, num_workers=2, timeout_s=30.0, values=(1.0, 2.0, 3.0)):
     return ShardServer(
-        server=0, pieces=[torch.tensor(values)], policy=policy, num_workers=num_workers,
-        optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5), timeout_s=timeout_s,
+        server=0,
+        pieces=[torch.tensor(values)],
+        policy=policy,
+        num_workers=num_workers,
+        optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5),
+        timeout_s=timeout_s,
     )
 
 
@@ -181,7 +185,9 @@ def test_bsp_server_applies_the_mean_once_per_clock():
     server.push(1, 0, [torch.tensor([3.0, 2.0, 0.0])], 0.0)
     assert torch.equal(server.pieces[0].detach(), start - 0.5 * torch.tensor([2.0, 1.0, 1.0]))
     assert [(r["worker"], r["clock"], r["min_clock"], r["staleness"]) for r in server.log] == [
-        (0, 0, 0, 0), (1, 0, 0, 0)]
+        (0, 0, 0, 0),
+        (1, 0, 0, 0),
+    ]
 
 
 def test_asp_server_applies_each_gradient_scaled_and_counts_staleness():
@@ -194,7 +200,10 @@ def test_asp_server_applies_each_gradient_scaled_and_counts_staleness():
     server.push(1, 0, [torch.tensor([2.0, 0.0, 0.0])], 0.0)  # read before worker 0's apply
     server.push(0, 1, [torch.tensor([0.0, 0.0, 2.0])], 0.0)
     assert [(r["worker"], r["clock"], r["staleness"]) for r in server.log] == [
-        (0, 0, 0), (1, 0, 1), (0, 1, 1)]
+        (0, 0, 0),
+        (1, 0, 1),
+        (0, 1, 1),
+    ]
     assert torch.equal(server.pieces[0].detach(), start - 0.5 * torch.tensor([2.0, 1.0, 2.0]))
 
 
@@ -248,7 +257,8 @@ def test_a_wrong_token_is_refused_and_logged_before_the_server_is_touched(monkey
     monkeypatch.setattr(ps_transport, "_TOKEN", "secret")
     refusal = ps_transport._dispatch("pull", "worker-1", "guess", (1, 0))  # sent back as a value
     assert refusal == ps_transport._Failure(
-        "PeerRefused", "worker-1 refused for pull: wrong or missing token")
+        "PeerRefused", "worker-1 refused for pull: wrong or missing token"
+    )
     assert server.events[-1]["event"] == "refused" and server.events[-1]["peer"] == "worker-1"
     assert 1 not in server._reads  # never served
     assert len(ps_transport._dispatch("pull", "worker-0", "secret", (0, 0))) == 1
@@ -258,7 +268,8 @@ def test_merged_log_keeps_the_worst_case_over_servers():
     a = [{"worker": 0, "clock": 1, "min_clock": 1, "staleness": 0, "time": 2.0, "server": 0}]
     b = [{"worker": 0, "clock": 1, "min_clock": 0, "staleness": 2, "time": 1.0, "server": 1}]
     assert merge_logs([a, b]) == [
-        {"worker": 0, "clock": 1, "min_clock": 0, "staleness": 2, "time": 2.0}]
+        {"worker": 0, "clock": 1, "min_clock": 0, "staleness": 2, "time": 2.0}
+    ]
 
 
 # --- real runs: S + W processes ------------------------------------------------------------------
@@ -317,8 +328,17 @@ def _synchronous_data_parallel(num_workers: int, dtype: torch.dtype) -> dict[str
 
 
 def test_bsp_equals_synchronous_data_parallelism():
-    result = run(_net, _net_loss, _net_batch, lr=LR, num_servers=2, num_workers=2,
-                 consistency="bsp", steps=STEPS, timeout_s=30)
+    result = run(
+        _net,
+        _net_loss,
+        _net_batch,
+        lr=LR,
+        num_servers=2,
+        num_workers=2,
+        consistency="bsp",
+        steps=STEPS,
+        timeout_s=30,
+    )
     oracle32 = _synchronous_data_parallel(2, torch.float32)
     ref64 = _synchronous_data_parallel(2, torch.float64)
     assert result.state_dict.keys() == oracle32.keys()
@@ -345,8 +365,9 @@ def _bsp_failing_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tens
 
 def test_a_failure_under_bsp_stops_the_run_naming_the_worker():
     with pytest.raises(RankFailedError, match="worker-1: RuntimeError: planted failure"):
-        run(_net, _net_loss, _bsp_failing_batch, num_servers=1, num_workers=2, steps=4,
-            timeout_s=30)
+        run(
+            _net, _net_loss, _bsp_failing_batch, num_servers=1, num_workers=2, steps=4, timeout_s=30
+        )
 
 
 # SSP with a straggler and a peer without the token, in a world started like torchrun would.
@@ -364,9 +385,18 @@ def _ssp_rank() -> object:
     rank = int(os.environ["RANK"])
     token = "wrong" if rank == 3 else "shared secret"  # rank 3 = worker 2 lacks the token
     try:
-        return run(_net, _net_loss, _slow_batch, num_servers=1, num_workers=3,
-                   consistency=SSP(staleness=SSP_BOUND), steps=SSP_STEPS,
-                   slow_workers={1: 2}, token=token, timeout_s=4)
+        return run(
+            _net,
+            _net_loss,
+            _slow_batch,
+            num_servers=1,
+            num_workers=3,
+            consistency=SSP(staleness=SSP_BOUND),
+            steps=SSP_STEPS,
+            slow_workers={1: 2},
+            token=token,
+            timeout_s=4,
+        )
     except PeerRefused as exc:
         return f"refused: {exc}"
 
@@ -380,7 +410,8 @@ def test_ssp_bound_holds_with_a_straggler_and_a_peer_without_the_token(run_ranks
     assert refused and all(e["peer"] == "worker-2" for e in refused)
     assert result.dropped_workers == [2]  # never authenticated: silent, dropped after 4 s
     assert sorted((r["worker"], r["clock"]) for r in result.log) == [
-        (w, c) for w in (0, 1) for c in range(SSP_STEPS)]  # nothing from the refused peer
+        (w, c) for w in (0, 1) for c in range(SSP_STEPS)
+    ]  # nothing from the refused peer
     leads = [r["clock"] - r["min_clock"] for r in result.log]
     # Worker 0 is ~100x faster than worker 1: it waits at the bound, never past it.
     assert max(leads) == SSP_BOUND, leads
@@ -423,8 +454,17 @@ def _regression_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def test_asp_converges_on_a_convex_problem_after_a_worker_is_killed():
-    result = run(_linear, F.mse_loss, _regression_batch, lr=LR, num_servers=2, num_workers=3,
-                 consistency="asp", steps=ASP_STEPS, timeout_s=4)
+    result = run(
+        _linear,
+        F.mse_loss,
+        _regression_batch,
+        lr=LR,
+        num_servers=2,
+        num_workers=3,
+        consistency="asp",
+        steps=ASP_STEPS,
+        timeout_s=4,
+    )
     assert result.dropped_workers == [1]
     assert any(e["event"] == "dropped" and e["worker"] == 1 for e in result.events)
     assert any(e["event"] == "worker_failed" and e["worker"] == 1 for e in result.events)
@@ -467,12 +507,19 @@ def _crashing_net_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Ten
 
 def test_a_restarted_run_resumes_from_the_server_checkpoints(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    kwargs = dict(optimizer_fn=_adamw, num_servers=2, num_workers=1, consistency="bsp",
-                  steps=4, timeout_s=30)
+    kwargs = dict(
+        optimizer_fn=_adamw, num_servers=2, num_workers=1, consistency="bsp", steps=4, timeout_s=30
+    )
     full = run(_net, _net_loss, _net_batch, checkpoint_dir=straight, checkpoint_every=2, **kwargs)
     with pytest.raises(RankFailedError, match="planted crash at step 2"):
-        run(_net, _net_loss, _crashing_net_batch, checkpoint_dir=resumed, checkpoint_every=2,
-            **kwargs)  # the restarted run finds only the checkpoint after 2 clocks
+        run(
+            _net,
+            _net_loss,
+            _crashing_net_batch,
+            checkpoint_dir=resumed,
+            checkpoint_every=2,
+            **kwargs,
+        )  # the restarted run finds only the checkpoint after 2 clocks
     again = run(_net, _net_loss, _net_batch, checkpoint_dir=resumed, **kwargs)
     assert sorted(r["clock"] for r in again.log) == [2, 3]  # it did resume, not restart
     _assert_same(again.state_dict, full.state_dict, "params")
@@ -508,15 +555,29 @@ def test_bad_input_is_refused_before_any_process_starts(monkeypatch):
 
 
 def test_metrics_file_has_every_gradient_each_worker_and_the_histogram(tmp_path):
-    log = [{"worker": w, "clock": 0, "min_clock": 0, "staleness": s, "time": 1.0, "loss": 0.5}
-           for w, s in ((0, 0), (1, 1), (0, 1))]
-    result = PSResult(state_dict={}, log=log, events=[], updates_per_s=[2.0, math.nan],
-                      wait_s=[0.1, math.nan], wall_s=1.0, dropped_workers=[1])
+    log = [
+        {"worker": w, "clock": 0, "min_clock": 0, "staleness": s, "time": 1.0, "loss": 0.5}
+        for w, s in ((0, 0), (1, 1), (0, 1))
+    ]
+    result = PSResult(
+        state_dict={},
+        log=log,
+        events=[],
+        updates_per_s=[2.0, math.nan],
+        wait_s=[0.1, math.nan],
+        wall_s=1.0,
+        dropped_workers=[1],
+    )
     path = write_metrics(result, tmp_path)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [x["kind"] for x in lines] == ["gradient"] * 3 + ["worker"] * 2 + ["staleness_histogram"]
-    assert lines[4] == {"kind": "worker", "worker": 1, "dropped": True, "updates_per_s": None,
-                        "wait_s": None}
+    assert lines[4] == {
+        "kind": "worker",
+        "worker": 1,
+        "dropped": True,
+        "updates_per_s": None,
+        "wait_s": None,
+    }
     assert lines[-1]["counts"] == {"0": 1, "1": 2}  # JSON keys are strings
     assert (tmp_path / "metrics.png").stat().st_size > 0
 
@@ -563,9 +624,16 @@ def _asp_servers(folder, clocks_done=None):
     servers = []
     for s in range(2):
         server = ShardServer(
-            server=s, pieces=[torch.tensor([4.0, 8.0, 16.0])], policy=ASP(), num_workers=2,
-            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5), timeout_s=30.0,
-            layout=[("w", 0, 3)], checkpoint_dir=str(folder), checkpoint_every=1, num_servers=2,
+            server=s,
+            pieces=[torch.tensor([4.0, 8.0, 16.0])],
+            policy=ASP(),
+            num_workers=2,
+            optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5),
+            timeout_s=30.0,
+            layout=[("w", 0, 3)],
+            checkpoint_dir=str(folder),
+            checkpoint_every=1,
+            num_servers=2,
         )
         servers.append(server)
     return servers

@@ -40,10 +40,15 @@ from tessera.parameter_server.transport import Transport
 
 def _one_shard(policy, timeout_s, folder=None, every=0, server=0, num_workers=2):
     return ShardServer(
-        server=server, pieces=[torch.zeros(3)], policy=policy, num_workers=num_workers,
-        optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5), timeout_s=timeout_s,
+        server=server,
+        pieces=[torch.zeros(3)],
+        policy=policy,
+        num_workers=num_workers,
+        optimizer_fn=lambda ps: torch.optim.SGD(ps, lr=0.5),
+        timeout_s=timeout_s,
         layout=[("w", 3 * server, 3 * server + 3)],
-        checkpoint_dir=None if folder is None else str(folder), checkpoint_every=every,
+        checkpoint_dir=None if folder is None else str(folder),
+        checkpoint_every=every,
         num_servers=2,
     )
 
@@ -103,8 +108,17 @@ def _hanging_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_a_run_goes_on_without_a_worker_that_hangs_with_a_live_heartbeat():
     started = time.monotonic()
-    result = run(_probe, _probe_loss, _hanging_batch, lr=0.5, num_servers=1, num_workers=2,
-                 consistency="asp", steps=3, timeout_s=2)
+    result = run(
+        _probe,
+        _probe_loss,
+        _hanging_batch,
+        lr=0.5,
+        num_servers=1,
+        num_workers=2,
+        consistency="asp",
+        steps=3,
+        timeout_s=2,
+    )
     assert time.monotonic() - started < 50  # not the 60 s of the hang
     assert result.dropped_workers == [1]
     (dropped,) = [e for e in result.events if e["event"] == "dropped"]
@@ -212,8 +226,9 @@ def test_a_long_save_does_not_hold_the_server_lock(tmp_path, monkeypatch):
     try:
         assert started.wait(10)
         answered = threading.Event()
-        threading.Thread(target=lambda: (server.heartbeat(1), server.pull(0, 1),
-                                         answered.set()), daemon=True).start()
+        threading.Thread(
+            target=lambda: (server.heartbeat(1), server.pull(0, 1), answered.set()), daemon=True
+        ).start()
         assert answered.wait(2), "heartbeat and pull blocked by a save in progress"
     finally:
         release.set()
@@ -318,10 +333,16 @@ def _crashed_checkpoint(folder: Path) -> list[list[int]]:
     clocks = []
     for s, order in enumerate(orders):
         server = ShardServer(
-            server=s, pieces=plan.gather(s, params), policy=ASP(), num_workers=WORKERS,
-            optimizer_fn=functools.partial(torch.optim.SGD, lr=0.5), timeout_s=30.0,
+            server=s,
+            pieces=plan.gather(s, params),
+            policy=ASP(),
+            num_workers=WORKERS,
+            optimizer_fn=functools.partial(torch.optim.SGD, lr=0.5),
+            timeout_s=30.0,
             layout=[(p.name, p.start, p.stop) for p in plan.shards[s]],
-            checkpoint_dir=str(folder), checkpoint_every=1, num_servers=2,
+            checkpoint_dir=str(folder),
+            checkpoint_every=1,
+            num_servers=2,
         )
         for worker, clock in order:
             server.pull(worker, clock)
@@ -333,7 +354,8 @@ def _crashed_checkpoint(folder: Path) -> list[list[int]]:
 
 @pytest.mark.parametrize("consistency", ["asp", SSP(staleness=1)], ids=["asp", "ssp"])
 def test_a_resumed_asp_or_ssp_run_applies_every_gradient_once_on_every_server(
-        tmp_path, monkeypatch, consistency):
+    tmp_path, monkeypatch, consistency
+):
     ckpt, record = tmp_path / "servers", tmp_path / "record"
     record.mkdir()
     assert _crashed_checkpoint(ckpt) == [[3, 1], [2, 2]]
@@ -343,9 +365,18 @@ def test_a_resumed_asp_or_ssp_run_applies_every_gradient_once_on_every_server(
     interface = _interface_with_address()
     if interface is not None:
         monkeypatch.setenv("TP_SOCKET_IFNAME", interface)
-    result = run(_probe, _probe_loss, functools.partial(_recorded_batch, str(record)), lr=0.5,
-                 num_servers=2, num_workers=WORKERS, consistency=consistency, steps=STEPS,
-                 timeout_s=30, checkpoint_dir=ckpt)
+    result = run(
+        _probe,
+        _probe_loss,
+        functools.partial(_recorded_batch, str(record)),
+        lr=0.5,
+        num_servers=2,
+        num_workers=WORKERS,
+        consistency=consistency,
+        steps=STEPS,
+        timeout_s=30,
+        checkpoint_dir=ckpt,
+    )
     # The result, per server: every (worker, clock) gradient applied exactly once on each shard.
     weight = result.state_dict["weight"]
     for server, elements in enumerate((weight[:2], weight[2:])):
@@ -372,12 +403,27 @@ def test_a_resumed_asp_or_ssp_run_applies_every_gradient_once_on_every_server(
 def _trust_rank() -> object:
     rank = int(os.environ["RANK"])
     if rank < 2:  # server-0 and worker-0 of a run whose token is "ours"
-        return run(_probe, _probe_loss, _plain_batch, lr=0.5, num_servers=1, num_workers=2,
-                   consistency="asp", steps=2, token="ours", timeout_s=3)
+        return run(
+            _probe,
+            _probe_loss,
+            _plain_batch,
+            lr=0.5,
+            num_servers=1,
+            num_workers=2,
+            consistency="asp",
+            steps=2,
+            token="ours",
+            timeout_s=3,
+        )
     # Rank 2 = worker-1 of the world, started with another run's token.
-    transport = Transport(rank=rank, world_size=3, num_servers=1,
-                          init_method=ps_api._world_init_method(), token="another run's",
-                          rpc_timeout_s=9)
+    transport = Transport(
+        rank=rank,
+        world_size=3,
+        num_servers=1,
+        init_method=ps_api._world_init_method(),
+        token="another run's",
+        rpc_timeout_s=9,
+    )
     try:
         try:
             transport.call(0, "start_clock", 1)

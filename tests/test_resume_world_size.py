@@ -25,10 +25,11 @@ from test_trainer_oracle import oracle_run  # tests/ is on sys.path under pytest
 
 from tessera.errors import ConfigError
 from tessera.train import TrainConfig, build_config, run_training
-from tessera.train.config import WORLD_SIZE_FREE_STRATEGIES, check_resume_world, config_to_dict
+from tessera.train.config_build import config_to_dict
 from tessera.train.loop import train_worker
 from tessera.train.metrics import read_metrics
 from tessera.train.resume import config_layers_for_resume
+from tessera.train.resume_rules import WORLD_SIZE_FREE_STRATEGIES, check_resume_world
 from tessera.zero import consolidate
 
 K = 2

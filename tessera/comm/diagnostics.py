@@ -281,4 +281,3 @@ def missing_ranks(key: str, seq: int, ranks: tuple[int, ...]) -> list[int] | Non
     except Exception:  # noqa: BLE001
         return None
     return missing
-

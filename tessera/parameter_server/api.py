@@ -109,17 +109,36 @@ def run(
     version common to all servers on, so a crash at any moment leaves a version to resume from.
     """
     config = _validate(
-        model_fn, loss_fn, data_fn, optimizer_fn, lr, num_servers, num_workers, consistency,
-        steps, slow_workers, timeout_s,
+        model_fn,
+        loss_fn,
+        data_fn,
+        optimizer_fn,
+        lr,
+        num_servers,
+        num_workers,
+        consistency,
+        steps,
+        slow_workers,
+        timeout_s,
     )
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
-            or checkpoint_every < 0:
+    if (
+        isinstance(checkpoint_every, bool)
+        or not isinstance(checkpoint_every, int)
+        or checkpoint_every < 0
+    ):
         raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
-    if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) \
-            or keep_checkpoints < 1:
+    if (
+        isinstance(keep_checkpoints, bool)
+        or not isinstance(keep_checkpoints, int)
+        or keep_checkpoints < 1
+    ):
         raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {keep_checkpoints!r}")
-    config = replace(config, checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                     checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir))
+    config = replace(
+        config,
+        checkpoint_every=checkpoint_every,
+        keep_checkpoints=keep_checkpoints,
+        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
+    )
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world_size = int(os.environ["WORLD_SIZE"])
@@ -129,27 +148,46 @@ def run(
                 f"{num_servers + num_workers} must equal the world size {world_size}"
             )
         if token is None:
-            _log.warning("parameter server without a token: a worker of another run joining this "
-                         "rendezvous would be served; set %s to tell runs apart (this is no "
-                         "security boundary: the RPC world must be a trusted network)", TOKEN_ENV)
+            _log.warning(
+                "parameter server without a token: a worker of another run joining this "
+                "rendezvous would be served; set %s to tell runs apart (this is no "
+                "security boundary: the RPC world must be a trusted network)",
+                TOKEN_ENV,
+            )
         config = replace(config, token=token or "")
         return _rank_main(config, int(os.environ["RANK"]), world_size, _world_init_method())
     plan_shards(model_fn(), num_servers)  # too many servers for the model: fail before spawning
     config = replace(config, token=token if token is not None else secrets.token_hex(16))
-    result, failures = spawn_local(_rank_main, config,
-                                   tolerate_worker_loss=not aggregates(config.policy))
-    result.events.extend({"event": "worker_failed", "worker": w, "error": text}
-                         for w, text in failures)
+    result, failures = spawn_local(
+        _rank_main, config, tolerate_worker_loss=not aggregates(config.policy)
+    )
+    result.events.extend(
+        {"event": "worker_failed", "worker": w, "error": text} for w, text in failures
+    )
     return result
 
 
-def _validate(model_fn, loss_fn, data_fn, optimizer_fn, lr, num_servers, num_workers,
-              consistency, steps, slow_workers, timeout_s) -> _RunConfig:
+def _validate(
+    model_fn,
+    loss_fn,
+    data_fn,
+    optimizer_fn,
+    lr,
+    num_servers,
+    num_workers,
+    consistency,
+    steps,
+    slow_workers,
+    timeout_s,
+) -> _RunConfig:
     for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("data_fn", data_fn)):
         if not callable(fn):
             raise ConfigError(f"{name} must be callable, got {fn!r}")
-    for name, count in (("num_servers", num_servers), ("num_workers", num_workers),
-                        ("steps", steps)):
+    for name, count in (
+        ("num_servers", num_servers),
+        ("num_workers", num_workers),
+        ("steps", steps),
+    ):
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"{name} must be a positive integer, got {count!r}")
     policy = resolve_policy(consistency)
@@ -160,15 +198,27 @@ def _validate(model_fn, loss_fn, data_fn, optimizer_fn, lr, num_servers, num_wor
     slow_workers = dict(slow_workers or {})
     for worker, factor in slow_workers.items():
         if not (isinstance(worker, int) and 0 <= worker < num_workers):
-            raise ConfigError(f"slow_workers names worker {worker!r}; workers are "
-                              f"0..{num_workers - 1}")
+            raise ConfigError(
+                f"slow_workers names worker {worker!r}; workers are 0..{num_workers - 1}"
+            )
         if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
             raise ConfigError(f"slow_workers[{worker}] must be a factor >= 1, got {factor!r}")
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
-    return _RunConfig(model_fn, loss_fn, data_fn, optimizer_fn, num_servers, num_workers, policy,
-                      steps, slow_workers, "", float(timeout_s))
+    return _RunConfig(
+        model_fn,
+        loss_fn,
+        data_fn,
+        optimizer_fn,
+        num_servers,
+        num_workers,
+        policy,
+        steps,
+        slow_workers,
+        "",
+        float(timeout_s),
+    )
 
 
 def _world_init_method() -> str:
@@ -186,11 +236,17 @@ def _rank_main(config: _RunConfig, rank: int, world_size: int, init_method: str)
     coordinator = None
     if rank < config.num_servers:
         server = ShardServer(
-            server=rank, pieces=plan.gather(rank, params), optimizer_fn=config.optimizer_fn,
-            policy=config.policy, num_workers=config.num_workers, timeout_s=config.timeout_s,
+            server=rank,
+            pieces=plan.gather(rank, params),
+            optimizer_fn=config.optimizer_fn,
+            policy=config.policy,
+            num_workers=config.num_workers,
+            timeout_s=config.timeout_s,
             layout=[(p.name, p.start, p.stop) for p in plan.shards[rank]],
-            checkpoint_dir=config.checkpoint_dir, checkpoint_every=config.checkpoint_every,
-            num_servers=config.num_servers, keep_checkpoints=config.keep_checkpoints,
+            checkpoint_dir=config.checkpoint_dir,
+            checkpoint_every=config.checkpoint_every,
+            num_servers=config.num_servers,
+            keep_checkpoints=config.keep_checkpoints,
         )
         if config.checkpoint_dir is not None:
             version = resume_version(config.checkpoint_dir, config.num_servers, rank)
@@ -199,8 +255,12 @@ def _rank_main(config: _RunConfig, rank: int, world_size: int, init_method: str)
         coordinator = Coordinator(server, plan, config.num_servers) if rank == 0 else None
         serve(coordinator or server)  # before joining: peers may call as soon as all joined
     transport = Transport(
-        rank=rank, world_size=world_size, num_servers=config.num_servers,
-        init_method=init_method, token=config.token, rpc_timeout_s=3 * config.timeout_s,
+        rank=rank,
+        world_size=world_size,
+        num_servers=config.num_servers,
+        init_method=init_method,
+        token=config.token,
+        rpc_timeout_s=3 * config.timeout_s,
     )
     try:
         if coordinator is not None:
@@ -208,8 +268,13 @@ def _rank_main(config: _RunConfig, rank: int, world_size: int, init_method: str)
         if rank >= config.num_servers:
             worker = rank - config.num_servers
             run_worker(
-                transport=transport, worker=worker, model=model, plan=plan,
-                loss_fn=config.loss_fn, data_fn=config.data_fn, steps=config.steps,
+                transport=transport,
+                worker=worker,
+                model=model,
+                plan=plan,
+                loss_fn=config.loss_fn,
+                data_fn=config.data_fn,
+                steps=config.steps,
                 slow_factor=config.slow_workers.get(worker, 1.0),
                 heartbeat_s=config.timeout_s / 4,
             )

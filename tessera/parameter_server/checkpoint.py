@@ -46,15 +46,17 @@ def _path(folder: str | Path, server: int, version: int) -> Path:
     return Path(folder) / f"server-{server}" / f"applied-{version:010d}.pt"
 
 
-def save_shard(folder: str | Path, server: int, state: dict[str, Any], num_servers: int,
-               keep: int = 1) -> Path:
+def save_shard(
+    folder: str | Path, server: int, state: dict[str, Any], num_servers: int, keep: int = 1
+) -> Path:
     """Write server `server`'s `state` (pieces, optimizer, clocks, layout, version) atomically,
     then delete its files older than the `keep`-th newest version common to all `num_servers`
     servers (a version no other server has, or one older than all `keep`, is never resumed)."""
     buffer = io.BytesIO()
     torch.save({"format": FORMAT, **state}, buffer)
-    path = write_atomically(_path(folder, server, state["version"]),
-                            lambda f: f.write(buffer.getvalue()))
+    path = write_atomically(
+        _path(folder, server, state["version"]), lambda f: f.write(buffer.getvalue())
+    )
     common = sorted(set.intersection(*(_versions(folder, s) for s in range(num_servers))))
     if common:
         oldest_kept = common[-min(keep, len(common))]
@@ -95,8 +97,10 @@ def latest_common_version(folder: str | Path, num_servers: int) -> int | None:
         return None
     common = _newest_common(folder, num_servers)
     if common is None:  # only by hand: saving never deletes the last common version
-        raise CheckpointError(f"{folder}: the servers' checkpoints share no version "
-                              f"({[sorted(f)[-3:] for f in found]}); cannot resume consistently")
+        raise CheckpointError(
+            f"{folder}: the servers' checkpoints share no version "
+            f"({[sorted(f)[-3:] for f in found]}); cannot resume consistently"
+        )
     return common
 
 

@@ -76,12 +76,19 @@ class Coordinator:
     def conclude(self, transport: Transport, timeout_s: float) -> PSResult:
         """Wait for the workers, assemble the result, and keep serving it until all have it."""
         self.server.wait_finished()
-        transport.wait([(s, "save_checkpoint", transport.call_async(s, "save_checkpoint"))
-                        for s in range(1, self.num_servers)])
+        transport.wait(
+            [
+                (s, "save_checkpoint", transport.call_async(s, "save_checkpoint"))
+                for s in range(1, self.num_servers)
+            ]
+        )
         self.server.save_checkpoint()
-        snapshots = [self.server.snapshot()] + transport.wait([
-            (s, "snapshot", transport.call_async(s, "snapshot")) for s in range(1, self.num_servers)
-        ])
+        snapshots = [self.server.snapshot()] + transport.wait(
+            [
+                (s, "snapshot", transport.call_async(s, "snapshot"))
+                for s in range(1, self.num_servers)
+            ]
+        )
         dropped = sorted(self.server.dropped)
         stats = self.server.worker_stats
         workers = range(self.server.num_workers)

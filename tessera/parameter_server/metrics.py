@@ -30,11 +30,15 @@ def write_metrics(result: PSResult, folder: str | Path, *, plot: bool = True) ->
     folder.mkdir(parents=True, exist_ok=True)
     lines = [{"kind": "gradient", **record} for record in result.log]
     for worker, (rate, wait) in enumerate(zip(result.updates_per_s, result.wait_s)):
-        lines.append({
-            "kind": "worker", "worker": worker, "dropped": worker in result.dropped_workers,
-            "updates_per_s": None if math.isnan(rate) else rate,
-            "wait_s": None if math.isnan(wait) else wait,
-        })
+        lines.append(
+            {
+                "kind": "worker",
+                "worker": worker,
+                "dropped": worker in result.dropped_workers,
+                "updates_per_s": None if math.isnan(rate) else rate,
+                "wait_s": None if math.isnan(wait) else wait,
+            }
+        )
     lines.append({"kind": "staleness_histogram", "counts": staleness_histogram(result)})
     text = "".join(json.dumps(line) + "\n" for line in lines).encode()
     # atomic: a kill while a resumed run rewrites it leaves the previous file, not half of it
@@ -56,8 +60,9 @@ def _plot(result: PSResult, path: Path) -> None:
     hist.set(title="staleness of applied gradients", xlabel="staleness", ylabel="gradients")
     workers = list(range(len(result.updates_per_s)))
     rates.bar(workers, [0 if math.isnan(r) else r for r in result.updates_per_s], label="updates/s")
-    rates.bar(workers, [0 if math.isnan(w) else w for w in result.wait_s], alpha=0.6,
-              label="wait s")
+    rates.bar(
+        workers, [0 if math.isnan(w) else w for w in result.wait_s], alpha=0.6, label="wait s"
+    )
     rates.set(title="per worker", xlabel="worker", xticks=workers)
     rates.legend()
     fig.tight_layout()

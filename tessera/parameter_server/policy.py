@@ -61,8 +61,9 @@ class SSP:
         if math.isnan(self.staleness) or self.staleness < 0:
             raise ConfigError(f"SSP staleness must be >= 0, got {self.staleness}")
         if not math.isinf(self.staleness) and self.staleness != int(self.staleness):
-            raise ConfigError(f"SSP staleness must be a whole number of clocks or inf, "
-                              f"got {self.staleness}")
+            raise ConfigError(
+                f"SSP staleness must be a whole number of clocks or inf, got {self.staleness}"
+            )
 
     @property
     def staleness_bound(self) -> float:

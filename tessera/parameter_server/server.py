@@ -128,8 +128,10 @@ class ShardServer:
             self._check_shapes(worker, grads)
             read = self._reads.pop(worker, None)
             if read is None or read.clock != clock:
-                raise RuntimeError(f"server {self.server}: worker {worker} pushed clock {clock} "
-                                   f"without reading it first (read: {read})")
+                raise RuntimeError(
+                    f"server {self.server}: worker {worker} pushed clock {clock} "
+                    f"without reading it first (read: {read})"
+                )
             if clock < self.clocks[worker]:
                 return  # applied here before a restart (see `checkpoint`): not twice
             due = False
@@ -207,8 +209,11 @@ class ShardServer:
         """What a checkpoint holds: pieces, optimizer state, clocks, version and layout (copies:
         the optimizer updates its state tensors in place after this returns)."""
         return {
-            "server": self.server, "version": self.version, "clocks": list(self.clocks),
-            "pieces": [p.detach().clone() for p in self.pieces], "layout": self.layout,
+            "server": self.server,
+            "version": self.version,
+            "clocks": list(self.clocks),
+            "pieces": [p.detach().clone() for p in self.pieces],
+            "layout": self.layout,
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
         }
 
@@ -227,8 +232,10 @@ class ShardServer:
         if not 0 <= worker < self.num_workers:
             raise ValueError(f"server {self.server}: {method} from unknown worker {worker}")
         if worker in self.dropped:
-            raise PeerRefused(f"server {self.server}: worker {worker} was dropped "
-                              f"({self._drop_reason(worker)}); its {method} is refused")
+            raise PeerRefused(
+                f"server {self.server}: worker {worker} was dropped "
+                f"({self._drop_reason(worker)}); its {method} is refused"
+            )
         now = time.monotonic()
         self._last_seen[worker] = now
         if call is not None:
@@ -236,14 +243,16 @@ class ShardServer:
             self._last_call[worker] = call
 
     def _drop_reason(self, worker: int) -> str:
-        reasons = [e["reason"] for e in self.events
-                   if e["event"] == "dropped" and e["worker"] == worker]
+        reasons = [
+            e["reason"] for e in self.events if e["event"] == "dropped" and e["worker"] == worker
+        ]
         return reasons[-1] if reasons else f"after {self.timeout_s:g} s of silence"
 
     def _save(self, state: dict[str, Any]) -> None:
         with self._save_lock:
-            save_shard(self.checkpoint_dir, self.server, state, self.num_servers,
-                       self.keep_checkpoints)
+            save_shard(
+                self.checkpoint_dir, self.server, state, self.num_servers, self.keep_checkpoints
+            )
 
     def _check_shapes(self, worker: int, grads: list[torch.Tensor]) -> None:
         expected = [tuple(p.shape) for p in self.pieces]
@@ -282,13 +291,17 @@ class ShardServer:
             silent_s = now - self._last_seen[worker]
             idle_s = now - self._last_progress[worker]
             if silent_s > self.timeout_s:
-                text = (f"server {self.server}: worker {worker} silent for {silent_s:.1f} s "
-                        f"(timeout {self.timeout_s:g} s; last call: {self._last_call[worker]}) "
-                        f"during {operation}")
+                text = (
+                    f"server {self.server}: worker {worker} silent for {silent_s:.1f} s "
+                    f"(timeout {self.timeout_s:g} s; last call: {self._last_call[worker]}) "
+                    f"during {operation}"
+                )
             elif idle_s > hang_s:
-                text = (f"server {self.server}: worker {worker} made no progress for "
-                        f"{idle_s:.1f} s (heartbeats only; last call: {self._last_call[worker]}; "
-                        f"a step must take less than {hang_s:g} s) during {operation}")
+                text = (
+                    f"server {self.server}: worker {worker} made no progress for "
+                    f"{idle_s:.1f} s (heartbeats only; last call: {self._last_call[worker]}; "
+                    f"a step must take less than {hang_s:g} s) during {operation}"
+                )
             else:
                 continue
             if aggregates(self.policy):
@@ -317,11 +330,17 @@ class ShardServer:
         self.version += len(workers)
 
     def _record(self, worker: int, read: _Read, loss: float) -> None:
-        self.log.append({
-            "worker": worker, "clock": read.clock, "min_clock": read.min_clock,
-            "staleness": self.version - read.version, "time": time.time(), "loss": loss,
-            "server": self.server,
-        })
+        self.log.append(
+            {
+                "worker": worker,
+                "clock": read.clock,
+                "min_clock": read.min_clock,
+                "staleness": self.version - read.version,
+                "time": time.time(),
+                "loss": loss,
+                "server": self.server,
+            }
+        )
 
     def _event(self, kind: str, **fields: Any) -> None:
         record = {"event": kind, "server": self.server, "time": time.time(), **fields}

@@ -107,8 +107,10 @@ def plan_shards(model: nn.Module, num_servers: int) -> ShardPlan:
                 shards[server].append(Piece(name, index, start, stop))
         offset += size
     if any(not shard for shard in shards):  # rounding left a server empty (tiny models)
-        raise ConfigError(f"num_servers={num_servers} is too many for a model of "
-                          f"{total_numel} elements: a server would own nothing")
+        raise ConfigError(
+            f"num_servers={num_servers} is too many for a model of "
+            f"{total_numel} elements: a server would own nothing"
+        )
     return ShardPlan(
         names=tuple(n for n, _ in named),
         shapes=tuple(p.shape for _, p in named),

@@ -71,8 +71,10 @@ class _Failure:
     message: str
 
 
-_ERRORS_BY_NAME = {cls.__name__: cls for cls in (
-    ConfigError, GradientShapeError, PeerRefused, PSTimeout, WorkerLost)}
+_ERRORS_BY_NAME = {
+    cls.__name__: cls
+    for cls in (ConfigError, GradientShapeError, PeerRefused, PSTimeout, WorkerLost)
+}
 
 
 def _dispatch(method: str, caller: str, token: str, args: tuple) -> Any:
@@ -130,7 +132,9 @@ class Transport:
     def call_async(self, rank: int, method: str, *args: Any) -> Future:
         """Start `method(*args)` on the process at `rank`; a future of its result."""
         return rpc.rpc_async(
-            self._names[rank], _dispatch, args=(method, self.name, self.token, args),
+            self._names[rank],
+            _dispatch,
+            args=(method, self.name, self.token, args),
             timeout=self.rpc_timeout_s,
         )
 

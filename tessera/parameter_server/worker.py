@@ -89,8 +89,11 @@ def run_worker(
     params = list(model.parameters())
     pull_s = push_s = compute_s = sleep_s = 0.0
     # > 0 when resuming from checkpoints; under ASP/SSP the servers may differ: the smallest.
-    first_step = min(transport.wait(
-        [(s, "start_clock", transport.call_async(s, "start_clock", worker)) for s in servers]))
+    first_step = min(
+        transport.wait(
+            [(s, "start_clock", transport.call_async(s, "start_clock", worker)) for s in servers]
+        )
+    )
     heartbeat = _Heartbeat(transport, worker, plan.num_servers, heartbeat_s)
     started = time.perf_counter()
     try:
@@ -111,8 +114,13 @@ def run_worker(
                 time.sleep((slow_factor - 1) * (t2 - t1))
                 t3 = time.perf_counter()
             calls = [
-                (s, "push", transport.call_async(
-                    s, "push", worker, step, plan.gather(s, grads), float(loss.detach())))
+                (
+                    s,
+                    "push",
+                    transport.call_async(
+                        s, "push", worker, step, plan.gather(s, grads), float(loss.detach())
+                    ),
+                )
                 for s in servers
             ]
             transport.wait(calls)
@@ -122,8 +130,16 @@ def run_worker(
             push_s += time.perf_counter() - t3
         elapsed = time.perf_counter() - started
         updates = max(0, steps - first_step)
-        stats = WorkerStats(worker, updates, updates / elapsed if elapsed > 0 else 0.0,
-                            pull_s + push_s, compute_s, pull_s, push_s, sleep_s)
+        stats = WorkerStats(
+            worker,
+            updates,
+            updates / elapsed if elapsed > 0 else 0.0,
+            pull_s + push_s,
+            compute_s,
+            pull_s,
+            push_s,
+            sleep_s,
+        )
         calls = [(s, "finish", transport.call_async(s, "finish", worker, stats)) for s in servers]
         transport.wait(calls)
     finally:

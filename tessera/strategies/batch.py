@@ -110,9 +110,7 @@ _META = 10
 """Ints describing one gathered tensor: ndim, element size, is-float, then up to 7 dims."""
 
 
-def _gather_rows(
-    tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None
-) -> torch.Tensor:
+def _gather_rows(tensor: torch.Tensor, world: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Every rank's `tensor` concatenated on dim 0 in rank order (shards may differ in length).
 
     The shapes are exchanged first, so a rank whose shard has another trailing shape or dtype

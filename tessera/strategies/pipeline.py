@@ -46,6 +46,7 @@ from tessera.tensor_parallel.layers import _Parallel, shard
 
 __all__ = ["HybridPolicy", "PipelineEngine", "PipelinePolicy", "build_hybrid", "build_pipeline"]
 
+
 class PipelineEngine(Engine):
     """Data x tensor x pipeline parallel training of any model.
 

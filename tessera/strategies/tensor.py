@@ -49,6 +49,7 @@ from tessera.tensor_parallel.layers import _Parallel
 
 __all__ = ["TensorEngine", "TensorPolicy", "build", "build_tensor"]
 
+
 class TensorEngine(Engine):
     """Tensor-parallel training of one model over the world group (the Engine protocol)."""
 

@@ -11,7 +11,8 @@ import importlib
 from typing import Any
 
 from tessera.strategies.registry import STRATEGIES, register_strategy
-from tessera.train.config import ModelSettings, TrainConfig, build_config, load_yaml
+from tessera.train.config import ModelSettings, TrainConfig, load_yaml
+from tessera.train.config_build import build_config
 
 __all__ = [
     "STRATEGIES",

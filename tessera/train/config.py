@@ -7,10 +7,7 @@ Precedence: defaults < the YAML file (`--config`) < command-line flags.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +20,6 @@ from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
 __all__ = [
     "ModelSettings",
     "TrainConfig",
-    "RESUME_MAY_CHANGE",
-    "WORLD_SIZE_FREE_STRATEGIES",
-    "build_config",
-    "check_resume_config",
-    "check_resume_world",
-    "config_to_dict",
     "job_world_size",
     "load_yaml",
     "read_tp_plan",
@@ -429,78 +420,6 @@ def _flag_name(name: str) -> str:
     return meta.get("flag", "--" + name.replace("_", "-"))
 
 
-RESUME_MAY_CHANGE = frozenset(
-    {
-        "eval_data",  # held-out data: changes no step
-        "steps",  # continue further (decay_steps, not steps, shapes the schedule)
-        "nproc",  # another world size: see WORLD_SIZE_FREE_STRATEGIES
-        "out",  # the same folder, spelled another way
-        "progress",
-        "log_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-        "sample_tokens",
-        "timeout_s",
-    }
-)
-"""Config keys a resumed run may set differently: none changes what a step computes."""
-
-WORLD_SIZE_FREE_STRATEGIES = frozenset({"single", "torch-ddp", "ddp", "zero1", "zero2", "zero3"})
-"""Strategies whose checkpoint loads on any world size: full replicas (DDP) or shards that are
-resharded on load (ZeRO). The global batch is kept: each rank takes batch_size / world rows."""
-
-_WORLD_SIZE_BOUND = {
-    "local-sgd": "it keeps one model replica per rank between averages",
-    "pipeline": "its optimizer state is split by pipeline stage",
-    "tensor": "its parameters and optimizer state are split by tensor-parallel rank",
-    "hybrid": "its parameters and optimizer state are split by stage and tensor-parallel rank",
-}
-
-
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def check_resume_config(saved: dict[str, Any], config: TrainConfig, where: str) -> None:
-    """Refuse to resume a run saved with another config, naming every differing key.
-
-    `saved` is the config the run was saved with (config.yaml, or the checkpoint's copy);
-    keys in RESUME_MAY_CHANGE may differ, and keys a saved config lacks (it predates them) are
-    not compared.
-    """
-    old, new = _flatten(saved), _flatten(config_to_dict(config))
-    differing = [
-        f"{key} ({old[key]!r} -> {new[key]!r})"
-        for key in sorted(old.keys() & new.keys())
-        if key not in RESUME_MAY_CHANGE and old[key] != new[key]
-    ]
-    if differing:
-        raise ConfigError(
-            f"cannot resume {where}: it was saved with another config; differing keys: "
-            f"{', '.join(differing)}. Only {sorted(RESUME_MAY_CHANGE)} may change on resume: "
-            "start a new run (another --out) to change the others"
-        )
-
-
-def check_resume_world(strategy: str, saved_world: int, world: int) -> None:
-    """Refuse to resume a checkpoint of `saved_world` ranks on `world` ranks if the strategy
-    cannot (WORLD_SIZE_FREE_STRATEGIES can; the world-size checks of the config still apply)."""
-    if saved_world == world or strategy in WORLD_SIZE_FREE_STRATEGIES:
-        return
-    why = _WORLD_SIZE_BOUND.get(strategy, "it is not known to reshard its checkpoints")
-    raise ConfigError(
-        f"cannot resume a {strategy} checkpoint saved on {saved_world} ranks on {world} ranks: "
-        f"{why}; resume it on {saved_world} ranks (strategies that change world size on "
-        f"resume: {sorted(WORLD_SIZE_FREE_STRATEGIES)})"
-    )
-
-
 def torchrun_world() -> tuple[int, int] | None:
     """(WORLD_SIZE, LOCAL_WORLD_SIZE) in a worker of tessera run / torchrun, else None.
 
@@ -525,51 +444,6 @@ def job_world_size(nproc: int) -> int:
     return nproc if world is None else world[0]
 
 
-def _type_matches(value: Any, annotation: Any) -> bool:
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_matches(value, arm) for arm in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
-def _build(cls: type, values: dict[str, Any], where: str) -> Any:
-    if not isinstance(values, dict):
-        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        name = f"{where}{key}"
-        if key not in known:
-            raise ConfigError(f"unknown config key {name!r}; valid keys: {sorted(known)}")
-        annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
-            value = _build(annotation, value, f"{name}.")
-        elif not _type_matches(value, annotation):
-            wanted = getattr(annotation, "__name__", str(annotation))
-            raise ConfigError(f"config key {name!r} must be {wanted}, got {value!r}")
-        elif annotation is float:
-            value = float(value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config file into a dict, with a clear error for a missing or malformed one."""
     path = Path(path)
@@ -582,16 +456,3 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of keys to values")
     return data
-
-
-def build_config(*layers: dict[str, Any]) -> TrainConfig:
-    """Merge config layers (later ones win, nested `model:` merged key by key) and validate."""
-    merged: dict[str, Any] = {}
-    for layer in layers:
-        merged = _merge(merged, layer)
-    return _build(TrainConfig, merged, "")
-
-
-def config_to_dict(config: TrainConfig) -> dict[str, Any]:
-    """The config as plain data, for config.yaml and checkpoints."""
-    return dataclasses.asdict(config)

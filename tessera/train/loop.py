@@ -22,12 +22,8 @@ from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, r
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context, init
 from tessera.strategies import Engine
-from tessera.train.config import (
-    TrainConfig,
-    check_resume_config,
-    check_resume_world,
-    config_to_dict,
-)
+from tessera.train.config import TrainConfig
+from tessera.train.config_build import config_to_dict
 from tessera.train.engine_setup import (
     build_engine,
     lr_at,
@@ -44,6 +40,7 @@ from tessera.train.metrics import (
     read_events,
     read_metrics,
 )
+from tessera.train.resume_rules import check_resume_config, check_resume_world
 from tessera.train.workload import Workload, build_workload
 from tessera.train.workload import corpus_batches as corpus_batches  # noqa: F401 - was here
 from tessera.train.workload import next_token_loss as next_token_loss  # noqa: F401 - was here

@@ -24,7 +24,6 @@ from tessera.train.workload import Workload, build_workload
 __all__ = ["preflight_workload"]
 
 
-
 def _build(workload: Workload, config: TrainConfig) -> nn.Module:
     try:
         return workload.model_fn()

@@ -44,7 +44,7 @@ from tessera.parameter_server.metrics import staleness_histogram, write_metrics
 from tessera.parameter_server.options import parse_slow_workers, ps_policy
 from tessera.parameter_server.policy import aggregates
 from tessera.parameter_server.result import PSResult
-from tessera.train.config import config_to_dict
+from tessera.train.config_build import config_to_dict
 from tessera.train.engine_setup import lr_at, make_optimizer
 from tessera.train.metrics import read_metrics
 from tessera.train.workload import gpt_sample

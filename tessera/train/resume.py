@@ -15,13 +15,8 @@ from typing import Any
 
 from tessera.checkpoint import series
 from tessera.errors import CheckpointError, ConfigError
-from tessera.train.config import (
-    TrainConfig,
-    check_resume_config,
-    check_resume_world,
-    job_world_size,
-    load_yaml,
-)
+from tessera.train.config import TrainConfig, job_world_size, load_yaml
+from tessera.train.resume_rules import check_resume_config, check_resume_world
 
 __all__ = ["check_resume", "config_layers_for_resume"]
 

@@ -22,7 +22,8 @@ from tessera.checkpoint import series
 from tessera.errors import ConfigError
 from tessera.runtime.context import shutdown
 from tessera.strategies.registry import own_entry_point
-from tessera.train.config import TrainConfig, config_to_dict
+from tessera.train.config import TrainConfig
+from tessera.train.config_build import config_to_dict
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
 from tessera.train.preflight import preflight_workload

@@ -33,7 +33,8 @@ from tessera.data.sources import open_data
 from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
 from tessera.models.user import model_factory, read_model_config
-from tessera.train.config import TrainConfig, config_to_dict
+from tessera.train.config import TrainConfig
+from tessera.train.config_build import config_to_dict
 
 __all__ = [
     "Workload",

@@ -161,9 +161,7 @@ def _open_peers(
     try:
         for q in range(p):
             flags = os.O_WRONLY | os.O_NONBLOCK
-            outboxes.append(
-                files.open_checked(offers[q][0], flags, fifo=True) if q != r else -1
-            )
+            outboxes.append(files.open_checked(offers[q][0], flags, fifo=True) if q != r else -1)
     except OSError:
         _close(outboxes)
         raise

@@ -1,0 +1,75 @@
+"""Build a `TrainConfig` from layers of plain data (defaults < YAML < flags) and back.
+
+Every value is type-checked against the field's annotation before the dataclass validates the
+combination, so a wrong type names its key instead of failing somewhere in a rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from tessera.errors import ConfigError
+from tessera.train.config import TrainConfig
+
+__all__ = ["build_config", "config_to_dict"]
+
+
+def _type_matches(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_matches(value, arm) for arm in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, annotation)
+
+
+def _build(cls: type, values: dict[str, Any], where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{where}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown config key {name!r}; valid keys: {sorted(known)}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            value = _build(annotation, value, f"{name}.")
+        elif not _type_matches(value, annotation):
+            wanted = getattr(annotation, "__name__", str(annotation))
+            raise ConfigError(f"config key {name!r} must be {wanted}, got {value!r}")
+        elif annotation is float:
+            value = float(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def build_config(*layers: dict[str, Any]) -> TrainConfig:
+    """Merge config layers (later ones win, nested `model:` merged key by key) and validate."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = _merge(merged, layer)
+    return _build(TrainConfig, merged, "")
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """The config as plain data, for config.yaml and checkpoints."""
+    return dataclasses.asdict(config)

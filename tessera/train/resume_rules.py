@@ -1,0 +1,88 @@
+"""What a resumed run may change: config keys that change no step, and world sizes a strategy's
+checkpoint can be loaded on. Checked in the launching process, before any worker starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.errors import ConfigError
+from tessera.train.config import TrainConfig
+from tessera.train.config_build import config_to_dict
+
+__all__ = [
+    "RESUME_MAY_CHANGE",
+    "WORLD_SIZE_FREE_STRATEGIES",
+    "check_resume_config",
+    "check_resume_world",
+]
+
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "eval_data",  # held-out data: changes no step
+        "steps",  # continue further (decay_steps, not steps, shapes the schedule)
+        "nproc",  # another world size: see WORLD_SIZE_FREE_STRATEGIES
+        "out",  # the same folder, spelled another way
+        "progress",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "sample_tokens",
+        "timeout_s",
+    }
+)
+"""Config keys a resumed run may set differently: none changes what a step computes."""
+
+WORLD_SIZE_FREE_STRATEGIES = frozenset({"single", "torch-ddp", "ddp", "zero1", "zero2", "zero3"})
+"""Strategies whose checkpoint loads on any world size: full replicas (DDP) or shards that are
+resharded on load (ZeRO). The global batch is kept: each rank takes batch_size / world rows."""
+
+_WORLD_SIZE_BOUND = {
+    "local-sgd": "it keeps one model replica per rank between averages",
+    "pipeline": "its optimizer state is split by pipeline stage",
+    "tensor": "its parameters and optimizer state are split by tensor-parallel rank",
+    "hybrid": "its parameters and optimizer state are split by stage and tensor-parallel rank",
+}
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_resume_config(saved: dict[str, Any], config: TrainConfig, where: str) -> None:
+    """Refuse to resume a run saved with another config, naming every differing key.
+
+    `saved` is the config the run was saved with (config.yaml, or the checkpoint's copy);
+    keys in RESUME_MAY_CHANGE may differ, and keys a saved config lacks (it predates them) are
+    not compared.
+    """
+    old, new = _flatten(saved), _flatten(config_to_dict(config))
+    differing = [
+        f"{key} ({old[key]!r} -> {new[key]!r})"
+        for key in sorted(old.keys() & new.keys())
+        if key not in RESUME_MAY_CHANGE and old[key] != new[key]
+    ]
+    if differing:
+        raise ConfigError(
+            f"cannot resume {where}: it was saved with another config; differing keys: "
+            f"{', '.join(differing)}. Only {sorted(RESUME_MAY_CHANGE)} may change on resume: "
+            "start a new run (another --out) to change the others"
+        )
+
+
+def check_resume_world(strategy: str, saved_world: int, world: int) -> None:
+    """Refuse to resume a checkpoint of `saved_world` ranks on `world` ranks if the strategy
+    cannot (WORLD_SIZE_FREE_STRATEGIES can; the world-size checks of the config still apply)."""
+    if saved_world == world or strategy in WORLD_SIZE_FREE_STRATEGIES:
+        return
+    why = _WORLD_SIZE_BOUND.get(strategy, "it is not known to reshard its checkpoints")
+    raise ConfigError(
+        f"cannot resume a {strategy} checkpoint saved on {saved_world} ranks on {world} ranks: "
+        f"{why}; resume it on {saved_world} ranks (strategies that change world size on "
+        f"resume: {sorted(WORLD_SIZE_FREE_STRATEGIES)})"
+    )
