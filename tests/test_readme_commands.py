@@ -152,7 +152,8 @@ def test_flags_override_the_config_file(tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_on_loopback_as_the_readme_starts_them(tmp_path):
-    """The README's two `tessera run` lines, with one process per node on 127.0.0.1.
+    """The README's two `tessera run` lines, with one process per node on 127.0.0.1, train
+    like one process on the whole batch.
 
     torchrun's parser used to read the trainer's `--nproc` as an abbreviation of its own
     `--nproc-per-node` ("ambiguous option"), so neither node started.
@@ -187,7 +188,20 @@ def test_two_nodes_on_loopback_as_the_readme_starts_them(tmp_path):
         assert process.returncode == 0, err
         outputs.append(out)
     assert sum("ddp on 2 ranks" in out for out in outputs) == 1  # one world of two
-    assert len(read_metrics(tmp_path / "runs/torchrun-tessera/metrics.jsonl")) == 3
+    run_dir = tmp_path / "runs/torchrun-tessera"
+    assert len(read_metrics(run_dir / "metrics.jsonl")) == 3
+    # and the two nodes train as one process on the whole batch: against the plain-loop oracle
+    # (not bit for bit against one node of two ranks: a node of one process gives its rank both
+    # cores, so its kernels sum in another order than two ranks sharing them)
+    from _tolerance import check_close
+    from test_trainer_oracle import oracle_run  # tests/ is on sys.path under pytest
+
+    from tessera.train import build_config, latest_checkpoint, load_checkpoint, load_yaml
+
+    trained = load_checkpoint(latest_checkpoint(run_dir))["engine"]["model"]
+    config = build_config(load_yaml(run_dir / "config.yaml"))
+    oracle, exact = oracle_run(config, "fp32"), oracle_run(config, "fp64")
+    check_close(trained, oracle["state"], exact["state"], what="two nodes")
 
 
 def test_library_example_runs_and_prints_what_the_readme_says(tmp_path):
