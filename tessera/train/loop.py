@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from tessera.checkpoint import series
 from tessera.checkpoint.files import load_checkpoint, save_checkpoint
-from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context, init
+from tessera.runtime.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.strategies import Engine
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
