@@ -52,9 +52,13 @@ def user_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (output - targets).square().mean() + 0.1 * output.abs().mean()
 
 
-def _fresh(dtype: torch.dtype = torch.float32) -> nn.Module:
+def _sequential() -> nn.Module:
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _fresh(dtype: torch.dtype = torch.float32, kind: str = "blocks") -> nn.Module:
     torch.manual_seed(0)
-    return Blocks().to(dtype)
+    return (Blocks() if kind == "blocks" else _sequential()).to(dtype)
 
 
 def _batch(step: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +72,11 @@ def _make(optimizer: str, params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
 
 
-def _oracle(optimizer: str, steps: int, dtype: torch.dtype, rows: int = ROWS) -> dict:
+def _oracle(
+    optimizer: str, steps: int, dtype: torch.dtype, rows: int = ROWS, kind: str = "blocks"
+) -> dict:
     """The plain loop: one forward of the whole global batch per step."""
-    model = _fresh(dtype)
+    model = _fresh(dtype, kind)
     opt = _make(optimizer, model.parameters())
     out: dict[str, Any] = {}
     for step in range(steps):
@@ -111,6 +117,12 @@ def _count_reductions(engine: Any) -> tuple[list[int], int]:
     return calls, 1  # a model of a few hundred floats fits DDP's first bucket
 
 
+def _mine(ctx: Any, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's half of the global batch of `step`."""
+    half = ROWS // ctx.world_size
+    return tuple(t[ctx.rank * half : (ctx.rank + 1) * half] for t in _batch(step))
+
+
 def _run(ctx: Any, strategy: str, optimizer: str, steps: int) -> dict:
     engine = tessera.setup(
         _fresh(), lambda p: _make(optimizer, p), strategy=strategy, loss_fn=user_loss,
@@ -118,14 +130,8 @@ def _run(ctx: Any, strategy: str, optimizer: str, steps: int) -> dict:
     )  # fmt: skip
     calls, buckets = _count_reductions(engine)
     out: dict[str, Any] = {}
-    half = ROWS // ctx.world_size
     for step in range(steps):
-        x, y = _batch(step)
-        mine = (
-            x[ctx.rank * half : (ctx.rank + 1) * half],
-            y[ctx.rank * half : (ctx.rank + 1) * half],
-        )
-        loss = engine.train_step(mine)
+        loss = engine.train_step(_mine(ctx, step))
         if step == 0:
             assert len(calls) == buckets, (strategy, "reductions in one step", len(calls), buckets)
             out["loss"] = loss
@@ -143,7 +149,6 @@ def _compare(ctx: Any, strategy: str) -> None:
         _oracle("sgd", 1, torch.float32),
         _oracle("sgd", 1, torch.float64),
     )
-    # this rank's loss: the weighted mean of its micro-batches = the mean over its half
     check_close(ours["grads"], oracle["grads"], exact["grads"], what=f"{strategy} gradients")
     check_close(ours["params"], oracle["params"], exact["params"], what=f"{strategy} SGD step")
     ours = _run(ctx, strategy, "adamw", 3)
@@ -151,10 +156,34 @@ def _compare(ctx: Any, strategy: str) -> None:
     check_close(ours["params"], oracle["params"], exact["params"], what=f"{strategy} AdamW x3")
 
 
+def _model_parallel(ctx: Any) -> None:
+    """Tensor parallelism accumulates as `single` does (every rank on the gathered batch); a
+    pipeline runs K times its micro-batches. One SGD step each, K=2."""
+    runs = (
+        ("tensor", "seq", {"plan": {"0": "column", "2": "row"}}),
+        ("pipeline", "seq", {"microbatches": 2}),
+    )
+    for strategy, kind, options in runs:
+        engine = tessera.setup(
+            _fresh(kind=kind), lambda p: _make("sgd", p), strategy=strategy, loss_fn=user_loss,
+            grad_accum=2, ctx=ctx, **options,
+        )  # fmt: skip
+        if strategy == "pipeline":
+            assert engine.pipe.num_microbatches == 4
+        engine.train_step(_mine(ctx, 0))
+        engine.step()
+        full = engine.full_state_dict()
+        oracle = _oracle("sgd", 1, torch.float32, kind=kind)["params"]
+        exact = _oracle("sgd", 1, torch.float64, kind=kind)["params"]
+        ours = {name: full[name].cpu() for name in exact}
+        check_close(ours, oracle, exact, what=f"{strategy} SGD step")
+
+
 def accumulation_worker() -> bool:
     ctx = tessera.init()
     for strategy in STRATEGIES:
         _compare(ctx, strategy)
+    _model_parallel(ctx)
     return True
 
 
