@@ -4,7 +4,8 @@ Against a plain PyTorch loop written here, on one process and the whole global b
 micro-batches per `train_step`, the gradients before the step, the parameters after one SGD step
 without momentum, and after three AdamW steps, for ddp, torch-ddp, zero1-3 (one 2-rank spawn)
 and single (in-process, with a batch K does not divide: each micro loss is weighted by its share
-of the rows). The gradient reduction happens once per optimizer step: the buckets reduced in one
+of the rows); one SGD step for tensor (which accumulates as single does, on the gathered batch)
+and pipeline (which runs K times its micro-batches) in the same spawn. The gradient reduction happens once per optimizer step: the buckets reduced in one
 K=4 `train_step` are counted. The model is unlike tessera's: a `ModuleDict` whose children are
 called one by one, one of them twice, and a parameter used directly in forward.
 

@@ -134,7 +134,10 @@ def test_resume_with_accumulation_is_exact(tmp_path: Path):
         ({"optimizer": "adam"}, "unknown optimizer 'adam'"),
         ({"optimizer_args": "{betas: 1}"}, "--optimizer-args .* is not valid JSON"),
         ({"optimizer_args": "[0.9]"}, "--optimizer-args must be a JSON object"),
-        ({"optimizer_args": '{"betaz": [0.9, 0.99]}'}, "--optimizer adamw with .*betaz"),
+        (
+            {"optimizer_args": '{"betaz": [0.9, 0.99]}'},
+            "--optimizer adamw with .*betaz.*AdamW takes lr, betas",
+        ),
         ({"optimizer_args": '{"betas": [1.5, 0.9]}'}, "--optimizer adamw with .*beta"),
         ({"optimizer": "torch.optim:Nope"}, "--optimizer 'torch.optim:Nope': torch.optim has no"),
         ({"optimizer": "torch.nn:Linear"}, "is not a torch.optim.Optimizer subclass"),
