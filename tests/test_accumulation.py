@@ -5,9 +5,10 @@ micro-batches per `train_step`, the gradients before the step, the parameters af
 without momentum, and after three AdamW steps, for ddp, torch-ddp, zero1-3 (one 2-rank spawn)
 and single (in-process, with a batch K does not divide: each micro loss is weighted by its share
 of the rows); one SGD step for tensor (which accumulates as single does, on the gathered batch)
-and pipeline (which runs K times its micro-batches) in the same spawn. The gradient reduction happens once per optimizer step: the buckets reduced in one
-K=4 `train_step` are counted. The model is unlike tessera's: a `ModuleDict` whose children are
-called one by one, one of them twice, and a parameter used directly in forward.
+and pipeline (which runs K times its micro-batches) in the same spawn. The gradient reduction
+happens once per optimizer step: the buckets reduced in one K=4 `train_step` are counted. The
+model is unlike tessera's: a `ModuleDict` whose children are called one by one, one of them
+twice, and a parameter used directly in forward.
 
 Tolerances from `_tolerance.py`: every oracle run is repeated in float64 (the reference).
 """

@@ -55,8 +55,9 @@ def setup(
     `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`). `grad_clip` > 0
     clips the global gradient norm in `engine.step()`. `grad_accum` K > 1 accumulates: each
     `train_step(batch)` cuts this rank's batch into K micro-batches and reduces the gradients
-    over ranks once, after the last (`Engine.train_step`); a pipeline (`pipeline`, `hybrid`),
-    which accumulates over its micro-batches already, runs K times its `microbatches` instead.
+    over ranks once, after the last (`Engine.train_step`); a strategy whose policy has
+    `microbatches` (`pipeline`, `hybrid`) accumulates over its micro-batches already and runs K
+    times as many instead.
     It applies to every strategy, so it is `setup`'s argument, not a policy option. `options`
     are the fields of the strategy's
     policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
