@@ -221,6 +221,10 @@ def test_split_shares_and_bad_grad_accum():
     assert torch.equal(torch.cat([micro["a"] for micro, _ in parts]), torch.arange(10))
     with pytest.raises(ValueError, match="3 rows does not split into grad_accum=4"):
         split_for_accumulation((torch.zeros(3), torch.zeros(3)), 4)
+    with pytest.raises(TypeError, match="a batch is a dict of tensors or an .* got Tensor"):
+        split_for_accumulation(torch.zeros(8, 2), 4)
+    with pytest.raises(ValueError, match="the same size on dim 0"):
+        split_for_accumulation({"x": torch.zeros(8), "mask": torch.zeros(4)}, 4)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="grad_accum must be an int >= 1"):
             tessera.setup(_fresh(), lambda p: _make("sgd", p), strategy="single", grad_accum=bad)

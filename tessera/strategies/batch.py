@@ -115,11 +115,15 @@ def split_for_accumulation(batch: Batch, k: int) -> list[tuple[Any, float]]:
     gradients of the shares' weighted losses add up to the whole batch's gradient. Sizes differ
     by at most one row when `k` does not divide the rows; fewer rows than `k` is refused.
     """
+    if k == 1:  # the batch as given, whatever it holds (the batch rule judges it)
+        return [(batch, 1.0)]
+    if not isinstance(batch, (Mapping, tuple, list)):
+        raise TypeError(
+            f"a batch is a dict of tensors or an (inputs, targets) pair, got {type(batch).__name__}"
+        )
     rows = _rows(batch)
     if rows < k:
         raise ValueError(f"a batch of {rows} rows does not split into grad_accum={k} micro-batches")
-    if k == 1:
-        return [(batch, 1.0)]
     size, extra = divmod(rows, k)
     parts, start = [], 0
     for index in range(k):

@@ -12,10 +12,10 @@ forwards and backwards of its micro-batches inside one step, and because gradien
 (`tessera.setup(..., grad_accum=K)`) runs K forward/backward passes inside it: the rank's batch is
 cut into K micro-batches, each loss weighted by its share of the rows (so the gradient is the
 whole batch's), and the gradients are reduced over ranks once, in the last backward (the others
-run under `no_sync()`). The batch follows the batch rule of
-`tessera.strategies.batch`. `engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the
-one over this rank's shards), and `step` uses the learning rate in its `param_groups`, so a
-torch learning-rate scheduler works unchanged.
+run under `no_sync()`). The batch follows the batch rule of `tessera.strategies.batch`.
+`engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the one over this rank's
+shards), and `step` uses the learning rate in its `param_groups`, so a torch learning-rate
+scheduler works unchanged.
 
 This base class is the `single` strategy (one process, no communication: the reference every
 other strategy equals); adapters override what their strategy changes.

@@ -57,10 +57,9 @@ def setup(
     `train_step(batch)` cuts this rank's batch into K micro-batches and reduces the gradients
     over ranks once, after the last (`Engine.train_step`); a strategy whose policy has
     `microbatches` (`pipeline`, `hybrid`) accumulates over its micro-batches already and runs K
-    times as many instead.
-    It applies to every strategy, so it is `setup`'s argument, not a policy option. `options`
-    are the fields of the strategy's
-    policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
+    times as many instead. It applies to every strategy, so it is `setup`'s argument, not a
+    policy option. `options` are the fields of the strategy's policy (e.g. `bucket_cap_mb=` for
+    ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
     `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
     """
     policy = make_policy(strategy, options)
