@@ -4,11 +4,11 @@ Against a plain PyTorch loop written here, on one process and the whole global b
 micro-batches per `train_step`, the gradients before the step, the parameters after one SGD step
 without momentum, and after three AdamW steps, for ddp, torch-ddp, zero1-3 (one 2-rank spawn)
 and single (in-process, with a batch K does not divide: each micro loss is weighted by its share
-of the rows); one SGD step for tensor (which accumulates as single does, on the gathered batch)
-and pipeline (which runs K times its micro-batches) in the same spawn. The gradient reduction
-happens once per optimizer step: the buckets reduced in one K=4 `train_step` are counted. The
-model is unlike tessera's: a `ModuleDict` whose children are called one by one, one of them
-twice, and a parameter used directly in forward.
+of the rows); one SGD step for tensor (which accumulates as single does, on the gathered batch),
+pipeline (which runs K times its micro-batches) and local-sgd in the same spawn. The gradient
+reduction happens once per optimizer step: the buckets reduced in one K=4 `train_step` are
+counted. The model is unlike tessera's: a `ModuleDict` whose children are called one by one,
+one of them twice, and a parameter used directly in forward.
 
 Tolerances from `_tolerance.py`: every oracle run is repeated in float64 (the reference).
 """
@@ -158,12 +158,14 @@ def _compare(ctx: Any, strategy: str) -> None:
     check_close(ours["params"], oracle["params"], exact["params"], what=f"{strategy} AdamW x3")
 
 
-def _model_parallel(ctx: Any) -> None:
+def _other_strategies(ctx: Any) -> None:
     """Tensor parallelism accumulates as `single` does (every rank on the gathered batch); a
-    pipeline runs K times its micro-batches. One SGD step each, K=2."""
+    pipeline runs K times its micro-batches; local SGD accumulates on each replica (averaged
+    every step, SGD without momentum: the big batch's step). One SGD step each, K=2."""
     runs = (
         ("tensor", "seq", {"plan": {"0": "column", "2": "row"}}),
         ("pipeline", "seq", {"microbatches": 2}),
+        ("local-sgd", "blocks", {"average_every": 1}),
     )
     for strategy, kind, options in runs:
         engine = tessera.setup(
@@ -185,7 +187,7 @@ def accumulation_worker() -> bool:
     ctx = tessera.init()
     for strategy in STRATEGIES:
         _compare(ctx, strategy)
-    _model_parallel(ctx)
+    _other_strategies(ctx)
     return True
 
 
