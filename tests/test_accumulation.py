@@ -230,3 +230,5 @@ def test_split_shares_and_bad_grad_accum():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="grad_accum must be an int >= 1"):
             tessera.setup(_fresh(), lambda p: _make("sgd", p), strategy="single", grad_accum=bad)
+        with pytest.raises(ValueError, match="grad_accum must be an int >= 1"):
+            split_for_accumulation(_batch(0), bad)  # an engine's attribute set by hand

@@ -24,6 +24,7 @@ import torch.distributed as dist
 __all__ = [
     "Batch",
     "LossFn",
+    "check_grad_accum",
     "compute_loss",
     "gather_batch",
     "model_loss",
@@ -107,6 +108,12 @@ def split_microbatches(batch: Batch, m: int) -> list[Any]:
     return [_map_tensors(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(m)]
 
 
+def check_grad_accum(k: Any) -> None:
+    """Refuse a `grad_accum` that is not an int >= 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"grad_accum must be an int >= 1 (1: no accumulation), got {k!r}")
+
+
 def split_for_accumulation(batch: Batch, k: int) -> list[tuple[Any, float]]:
     """Cut `batch` into `k` micro-batches of as equal rows as can be; each with its share.
 
@@ -115,6 +122,7 @@ def split_for_accumulation(batch: Batch, k: int) -> list[tuple[Any, float]]:
     gradients of the shares' weighted losses add up to the whole batch's gradient. Sizes differ
     by at most one row when `k` does not divide the rows; fewer rows than `k` is refused.
     """
+    check_grad_accum(k)
     if k == 1:  # the batch as given, whatever it holds (the batch rule judges it)
         return [(batch, 1.0)]
     if not isinstance(batch, (Mapping, tuple, list)):

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from tessera.runtime.context import Context
-from tessera.strategies.batch import LossFn
+from tessera.strategies.batch import LossFn, check_grad_accum
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
 
-__all__ = ["check_grad_accum", "make_policy", "setup"]
+__all__ = ["make_policy", "setup"]
 
 
 def make_policy(strategy: str, options: dict[str, Any]) -> Any:
@@ -85,9 +85,3 @@ def setup(
     engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
     engine.grad_accum = grad_accum
     return engine
-
-
-def check_grad_accum(grad_accum: Any) -> None:
-    """Refuse a `grad_accum` that is not a positive int."""
-    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"grad_accum must be an int >= 1 (1: no accumulation), got {grad_accum!r}")
