@@ -59,8 +59,8 @@ def setup(
     `microbatches` (`pipeline`, `hybrid`) accumulates over its micro-batches already and runs K
     times as many instead. It applies to every strategy, so it is `setup`'s argument, not a
     policy option. `options` are the fields of the strategy's policy (e.g. `bucket_cap_mb=` for
-    ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
-    `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
+    ddp, `offload="cpu"` for zero1-3). `ctx` defaults to `tessera.init()`. Every rank calls
+    `setup` with the same model (same initial weights).
     """
     policy = make_policy(strategy, options)
     if not isinstance(model, nn.Module):
