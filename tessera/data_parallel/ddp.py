@@ -200,18 +200,12 @@ class DataParallel(nn.Module):
     def _trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
         return ((n, p) for n, p in self.module.named_parameters() if p.requires_grad)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Skip gradient reduction inside the block; gradients accumulate locally.
 
         The first backward outside the block reduces the accumulated gradients.
         """
-        previous = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.sync_enabled = previous
+        return self.reducer.no_sync()
 
     @property
     def exposed_comm_s(self) -> float:

@@ -31,9 +31,10 @@ until its reduction has finished: the full gradients are freed as soon as they a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -99,6 +100,18 @@ class Reducer:
             bucket.reset()
             if release_buffers:
                 self._release(bucket)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction inside the block; gradients accumulate locally (in the
+        bucket buffers, which `release_buffers` keeps until reduced). The first backward
+        outside the block (after a forward) reduces the accumulated gradients once."""
+        previous = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
 
     def submit(self, fn: Callable[..., object], *args: object, item: int = -1) -> Future:
         """Run `fn(*args)` on the group's stream, after every collective already queued there.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -57,6 +58,10 @@ class DDPEngine(Engine):
         """Backward; buckets are averaged as they fill, the end waits for the last ones."""
         loss.backward()
         self.comm_seconds = self.ddp.exposed_comm_s
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally; the next synced backward reduces their sum once."""
+        return self.ddp.no_sync()
 
 
 class LocalSGDEngine(Engine):

@@ -8,10 +8,14 @@
         scheduler.step()
 
 `train_step` is one unit (not forward, then backward) because a pipeline interleaves the
-forwards and backwards of its micro-batches inside one step. The batch follows the batch rule of
-`tessera.strategies.batch`. `engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the
-one over this rank's shards), and `step` uses the learning rate in its `param_groups`, so a
-torch learning-rate scheduler works unchanged.
+forwards and backwards of its micro-batches inside one step, and because gradient accumulation
+(`tessera.setup(..., grad_accum=K)`) runs K forward/backward passes inside it: the rank's batch is
+cut into K micro-batches, each loss weighted by its share of the rows (so the gradient is the
+whole batch's), and the gradients are reduced over ranks once, in the last backward (the others
+run under `no_sync()`). The batch follows the batch rule of `tessera.strategies.batch`.
+`engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the one over this rank's
+shards), and `step` uses the learning rate in its `param_groups`, so a torch learning-rate
+scheduler works unchanged.
 
 This base class is the `single` strategy (one process, no communication: the reference every
 other strategy equals); adapters override what their strategy changes.
@@ -19,6 +23,7 @@ other strategy equals); adapters override what their strategy changes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ from torch import nn
 
 from tessera._atomic import write_atomically
 from tessera.runtime.context import Context
-from tessera.strategies.batch import Batch, LossFn, compute_loss
+from tessera.strategies.batch import Batch, LossFn, compute_loss, split_for_accumulation
 
 __all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
 
@@ -56,6 +61,9 @@ class Engine:
 
     sharded_checkpoint = False
     """True where every rank writes files of its own in `save` (ZeRO's shards)."""
+
+    grad_accum = 1
+    """Micro-batches per `train_step` (gradient accumulation); `tessera.setup` sets it."""
 
     def __init__(
         self,
@@ -102,13 +110,33 @@ class Engine:
         """Backward; after it every gradient this rank steps is the one the optimizer uses."""
         loss.backward()
 
-    def train_step(self, batch: Batch) -> float:
-        """Forward and backward of this rank's `batch` (the batch rule); return its loss."""
-        loss = compute_loss(
-            self.forward, batch, self.loss_fn, model_name=type(self.module).__name__
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backwards inside keep their gradients on this rank (added up); the first backward
+        after it reduces the sum over ranks. Strategies that reduce gradients override it."""
+        return contextlib.nullcontext()
+
+    def _micro_loss(self, micro: Batch) -> torch.Tensor:
+        """The loss of one micro-batch under the batch rule (every forward of a step runs here)."""
+        return compute_loss(
+            self.forward, micro, self.loss_fn, model_name=type(self.module).__name__
         )
-        self.backward(loss)
-        return float(loss.detach())
+
+    def train_step(self, batch: Batch) -> float:
+        """Forward and backward of this rank's `batch` (the batch rule); return its loss.
+
+        With `grad_accum` K > 1 the batch is cut into K micro-batches (`split_for_accumulation`),
+        each backward takes its loss times its share of the rows, all but the last run under
+        `no_sync()`, and the returned loss is the shares' weighted mean: the whole batch's.
+        """
+        parts = split_for_accumulation(batch, self.grad_accum)
+        total = 0.0
+        for index, (micro, share) in enumerate(parts):
+            last = index == len(parts) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                loss = self._micro_loss(micro)
+                self.backward(loss if len(parts) == 1 else loss * share)
+            total += share * float(loss.detach())
+        return total
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before."""

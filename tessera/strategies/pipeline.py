@@ -54,6 +54,8 @@ class PipelineEngine(Engine):
     forward alone is no pipeline step); save/load/export come from the base, over the dense
     state this engine's `state_dict` gathers. `Engine.__init__` is not called: it would build an
     optimizer over the whole model, and this engine's optimizer covers this rank's stage only.
+    Gradient accumulation is the pipeline's own: with `grad_accum` K, `tessera.setup` gives it K
+    times the policy's micro-batches, and one step over them reduces the gradients once.
     """
 
     def __init__(

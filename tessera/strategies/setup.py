@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tessera.runtime.context import Context
-from tessera.strategies.batch import LossFn
+from tessera.strategies.batch import LossFn, check_grad_accum
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
 
@@ -43,6 +43,7 @@ def setup(
     strategy: str = "ddp",
     loss_fn: LossFn | None = None,
     grad_clip: float = 0.0,
+    grad_accum: int = 1,
     ctx: Context | None = None,
     **options: Any,
 ) -> Engine:
@@ -52,9 +53,14 @@ def setup(
     parameters: ZeRO builds it over this rank's shards). `loss_fn` follows the batch rule of
     `tessera.strategies.batch`: `loss_fn(output, targets)` for `(inputs, targets)` batches,
     `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`). `grad_clip` > 0
-    clips the global gradient norm in `engine.step()`. `options` are the fields of the strategy's
-    policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
-    `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
+    clips the global gradient norm in `engine.step()`. `grad_accum` K > 1 accumulates: each
+    `train_step(batch)` cuts this rank's batch into K micro-batches and reduces the gradients
+    over ranks once, after the last (`Engine.train_step`); a strategy whose policy has
+    `microbatches` (`pipeline`, `hybrid`) accumulates over its micro-batches already and runs K
+    times as many instead. It applies to every strategy, so it is `setup`'s argument, not a
+    policy option. `options` are the fields of the strategy's policy (e.g. `bucket_cap_mb=` for
+    ddp, `offload="cpu"` for zero1-3). `ctx` defaults to `tessera.init()`. Every rank calls
+    `setup` with the same model (same initial weights).
     """
     policy = make_policy(strategy, options)
     if not isinstance(model, nn.Module):
@@ -67,9 +73,15 @@ def setup(
         )
     if isinstance(grad_clip, bool) or not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
+    check_grad_accum(grad_accum)
+    names = {field.name for field in dataclasses.fields(policy)}
+    if grad_accum > 1 and "microbatches" in names:  # the pipeline's own accumulation, K-fold
+        policy = dataclasses.replace(policy, microbatches=policy.microbatches * grad_accum)
     if ctx is None:
         from tessera.runtime.context import init
 
         ctx = init()
     build = STRATEGIES[strategy]
-    return build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    engine.grad_accum = grad_accum
+    return engine

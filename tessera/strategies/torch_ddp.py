@@ -8,6 +8,7 @@ that is DDP waiting for its last buckets, i.e. communication that compute did no
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -56,6 +57,11 @@ class TorchDDPEngine(Engine):
         self._last_gradient_at = time.perf_counter()
         loss.backward()
         self.comm_seconds = max(0.0, time.perf_counter() - self._last_gradient_at)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """`DistributedDataParallel.no_sync`: gradients accumulate locally until the next
+        synced backward, which all-reduces their sum once."""
+        return self.ddp.no_sync()
 
 
 def build(

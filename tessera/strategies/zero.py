@@ -11,6 +11,7 @@ beside `engine.pt` (rank 0's, which names the shard folder), so a run saved on 4
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,11 @@ class ZeroEngine(Engine):
         """Backward; buckets are reduce-scattered as they fill, the end waits for the last."""
         loss.backward()
         self.comm_seconds = self.zero.reducer.exposed_comm_s
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate full gradients locally (stages 2/3 then hold whole gradient buckets, as
+        FSDP's `no_sync` does) until the next synced backward reduce-scatters their sum once."""
+        return self.zero.reducer.no_sync()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip by the global norm, summed over every rank's gradient shard."""

@@ -26,7 +26,6 @@ __all__ = [
     "torchrun_world",
 ]
 
-OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("naive", "gpipe", "1f1b")
 OFFLOAD_MOMENTS = ("fp32", "bf16", "bf16-stochastic")  # tessera.zero.policy.MOMENT_STORAGE
 
@@ -72,8 +71,32 @@ class TrainConfig:
     )
     steps: int = _option(450, "Total optimizer steps; a resumed run continues up to this number.")
     seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
-    batch_size: int = _option(32, "Global batch in sequences per step, split over the ranks.")
-    optimizer: str = _option("adamw", "adamw, or sgd (momentum 0.9).")
+    batch_size: int = _option(
+        32,
+        "Global micro-batch in sequences, split over the ranks; one optimizer step takes "
+        "batch_size * grad_accum.",
+    )
+    grad_accum: int = _option(
+        1,
+        "Gradient accumulation: micro-batches per optimizer step, gradients reduced over ranks "
+        "once, after the last (--batch-size 8 --grad-accum 4 equals --batch-size 32).",
+    )
+    optimizer: str = _option(
+        "adamw",
+        "adamw (betas 0.9, 0.95), sgd (momentum 0.9), or PKG.MODULE:CLASS (a torch.optim."
+        "Optimizer subclass, given lr and, if it takes it, weight_decay).",
+    )
+    optimizer_args: str | None = _option(
+        None,
+        "JSON object of optimizer keyword arguments applied on top of lr and weight_decay, e.g. "
+        "'{\"betas\": [0.9, 0.99]}'.",
+    )
+    lr_schedule: str = _option(
+        "cosine",
+        "After warmup: cosine (to lr/10 over decay_steps), linear (to lr/10 over decay_steps), "
+        "constant, or PKG.MODULE:FN, FN(step) -> multiplier of lr (no warmup added; a function "
+        "of the 0-based step only, so resume stays exact).",
+    )
     lr: float = _option(3e-3, "Peak learning rate, reached after warmup_steps.")
     warmup_steps: int = _option(10, "Linear learning-rate warmup, in steps.")
     decay_steps: int = _option(
@@ -200,6 +223,7 @@ class TrainConfig:
         for name in (
             "steps",
             "batch_size",
+            "grad_accum",
             "log_every",
             "corpus_bytes",
             "average_every",
@@ -236,8 +260,9 @@ class TrainConfig:
             raise ConfigError(
                 f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"
             )
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        from tessera.train.optimizers import check_optimizer_options
+
+        check_optimizer_options(self)  # --optimizer(-args), --lr-schedule, --grad-accum
         if self.comm_algorithm != "auto":
             from tessera.comm import ALGORITHMS  # only then: the collectives are not light
 
@@ -250,6 +275,11 @@ class TrainConfig:
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
+
+    @property
+    def step_batch_size(self) -> int:
+        """Sequences (items) of one optimizer step over all ranks: batch_size * grad_accum."""
+        return self.batch_size * self.grad_accum
 
     def _check_workload_options(self) -> None:
         """--model and its companions: what goes with what, and the files they name exist.

@@ -3,13 +3,13 @@
 The trainer's flat config (`--bucket-cap-mb`, `--offload`, ...) names each strategy's knobs; the
 strategies' policy dataclasses own their meaning and defaults. `policy_options` is the single
 place where one becomes the other, so `tessera train` and `tessera.setup` cannot drift apart.
-The learning-rate schedule is a torch `LambdaLR` over the engine's optimizer, a function of the
-step only, so a resumed run sets exactly the rate of the run that never stopped.
+The optimizer and the learning-rate schedule are `tessera.train.optimizers`'; the schedule is a
+torch `LambdaLR` over the engine's optimizer, a function of the step only, so a resumed run sets
+exactly the rate of the run that never stopped.
 """
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
@@ -20,28 +20,9 @@ from tessera.runtime.context import Context
 from tessera.strategies import Engine, setup
 from tessera.strategies.batch import LossFn
 from tessera.train.config import TrainConfig, read_tp_plan
+from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup, then constant or cosine to lr/10."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.decay_steps == 0:
-        return config.lr
-    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
-    low = config.lr / 10
-    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer the config names, over `params` (at the peak lr: the schedule scales it)."""
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    return torch.optim.AdamW(
-        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
 
 
 def policy_options(config: TrainConfig) -> dict[str, Any]:
@@ -99,18 +80,15 @@ def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Co
         strategy=config.strategy,
         loss_fn=loss_fn,
         grad_clip=config.grad_clip,
+        grad_accum=config.grad_accum,
         ctx=ctx,
         **policy_options(config),
     )
 
 
-def _lr_factor(config: TrainConfig, step: int) -> float:
-    return lr_at(step, config) / config.lr
-
-
 def lr_scheduler(engine: Engine, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """The config's schedule (`lr_at`) as a `LambdaLR` over `engine.optimizer`."""
-    return torch.optim.lr_scheduler.LambdaLR(engine.optimizer, partial(_lr_factor, config))
+    """The config's schedule (`lr_factor`) as a `LambdaLR` over `engine.optimizer`."""
+    return torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_factor(config))
 
 
 def restore_lr_scheduler(

@@ -11,8 +11,10 @@
   `output["loss"]` (the Hugging Face convention).
 
 In both, the batch of a step is a pure function of (seed, step), so a resumed run draws what an
-uninterrupted one would; `identity` goes into every checkpoint, and a resume whose workload
-identifies differently is refused.
+uninterrupted one would; it is the whole optimizer step's batch, `batch_size * grad_accum` rows,
+drawn as one (the engine cuts it into the micro-batches), so accumulation changes no data.
+`identity` goes into every checkpoint, and a resume whose workload identifies differently is
+refused.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class Workload:
     batch_kind: str
     """"pair" or "dict": how the loop hands a batch to the engine."""
     tokens_per_step: int
-    """Tokens (samples, for data that is not token ids) in one global batch."""
+    """Tokens (samples, for data that is not token ids) in one optimizer step's global batch
+    (every micro-batch of it)."""
     unit: str
     """"tokens" or "samples": what `tokens_per_step` counts."""
     identity: dict[str, Any]
@@ -85,7 +88,7 @@ def corpus_batches(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
     batches = LMBatches(
         tokenizer.encode_tensor(text),
         block_size=config.model.block_size,
-        global_batch_size=config.batch_size,
+        global_batch_size=config.step_batch_size,  # one batch per optimizer step (grad_accum)
         seed=config.seed,
     )
     return tokenizer, batches
@@ -123,7 +126,7 @@ def _demo(config: TrainConfig) -> Workload:
         batches=batches.batch,
         loss_fn=next_token_loss,
         batch_kind="pair",
-        tokens_per_step=config.batch_size * config.model.block_size,
+        tokens_per_step=config.step_batch_size * config.model.block_size,
         unit="tokens",
         identity={"tokenizer": tokenizer.to_dict()},  # the key older checkpoints hold
         sample=lambda weights: gpt_sample(weights, model_config, tokenizer, config),
@@ -163,7 +166,7 @@ def _user(config: TrainConfig) -> Workload:
         )
     try:
         batches = DatasetBatches(
-            opened.dataset, global_batch_size=config.batch_size, seed=config.seed
+            opened.dataset, global_batch_size=config.step_batch_size, seed=config.seed
         )
     except ValueError as exc:
         raise ConfigError(f"--data {config.data}: {exc}") from None
@@ -198,7 +201,7 @@ def _user(config: TrainConfig) -> Workload:
         batches=batches.batch,
         loss_fn=loss_fn,
         batch_kind=kind,
-        tokens_per_step=config.batch_size * per_item,
+        tokens_per_step=config.step_batch_size * per_item,
         unit=unit,
         identity=identity,
         eval_data=eval_data,
