@@ -34,7 +34,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
@@ -43,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.bucket import Bucket
-from tessera.errors import CollectiveTimeout
+from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
 from tessera.zero.optimizer import FlatShard, ZeroOptimizer
 from tessera.zero.units import UnitSpec, find_units, parameter_owners, select_units
@@ -216,12 +215,9 @@ class ZeroStage3(ZeroOptimizer):
             self._wait(future, f"all_gather of ZeRO-3 unit {unit}")
 
     def _wait(self, future: Future, what: str) -> None:
-        try:
-            future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                dist.get_rank(), what, self.timeout_s, "another rank is not at this unit"
-            ) from None
+        wait_or_raise(
+            future, what, self.timeout_s, dist.get_rank(), "another rank is not at this unit"
+        )
 
     def _release(self, unit: int) -> None:
         """Free a unit's buffers now (after its gather, if one is still in flight)."""
