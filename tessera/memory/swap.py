@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.memory.checkpointing import _find_blocks
+from tessera.memory.blocks import find_blocks
 from tessera.memory.residency import ResidencyScheduler, in_backward
 from tessera.optim.swap_files import SwapFile, SwapFolder
 
@@ -85,7 +85,7 @@ class IdleSwapper:
     def __init__(self, module: nn.Module, *, keep: int, nvme_dir: str | None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"swap_idle: keep must be an int >= 0, got {keep!r}")
-        modules = _find_blocks(module)
+        modules = find_blocks(module)
         if not modules:
             raise ValueError(
                 f"swap_idle: {type(module).__name__} has no blocks (children with parameters of "
