@@ -42,6 +42,7 @@ from torch import nn
 
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket, BufferFactory, assign_buckets
+from tessera.errors import CollectiveTimeout
 from tessera.runtime.wait import wait_or_raise
 
 __all__ = ["Reducer"]
@@ -240,6 +241,8 @@ class Reducer:
                     self._rank,
                     "another rank has not finished its backward (or has failed)",
                 )
+            except CollectiveTimeout:
+                raise  # reported now: draining the rest would wait out each one's bound too
             except BaseException:
                 _drain(futures[index + 1 :], self._timeout_s)  # nothing of ours stays queued
                 raise
