@@ -161,7 +161,10 @@ class IdleSwapper:
 
     def _bring_in(self, index: int) -> None:
         self._request(index)
-        block = self.blocks[index]
+        self._finish_loading(self.blocks[index])
+
+    def _finish_loading(self, block: _Block) -> None:
+        """Wait for a load in flight, if any: the block is resident after it."""
         with self._lock:
             if block.loading is not None:
                 block.loading.result()
@@ -171,10 +174,7 @@ class IdleSwapper:
     def _write_out(self, block: _Block, *, dirty: bool) -> None:
         """Swap a resident block out; `dirty`: its values changed and go to the store first."""
         with self._lock:
-            if block.loading is not None:
-                block.loading.result()
-                block.loading = None
-                block.resident = True
+            self._finish_loading(block)
             if not block.resident:
                 return
             block.resident = False
