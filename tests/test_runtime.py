@@ -95,10 +95,12 @@ def test_init_in_a_plain_process_is_a_world_of_one():
         import json, tessera, torch, torch.distributed as dist
         import os
         from tessera.comm.api import _timeout
+        from tessera.runtime import current_context
         ctx = tessera.init(timeout_s=7.5)  # the bound travels in the Context, not os.environ
         t = torch.tensor([5.0]); dist.all_reduce(t)
         print(json.dumps([ctx.rank, ctx.world_size, ctx.backend, t.item(), ctx.timeout_s,
-                          _timeout(None), "TESSERA_TIMEOUT_S" in os.environ]))
+                          _timeout(None), "TESSERA_TIMEOUT_S" in os.environ,
+                          current_context() is ctx is tessera.init()]))
         tessera.shutdown()
         """
     )
@@ -112,7 +114,8 @@ def test_init_in_a_plain_process_is_a_world_of_one():
         timeout=60,
         check=True,
     )
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, 1, "gloo", 5.0, 7.5, 7.5, False]
+    reported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reported == [0, 1, "gloo", 5.0, 7.5, 7.5, False, True]
 
 
 def test_init_under_tessera_run_matches_the_launcher(tmp_path):
