@@ -58,7 +58,8 @@ class DataParallel(nn.Module):
     """Data-parallel wrapper: after `loss.backward()`, every `.grad` is the average over ranks.
 
     The wrapped module's own parameters are trained (no copy): build the optimizer on
-    `module.parameters()`. Each rank feeds its own slice of the batch.
+    `module.parameters()`. Each rank feeds its own slice of the batch. Waiting for the gradient
+    reduction is bounded by `timeout_s` (None: this rank's `Context.timeout_s`).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class DataParallel(nn.Module):
         broadcast_buffers: bool = True,
         powersgd_rank: int = 2,
         check_finite: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -106,7 +108,7 @@ class DataParallel(nn.Module):
             cap_bytes=int(bucket_cap_mb * 2**20),
             reduce_bucket=self._reduce_bucket,
             rank=self._rank,
-            timeout_s=default_timeout_s(),
+            timeout_s=default_timeout_s() if timeout_s is None else timeout_s,
             allocate=self._shared_allocator(named),
             group=group,
             engine_kind="DataParallel",

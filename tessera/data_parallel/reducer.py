@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -45,6 +44,7 @@ from torch import nn
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket, BufferFactory, assign_buckets
 from tessera.errors import CollectiveTimeout
+from tessera.runtime.wait import wait_or_raise
 
 __all__ = ["Reducer"]
 
@@ -247,14 +247,15 @@ class Reducer:
         futures, self._futures = self._futures, []
         for index, future in enumerate(futures):
             try:
-                future.result(timeout=self._timeout_s)
-            except FutureTimeout:
-                raise CollectiveTimeout(
-                    self._rank,
+                wait_or_raise(
+                    future,
                     f"all_reduce of gradient bucket {index}",
                     self._timeout_s,
+                    self._rank,
                     "another rank has not finished its backward (or has failed)",
-                ) from None
+                )
+            except CollectiveTimeout:
+                raise  # reported now: draining the rest would wait out each one's bound too
             except BaseException:
                 _drain(futures[index + 1 :], self._timeout_s)  # nothing of ours stays queued
                 raise

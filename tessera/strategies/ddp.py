@@ -47,7 +47,10 @@ class DDPEngine(Engine):
             module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
         )
         self.ddp = DataParallel(
-            module, bucket_cap_mb=policy.bucket_cap_mb, algorithm=policy.algorithm
+            module,
+            bucket_cap_mb=policy.bucket_cap_mb,
+            algorithm=policy.algorithm,
+            timeout_s=ctx.timeout_s,
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -152,7 +152,10 @@ class PipelineEngine(Engine):
             return self.dp_sync.optimizer
         if dp > 1:
             self.dp_sync = StageDataParallel(
-                stage, group=self.dp_group, bucket_cap_mb=self.policy.bucket_cap_mb
+                stage,
+                group=self.dp_group,
+                bucket_cap_mb=self.policy.bucket_cap_mb,
+                timeout_s=self.ctx.timeout_s,
             )
         if built is None:
             return self._make_optimizer(self.params)

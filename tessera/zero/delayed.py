@@ -33,11 +33,10 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
-from tessera.errors import CollectiveTimeout
+from tessera.runtime.wait import wait_or_raise
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "DelayedUpdate", "check_delayed_update"]
 
@@ -123,15 +122,13 @@ class DelayedUpdate:
         future, self._future = self._future, None
         if future is None:
             return
-        try:
-            future.result(timeout=self._timeout_s)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                self._rank,
-                "the delayed (background) optimizer step",
-                self._timeout_s,
-                "the host optimizer step did not finish; it may be stuck or far too slow",
-            ) from None
+        wait_or_raise(
+            future,
+            "the delayed (background) optimizer step",
+            self._timeout_s,
+            self._rank,
+            "the host optimizer step did not finish; it may be stuck or far too slow",
+        )
 
     def grad_buffers(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's gradient copies, one like each master (made at the first delayed step)."""

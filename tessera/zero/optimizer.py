@@ -29,7 +29,6 @@ accumulation needs without a separate shard (see `stage1`).
 
 from __future__ import annotations
 
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -44,10 +43,10 @@ from tessera.clip import clip_grad_norm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.reducer import Reducer
-from tessera.errors import CollectiveTimeout
 from tessera.flat import flatten, unflatten_into
 from tessera.optim.cpu_adam import host_zeros
-from tessera.runtime.context import default_timeout_s
+from tessera.runtime.context import current_context
+from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
@@ -99,7 +98,7 @@ class ZeroOptimizer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout_s = default_timeout_s()
+        self.timeout_s = current_context().timeout_s
         self.mixed_precision = mixed_precision
         # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
         # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
@@ -310,15 +309,13 @@ class ZeroOptimizer:
     def _collective(self, fn: Any, *args: Any, item: int = -1) -> Any:
         """Run `fn(*args)` on the group's stream and wait for it (labelled with `item`)."""
         future = self.reducer.submit(fn, *args, item=item)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                dist.get_rank(),
-                f"ZeRO-{self.stage} {getattr(fn, '__name__', 'collective')}",
-                self.timeout_s,
-                "another rank has not reached the same step (or has failed)",
-            ) from None
+        return wait_or_raise(
+            future,
+            f"ZeRO-{self.stage} {getattr(fn, '__name__', 'collective')}",
+            self.timeout_s,
+            dist.get_rank(),
+            "another rank has not reached the same step (or has failed)",
+        )
 
     def _reduce_scatter_mean(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it)."""
