@@ -176,7 +176,11 @@ class AdamKernel:
         moments stochastically with the bits of this key; None: to nearest-even.
 
         Every tensor is checked first (`check_inputs`): C gets raw pointers, and a wrong size or
-        layout there corrupts the heap instead of raising."""
+        layout there corrupts the heap instead of raising.
+
+        Why so many parameters: they are the C function's own, one by one (keywords here), so
+        that the call below is checked against its signature by name; `CPUAdam` makes the only
+        call."""
         check_inputs(param, grad, exp_avg, exp_avg_sq, bf16_out)
         self._function(
             param.data_ptr(),

@@ -107,6 +107,10 @@ def run(
     smallest saved clock over the servers up to `steps` (see `checkpoint` for how ASP's unaligned
     shards resume exactly). Each server keeps its files from the `keep_checkpoints`-th newest
     version common to all servers on, so a crash at any moment leaves a version to resume from.
+
+    Why so many parameters: the three functions that define the job, then its knobs as keywords
+    with one default each (the trainer's `--strategy ps` passes them by name); they are checked
+    together, before anything is spawned, and travel to every process as one `_RunConfig`.
     """
     config = _validate(
         model_fn,
@@ -180,6 +184,10 @@ def _validate(
     slow_workers,
     timeout_s,
 ) -> _RunConfig:
+    """`run`'s arguments checked (a `ConfigError` naming the first bad one) and resolved.
+
+    Why so many parameters: they are `run`'s, taken one by one so each check names its own.
+    """
     for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("data_fn", data_fn)):
         if not callable(fn):
             raise ConfigError(f"{name} must be callable, got {fn!r}")

@@ -103,14 +103,7 @@ class ZeroOptimizer:
         self.rank = dist.get_rank(group)
         self.timeout_s = default_timeout_s()
         self.mixed_precision = mixed_precision
-        # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
-        # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
-        check_delayed_update(delayed_update, delayed_update_after, offload="cpu")
-        if delayed_update and swap_masters:
-            raise ValueError(
-                "delayed_update cannot run with the masters in files (offload='nvme'): the "
-                "swapped step streams them through shared buffers on the training thread"
-            )
+        _check_collaborators(delayed_update, delayed_update_after, swap_masters)
         self.delayed: DelayedUpdate | None = None
         """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
         if delayed_update:
@@ -436,6 +429,18 @@ class ZeroOptimizer:
         close = getattr(self.optimizer, "close", None)
         if close is not None:  # offload="nvme": remove its files now, not at exit
             close()
+
+
+def _check_collaborators(delayed_update: bool, after: int, swap_masters: bool) -> None:
+    """Refuse a delayed update that cannot run, and one beside masters in files."""
+    # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
+    # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
+    check_delayed_update(delayed_update, after, offload="cpu")
+    if delayed_update and swap_masters:
+        raise ValueError(
+            "delayed_update cannot run with the masters in files (offload='nvme'): the "
+            "swapped step streams them through shared buffers on the training thread"
+        )
 
 
 def _to_bf16(value: Any) -> Any:
