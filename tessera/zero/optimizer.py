@@ -44,9 +44,9 @@ from tessera import comm
 from tessera.clip import clip_grad_norm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
+from tessera.data_parallel.ddp import broadcast_from_first
 from tessera.data_parallel.reducer import Reducer
 from tessera.errors import CollectiveTimeout
-from tessera.flat import flatten, unflatten_into
 from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import default_timeout_s
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
@@ -120,7 +120,7 @@ class ZeroOptimizer:
         """Every rank of the group on this host: stage 1 then all-reduces gradients in place."""
         everything = list(module.parameters()) + list(module.buffers())
         if self.world > 1:  # (a one-rank group has nothing to copy; the flat copy costs a model)
-            stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
+            stream.run(broadcast_from_first, everything, group, what="parameter broadcast")
         # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
         # originals are freed as the flats fill (memory at set-up: about one model, not two).
         sources = {id(p): p.detach() for _, p in named}
@@ -241,8 +241,11 @@ class ZeroOptimizer:
         return [self._gradient_slice(flat) for flat in self.flats]
 
     def _publish(self) -> None:
-        """After the inner step: make the new slices visible as the module's parameters."""
-        raise NotImplementedError
+        """After the inner step: make the new slices visible as the module's parameters (stages
+        1/2: all-gather every flat buffer from the slices; stage 3 overrides)."""
+        for index, flat in enumerate(self.flats):
+            master = self._publish_source(flat)
+            self._collective(self._all_gather_into, flat.flat_param, master, item=index)
 
     def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
         """Where a swapped master's new value goes in the step (stages 1/2: the flat buffer's
@@ -480,16 +483,3 @@ def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> Non
                     f"{ours.get(name)} on group rank 0 and {other.get(name)} on group rank "
                     f"{group_rank}"
                 )
-
-
-@torch.no_grad()
-def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Copy group rank 0's values into `tensors`, one flat message per dtype."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
-        flat = flatten(same)
-        comm.broadcast(flat, src, group=group)
-        unflatten_into(flat, same)
