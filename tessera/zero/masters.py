@@ -40,10 +40,6 @@ class HeldMasters:
         flats = [zero._make_flat(bucket, sources) for bucket in zero.reducer.buckets]
         return flats, make_optimizer([flat.master for flat in flats])
 
-    def write(self, master: nn.Parameter, value: torch.Tensor) -> None:
-        """Fill a master with its value."""
-        master.detach().copy_(value)
-
     def step(self, zero: ZeroOptimizer) -> None:
         """The inner optimizer's step on the masters, each with its gradient slice."""
         for flat in zero.flats:

@@ -203,7 +203,7 @@ class ZeroOptimizer:
             param.data = flat_param[start:end].view_as(param)
             del source
         if master is not None:
-            self.masters.write(master, master_full[lo:hi])
+            self.masters.write(master, master_full[lo:hi])  # only `SwappedMasters` passes one
         elif aliased:
             master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
         else:
