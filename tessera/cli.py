@@ -241,6 +241,12 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The `tessera` command's parser: every command, its help and its flags.
+
+    Why so long: it is the command line's reference, one `add_argument` per flag read top to
+    bottom (the trainer's flags are generated from `TrainConfig`); cut into one function per
+    command it would say the same at more length.
+    """
     from tessera.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(

@@ -33,7 +33,21 @@ from tessera.data_parallel.reducer import Reducer
 from tessera.flat import flatten, unflatten_into
 from tessera.runtime.context import default_timeout_s
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "broadcast_from_first"]
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Copy group rank 0's values into `tensors`, one flat message per dtype (DDP's start and
+    its buffers before each forward; ZeRO's start)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = flatten(same)
+        comm.broadcast(flat, src, group=group)
+        unflatten_into(flat, same)
 
 
 def _reachable_parameters(outputs: Any) -> set[int]:
@@ -97,7 +111,6 @@ class DataParallel(nn.Module):
         self._compression = resolve_compression(compression, powersgd_rank)
         self._world = dist.get_world_size(group)
         self._rank = dist.get_rank()
-        self._src = dist.get_global_rank(group, 0) if group is not None else 0
         # Every collective of this wrapper runs on the group's one stream, in program order,
         # behind whatever other engines on the group queued before (`tessera.comm.stream`).
         stream = stream_for(group)
@@ -154,15 +167,8 @@ class DataParallel(nn.Module):
             )
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Copy group rank 0's values into `tensors`, one flat message per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for same in by_dtype.values():
-                flat = flatten(same)
-                comm.broadcast(flat, self._src, group=self.group)
-                unflatten_into(flat, same)
+        """Copy group rank 0's values into `tensors` (`broadcast_from_first`)."""
+        broadcast_from_first(tensors, self.group)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Average one bucket over the group (runs on the group's communication stream)."""

@@ -50,7 +50,12 @@ __all__ = ["Reducer"]
 
 
 class Reducer:
-    """Bucketed, overlapped gradient reduction for a list of parameters."""
+    """Bucketed, overlapped gradient reduction for a list of parameters.
+
+    Why so many parameters: DDP and the three ZeRO stages share this one reducer, and each
+    keyword is where they differ (how a bucket is reduced, allocated and released, which units
+    it follows); all but the parameters are keywords.
+    """
 
     def __init__(
         self,

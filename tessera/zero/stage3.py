@@ -63,6 +63,9 @@ class ZeroStage3(ZeroOptimizer):
     `offload_params`: this rank's parameter partition is the inner optimizer's (an `NVMeAdam`
     with `swap_params=True`): no copy is kept in memory, each gather reads it from disk.
     `swap_masters`: the fp32 masters are in the inner optimizer's files (`offload="nvme"`).
+
+    Why so many parameters: the base's keywords plus stage 3's own two (`units`,
+    `offload_params`); `initialize`/`shard` make it from the policies.
     """
 
     stage = 3
