@@ -74,6 +74,10 @@ class DataParallel(nn.Module):
     The wrapped module's own parameters are trained (no copy): build the optimizer on
     `module.parameters()`. Each rank feeds its own slice of the batch. Waiting for the gradient
     reduction is bounded by `timeout_s` (None: this rank's `Context.timeout_s`).
+
+    Why so many parameters: they are torch's `DistributedDataParallel` knobs under its names
+    (bucket size, unused parameters, buffers, the group, a communication hook), plus tessera's
+    own algorithm choice and bound; keyword-only, each with the default DDP users expect.
     """
 
     def __init__(
