@@ -8,8 +8,8 @@ stream or left dropout on would change training), and one CLI run on 2 ranks.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _tolerance import check_close
+from test_readme_commands import readme
 
 import tessera.train as tt
 from tessera.checkpoint.files import load_checkpoint
@@ -28,6 +29,8 @@ from tessera.train import build_config, run_training
 from tessera.train.callbacks import CallbackRunner
 from tessera.train.metrics import read_metrics
 from tessera.train.reporting import plain_line
+
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 MODEL = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "dropout": 0.1}
 BASE = {
@@ -205,12 +208,12 @@ def test_nproc_auto_and_eval_options_are_checked_up_front():
 
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
     """`tessera train` on 2 ranks with its stdout a pipe: one line per logged step, no bar."""
+    command = readme("tessera train --nproc 2 --eval-every 50 --eval-batches 8 --out runs/e")
     model = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL.items()]
-    done = subprocess.run(
-        [sys.executable, "-m", "tessera", "train", "--strategy", "ddp", "--nproc", "2"]
-        + ["--steps", "4", "--batch-size", "4", "--corpus-bytes", "20000", "--sample-tokens=0"]
-        + ["--checkpoint-every", "0", "--log-every", "2", "--eval-every", "3", "--eval-batches=1"]
-        + [*model, "--out", str(tmp_path / "run")],
+    done = subprocess.run(  # the README's command, made tiny (a later flag wins)
+        [*command, "--steps", "4", "--batch-size", "4", "--corpus-bytes", "20000"]
+        + ["--sample-tokens=0", "--checkpoint-every", "0", "--log-every", "2"]
+        + ["--eval-every", "3", "--eval-batches=1", *model, "--out", str(tmp_path / "run")],
         capture_output=True,
         text=True,
         timeout=240,
@@ -222,3 +225,14 @@ def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
     assert lines == [plain_line(r, 4, "tokens") for r in records]
     assert "\r" not in done.stdout + done.stderr  # no progress bar redraws anywhere
+
+
+def test_the_readme_early_stopping_callback_stops_after_patience_evaluations():
+    code = re.search(r"```python\n(# early_stop.py.*?)```", README.read_text(), flags=re.S)[1]
+    namespace: dict[str, Any] = {"__name__": "early_stop"}  # its class, not its training run
+    exec(compile(code, "README.md", "exec"), namespace)
+    callback = namespace["EarlyStop"](patience=2)
+    for step, val_loss in ((25, 3.0), (50, 2.5), (75, 2.6)):  # one evaluation without progress
+        callback.on_eval_end(step, {"val_loss": val_loss})
+    with pytest.raises(tt.StopTraining, match="not improved for 2 evaluations"):
+        callback.on_eval_end(100, {"val_loss": 2.5})
