@@ -165,7 +165,8 @@ def test_a_callback_stops_every_rank_and_the_stop_is_checkpointed(tmp_path):
     """On 2 ranks: the callback reaches the rank processes pickled, runs on rank 0 only, and its
     StopTraining ends every rank after the step, checkpointed there."""
     calls = tmp_path / "calls.txt"
-    summary = _run(tmp_path / "stop", [StopAt(calls, 3)], strategy="ddp", nproc=2)
+    # timeout_s: a rank not told of the stop would wait in its next collective; fail fast
+    summary = _run(tmp_path / "stop", [StopAt(calls, 3)], strategy="ddp", nproc=2, timeout_s=30)
     pids, steps = zip(*(line.split() for line in calls.read_text().splitlines()))
     assert steps == ("1", "2", "3") and len(set(pids)) == 1 and int(pids[0]) != os.getpid()
     assert summary["stopped_at"] == 3 and summary["stop_reason"] == "stopped at 3"
