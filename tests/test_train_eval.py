@@ -23,6 +23,7 @@ from test_readme_commands import readme
 import tessera.train as tt
 from tessera.checkpoint.files import load_checkpoint
 from tessera.checkpoint.series import latest_checkpoint
+from tessera.cli import main
 from tessera.data import CharTokenizer, LMBatches, load_corpus
 from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
@@ -202,6 +203,8 @@ def test_nproc_auto_and_eval_options_are_checked_up_front():
     if expected > 1:
         with pytest.raises(ConfigError, match=f"--nproc auto chose {expected} ranks"):
             build_config({"nproc": "auto", "batch_size": 8 * expected + 1})
+    with pytest.raises(SystemExit):  # argparse: "--nproc: must be an integer or auto"
+        main(["train", "--nproc", "many"])
     with pytest.raises(ConfigError, match="needs --eval-data"):
         build_config({"model_factory": "m:f", "data": "m:d", "eval_every": 5})
     with pytest.raises(ConfigError, match="eval_batches"):
