@@ -109,8 +109,9 @@ STRATEGIES = {
     "zero3": {"bucket_cap_mb": 0.001},
     "pipeline": {"microbatches": 2},
     "tensor": {"plan": {"0": "column", "3": "row"}},
+    "hybrid": {"dp": 2, "microbatches": 2},  # each dp replica evaluates its rows; the mean
 }
-GLOBAL = ("pipeline", "tensor")
+GLOBAL = ("pipeline", "tensor", "hybrid")
 """Strategies whose eval_step returns the global batch's loss (the others: this rank's half)."""
 
 
