@@ -317,6 +317,10 @@ class TrainConfig:
             )
         if self.eval_every and self.model_factory is not None and self.eval_data is None:
             raise ConfigError("--eval-every with --model needs --eval-data (the held-out set)")
+        if (self.eval_every or self.log_with) and self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(
+                f"--eval-every and --log-with: strategy {self.strategy} has its own loop"
+            )
         if self.log_with not in (None, "tensorboard"):
             raise ConfigError(f"log_with must be tensorboard or unset, got {self.log_with!r}")
         if self.log_with and importlib.util.find_spec("tensorboard") is None:
