@@ -52,6 +52,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
             )
             continue
         kind = {int: int, float: float}.get(annotation, str)
+        if field.name == "nproc":
+            kind = _nproc_value
         parser.add_argument(
             flag,
             dest=dest,
@@ -60,6 +62,16 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
             metavar=field.name.upper(),
             help=help_text,
         )
+
+
+def _nproc_value(text: str) -> int | str:
+    """`--nproc N` or `--nproc auto` (resolved with the rest of the config)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
 _NOT_CONFIG = ("command", "config", "resume", "handler", "max_restarts", "min_nproc")
@@ -93,7 +105,7 @@ def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> N
     if world is None:
         return
     local = world[1]
-    given = [layer["nproc"] for layer in user_layers if "nproc" in layer]
+    given = [layer["nproc"] for layer in user_layers if layer.get("nproc", "auto") != "auto"]
     if given and given[-1] != local:
         raise ConfigError(
             f"--nproc {given[-1]} disagrees with the {local} processes per node that tessera "

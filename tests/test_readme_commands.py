@@ -54,6 +54,7 @@ RUN_HERE = (
     "tessera train --model hf:GPT2LMHeadModel --model-config gpt2-tiny.json --data corpus.txt "
     "--out runs/gpt2",
     "tessera checkpoint export runs/gpt2 --format hf gpt2-export",
+    "tessera train --nproc 2 --eval-every 50 --eval-batches 8 --out runs/e",  # test_train_eval.py
 )
 """The README commands the tests below run, each through `readme(command)`."""
 

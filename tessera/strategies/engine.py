@@ -6,6 +6,7 @@
         loss = engine.train_step(batch)    # forward and backward of this rank's batch
         engine.step()                      # clip (grad_clip > 0), optimizer step, zero_grad
         scheduler.step()
+    val_loss = engine.eval_step(held_out_batch)   # forward only: training is left as it was
 
 `train_step` is one unit (not forward, then backward) because a pipeline interleaves the
 forwards and backwards of its micro-batches inside one step, and because gradient accumulation
@@ -37,6 +38,7 @@ from torch import nn
 from tessera._atomic import write_atomically
 from tessera.runtime.context import Context
 from tessera.strategies.batch import Batch, LossFn, compute_loss, split_for_accumulation
+from tessera.strategies.evaluation import evaluating
 
 __all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
 
@@ -137,6 +139,30 @@ class Engine:
                 self.backward(loss if len(parts) == 1 else loss * share)
             total += share * float(loss.detach())
         return total
+
+    def eval_step(self, batch: Batch) -> float:
+        """The loss of `batch` without training: the float `train_step` would return for it.
+
+        Forward only, under `torch.no_grad()`, with the model in eval mode for the call (each
+        module's mode restored after) and the RNG states saved and restored: no gradient, no
+        optimizer state and no random stream of training is touched, so a run that evaluates
+        equals one that does not, bit for bit. Data-parallel strategies return this rank's
+        batch's loss (as `train_step` does; average over ranks for the global one); tensor,
+        pipeline and hybrid gather the ranks' shards and return the global batch's mean loss on
+        every rank. Collective wherever `train_step` is: every rank calls it.
+        """
+        with evaluating(*self._eval_modules()):
+            return self._eval_loss(batch)
+
+    def _eval_modules(self) -> list[nn.Module]:
+        """The modules `eval_step` puts into eval mode."""
+        return [self.module]
+
+    def _eval_loss(self, batch: Batch) -> float:
+        """Forward of `batch` through the user's module itself (not a DDP wrapper, whose forward
+        would prepare a gradient reduction); ZeRO-3's hooks gather the parameters as in training."""
+        name = type(self.module).__name__
+        return float(compute_loss(self.module, batch, self.loss_fn, model_name=name))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before."""

@@ -33,6 +33,7 @@ from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.mesh import Mesh
 from tessera.models import GPT
 from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
+from tessera.pipeline.evaluate import forward_only
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_split, gpt_state_from_sequential
 from tessera.pipeline.microbatch import batch_rows, take_rows
 from tessera.pipeline.partition import balance_from_split
@@ -173,10 +174,10 @@ class PipelineEngine(Engine):
         return self.dp_sync if isinstance(self.dp_sync, StageZero) else None
 
     # ----------------------------------------------------------------------------- a step
-    def train_step(self, batch: Any) -> float:
-        """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
-        world, dp = self.ctx.world_size, self.mesh.size("dp")
-        if world > 1:
+    def _replica_rows(self, batch: Any) -> tuple[Any, Any, LossFn]:
+        """Gather the global batch, keep this dp replica's rows, cut the stages if not yet."""
+        dp = self.mesh.size("dp")
+        if self.ctx.world_size > 1:
             batch = gather_batch(batch)
         rows = batch_rows(batch)
         if rows % dp:
@@ -189,11 +190,33 @@ class PipelineEngine(Engine):
             fields = getattr(self.pipe.stage, "output_fields", ["loss"])
             if isinstance(batch, Mapping) and self.loss_fn is None and "loss" not in fields:
                 raise ValueError(no_loss_message(type(self.module).__name__))  # every rank, at once
+        return inputs, targets, loss_fn
+
+    def train_step(self, batch: Any) -> float:
+        """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
+        dp = self.mesh.size("dp")
+        inputs, targets, loss_fn = self._replica_rows(batch)
         if self.dp_sync is None:
             return self.pipe.train_step(inputs, targets, loss_fn)
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
         loss = self.pipe.train_step(inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm)
         self.comm_seconds = self.dp_sync.finish()
+        loss_sum = torch.tensor([loss])
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        return float(loss_sum) / dp
+
+    def _eval_modules(self) -> list[nn.Module]:
+        """The model and, once cut, this rank's stage (a traced stage is a module of its own)."""
+        return [self.module, self.pipe.module] if self.pipe.ready else [self.module]
+
+    def _eval_loss(self, batch: Any) -> float:
+        """Forward only through the stages (`tessera.pipeline.evaluate`): the global batch's
+        mean loss on every rank, averaged over the dp replicas' rows."""
+        inputs, targets, loss_fn = self._replica_rows(batch)
+        loss = forward_only(self.pipe, inputs, targets, loss_fn)
+        dp = self.mesh.size("dp")
+        if dp == 1:
+            return loss
         loss_sum = torch.tensor([loss])
         dist.all_reduce(loss_sum, group=self.dp_group)
         return float(loss_sum) / dp

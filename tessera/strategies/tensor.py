@@ -89,6 +89,10 @@ class TensorEngine(Engine):
         self.comm_seconds = time.perf_counter() - start
         return super().train_step(batch)
 
+    def _eval_loss(self, batch: Any) -> float:
+        """The global batch's mean loss (gathered as in `train_step`), on every rank."""
+        return super()._eval_loss(gather_batch(batch))
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every rank's gradients so the dense model's gradient norm is at most
         `max_norm`; return the norm before. Collective."""

@@ -7,6 +7,7 @@ Precedence: defaults < the YAML file (`--config`) < command-line flags.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,8 +67,8 @@ class TrainConfig:
     )
     nproc: int = _option(
         2,
-        "Processes on this machine. Under tessera run / torchrun they are started already: "
-        "leave it out, or it must equal -n (--nproc-per-node).",
+        "Processes on this machine; auto: one per GPU (CUDA), else one per CPU core. Under "
+        "tessera run / torchrun they are started already: leave it out, or it must equal -n.",
     )
     steps: int = _option(450, "Total optimizer steps; a resumed run continues up to this number.")
     seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
@@ -207,7 +208,19 @@ class TrainConfig:
     sample_tokens: int = _option(200, "Characters to generate at the end; 0 skips the sample.")
     timeout_s: float = _option(300.0, "Bound in seconds of every blocking wait between ranks.")
     out: str | None = _option(None, "Run folder (default runs/<timestamp>).")
-    progress: bool = _option(True, "Show a progress bar on rank 0.")
+    progress: bool = _option(
+        True, "Show progress on rank 0: a bar on a terminal, else a plain line every log_every."
+    )
+    eval_every: int = _option(
+        0,
+        "Evaluate the mean loss over eval_batches held-out batches every this many steps and at "
+        "the end (val_loss in metrics.jsonl); 0: never. Held out: the corpus's last tenth (the "
+        "demo never trains on it) or --eval-data.",
+    )
+    eval_batches: int = _option(4, "Held-out batches per evaluation: the same ones every time.")
+    log_with: str | None = _option(
+        None, "tensorboard: also write TensorBoard event files into the run folder."
+    )
     model: ModelSettings = field(
         default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
     )
@@ -272,6 +285,7 @@ class TrainConfig:
                     f"use auto or one of {ALGORITHMS}"
                 )
         self._check_workload_options()
+        self._check_eval_and_logging()
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
@@ -323,6 +337,27 @@ class TrainConfig:
                     f"{self.strategy} does not"
                 )
             read_tp_plan(self.tp_plan)
+
+    def _check_eval_and_logging(self) -> None:
+        """--eval-every, --eval-batches and --log-with: values, held-out data, the package."""
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError(
+                f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 1, got "
+                f"{self.eval_every} and {self.eval_batches}"
+            )
+        if self.eval_every and self.model_factory is not None and self.eval_data is None:
+            raise ConfigError("--eval-every with --model needs --eval-data (the held-out set)")
+        if (self.eval_every or self.log_with) and self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(
+                f"--eval-every and --log-with: strategy {self.strategy} has its own loop"
+            )
+        if self.log_with not in (None, "tensorboard"):
+            raise ConfigError(f"log_with must be tensorboard or unset, got {self.log_with!r}")
+        if self.log_with and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "--log-with tensorboard needs the tensorboard package: "
+                "pip install 'tessera[tensorboard]' (or pip install tensorboard)"
+            )
 
     def _check_memory_options(self) -> None:
         """Offload and activation checkpointing: where they apply, and nvme_dir up front."""
