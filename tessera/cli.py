@@ -240,6 +240,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`tessera plan`: predicted memory and step time of every strategy (tessera.plan)."""
+    from tessera.plan.cli import run_plan
+
+    try:
+        return run_plan(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def _parser() -> argparse.ArgumentParser:
     from tessera.train.config import TrainConfig
 
@@ -295,6 +305,21 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs="*", help="its arguments, passed on untouched")
     run.set_defaults(handler=_run)
+
+    from tessera.plan.cli import add_plan_arguments
+
+    plan = commands.add_parser(
+        "plan",
+        help="predict memory and step time of every strategy for a model on a cluster",
+        description="For a model (--model gpt --layers L --hidden H --heads A --seq S --vocab V, "
+        "--params 7.5B, or a --model the trainer accepts) on a cluster (--cluster a100-80g-dgx, "
+        "h100-80g-dgx, this-machine, or --devices/--per-node/--device-memory/--peak-flops/"
+        "--intra/--inter), every applicable strategy's memory per device and predicted step "
+        "time, best first (tessera.plan: the formulas of ZeRO, Megatron-LM and Korthikanti et "
+        "al., collectives priced by tessera.comm.cost).",
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=_plan)
 
     bench = commands.add_parser(
         "bench",
