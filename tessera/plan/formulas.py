@@ -18,6 +18,7 @@ __all__ = [
     "flops_per_iteration",
     "flops_per_token",
     "gpt_params",
+    "largest_model",
     "model_state_bytes",
     "training_days",
 ]
@@ -51,6 +52,20 @@ def model_state_bytes(
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
     )
+
+
+def largest_model(
+    memory_bytes: float, dp: int, stage: int, *, mp: int = 1, optimizer_bytes: int = 12
+) -> float:
+    """The most parameters whose model states fit `memory_bytes` per device (no activations).
+
+    ZeRO (Rajbhandari et al. 2020), section 5.1 and table 2 ("max theoretical model size"): with
+    model parallelism of degree `mp` each device holds 1/mp of the model, and the model states
+    per parameter are those of `model_state_bytes` for the stage; so Ψ_max = mp M / (bytes per
+    parameter).
+    """
+    per_param = model_state_bytes(10**12, dp, stage, optimizer_bytes=optimizer_bytes)["total"]
+    return mp * memory_bytes / (per_param / 10**12)
 
 
 def activation_bytes_per_layer(
