@@ -8,9 +8,11 @@ In-process and cheap: the command runs through `tessera.cli.main` (no subprocess
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from tessera.cli import main
@@ -145,3 +147,48 @@ def test_presets_and_this_machine_from_its_cache(tmp_path):
     assert here.peak_flops == 2e10 and here.devices == 2
     assert here.link(intra=True).alpha == 1e-4  # the fitted constants, as fitted
     assert here.intra_bandwidth == pytest.approx(1e9)
+
+
+def test_train_reports_mfu_from_equation_3(tmp_path, monkeypatch):
+    """One in-process rank: metrics.jsonl and the summary carry MFU = tokens/s x FLOPs/token /
+    peak, FLOPs per token written here from Narayanan et al. eq. (3) without recomputation."""
+    from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
+    from tessera.train import mfu as mfu_module
+    from tessera.train.metrics import read_metrics
+
+    monkeypatch.setattr(mfu_module, "device_peak_flops", lambda device, world: (1e9, "test"))
+    model = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
+    config = build_config(
+        {
+            "model": model,
+            "batch_size": 4,
+            "corpus_bytes": 20_000,
+            "sample_tokens": 0,
+            "progress": False,
+            "steps": 2,
+            "log_every": 1,
+            "strategy": "single",
+            "nproc": 1,
+            "out": str(tmp_path / "run"),
+        }  # fmt: skip
+    )
+    summary = run_training(config)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    weights = load_checkpoint(latest_checkpoint(tmp_path / "run"))["engine"]["model"]
+    V = next(w.shape[0] for k, w in weights.items() if k.endswith("wte.weight"))
+    s, h, l = 32, 32, 1  # noqa: E741
+    per_token = 72 * s * l * h**2 * (1 + s / (6 * h) + V / (12 * h * l)) / s
+    assert len(records) == 2
+    for record in records:
+        assert record["mfu"] == pytest.approx(record["tokens_per_s"] * per_token / 1e9)
+    assert summary["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in records))
+    assert summary["mfu_peak"] == "test"
+
+
+def test_mfu_of_a_user_model_is_six_flops_per_parameter_per_token():
+    from tessera.train.mfu import ModelFlops
+
+    model = nn.Linear(10, 10)
+    flops = ModelFlops(6.0 * 110, torch.device("cpu"), 2, peak=(1e3, "test"))
+    assert ModelFlops.for_run(model, torch.device("cpu"), 2).flops_per_token == 6 * 110
+    assert flops.mfu(tokens_per_s=10) == pytest.approx(10 * 660 / 2e3)

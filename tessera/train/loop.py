@@ -40,6 +40,7 @@ from tessera.train.metrics import (
     read_events,
     read_metrics,
 )
+from tessera.train.mfu import ModelFlops
 from tessera.train.resume_rules import check_resume_config, check_resume_world
 from tessera.train.workload import Workload, build_workload
 from tessera.train.workload import corpus_batches as corpus_batches  # noqa: F401 - was here
@@ -187,6 +188,7 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
     torch.manual_seed(config.seed)
     model = workload.model_fn().to(ctx.device)
+    model_flops = ModelFlops.for_run(model, ctx.device, ctx.world_size)  # for MFU, before splits
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
@@ -228,6 +230,7 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
             )
             record = _record(done, ranks, tokens_per_step, lr)
             if log is not None:
+                record["mfu"] = model_flops.mfu(record["tokens_per_s"])
                 log.write(record)
             if bar is not None:
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -250,6 +253,7 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
         (out / "sample.txt").write_text(sample)
     summary = _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
     summary["unit"] = workload.unit
+    summary["mfu_peak"] = model_flops.peak_source
     if workload.sample is None:
         summary["sample_note"] = "no sample.txt: it is generated for the demo GPT only"
     return summary
@@ -301,6 +305,7 @@ def _summary(
         "tokens_per_s": median(r["tokens_per_s"] for r in this_run),
         "step_s": median(r["step_s"] for r in this_run),
         "comm_s": median(r["comm_s"] for r in this_run),
+        "mfu": median(r.get("mfu", float("nan")) for r in this_run),
         "peak_mem_mb": this_run[-1]["peak_mem_mb"],
         "model_state_mb": this_run[-1].get("model_state_mb"),
         "wall_s": wall_s,
