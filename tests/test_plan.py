@@ -192,3 +192,38 @@ def test_mfu_of_a_user_model_is_six_flops_per_parameter_per_token():
     flops = ModelFlops(6.0 * 110, torch.device("cpu"), 2, peak=(1e3, "test"))
     assert ModelFlops.for_run(model, torch.device("cpu"), 2).flops_per_token == 6 * 110
     assert flops.mfu(tokens_per_s=10) == pytest.approx(10 * 660 / 2e3)
+
+
+def test_readme_plan_example_predicts_about_34_days(capsys):
+    """The README's GPT-3 command: its best strategy trains 300B tokens in about Narayanan et
+    al.'s 34 days (compute alone is 8TP/(nX); communication and bubble add a little)."""
+    from test_readme_commands import PLAN_COMMAND, readme
+
+    argv = readme(PLAN_COMMAND)[3:]  # after `python -m tessera`
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["strategies"][0]
+    assert best["fits"] and best["recompute"]
+    assert 34 <= best["days"] <= 34 * 1.25
+
+
+def test_compare_pairs_each_trainer_strategy_with_the_planners_and_reports_the_worst():
+    """`tessera compare` (a benchmark: no run here): its runs and its table's errors."""
+    from tessera.train.compare import Comparison, markdown, runs_for
+
+    runs = runs_for(4, microbatches=4)
+    labels = [label for label, _, _ in runs]
+    assert labels[:5] == ["ddp", "zero1", "zero2", "zero3", "zero2 offload cpu"]
+    assert {"pipeline gpipe", "pipeline 1f1b", "tensor", "hybrid dp=2 pp=2"} <= set(labels)
+    for _, layer, strategy in runs:  # the planner's split is the trainer's
+        assert strategy.dp * strategy.tp * strategy.pp == 4
+        if layer["strategy"] == "pipeline":
+            assert (strategy.schedule, strategy.microbatches) == (layer["schedule"], 4)
+    assert "hybrid dp=1 pp=2" not in [label for label, _, _ in runs_for(2, 4)]
+    results = [
+        Comparison("a", 0.2, 0.25, 100.0, 110.0, 100.0),
+        Comparison("b", 0.4, 0.3, float("nan"), float("nan"), 50.0),
+    ]
+    assert results[0].step_error == pytest.approx(0.25)
+    table = markdown(results, 4)
+    assert "Worst step-time error -25% (b)" in table
+    assert "worst model-state error +0.0% (a)" in table and "n/a" in table

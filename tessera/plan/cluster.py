@@ -58,6 +58,9 @@ class Cluster:
     """Bytes/s to and from NVMe, for offload nvme."""
     reduce_bytes_per_s: float = 1.5e12
     """Bytes/s a device adds two vectors (γ = 1/this): its memory bandwidth."""
+    overlap: bool = True
+    """Communication can run beside compute (a GPU's copy engines and NICs); False where the
+    same cores do both (CPU ranks on a shared host): nothing is hidden."""
     algorithms: tuple[str, ...] = ("native",)
     """Collective algorithms the cost model may choose between (`comm.cost.choose`)."""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -137,7 +140,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset(name: str, devices: int | None = None, **overrides: Any) -> Cluster:
     """The preset `name` with `devices` devices (default one node) and any field overridden."""
     if name == "this-machine":
-        return replace(this_machine(), **({"devices": devices} if devices else {}), **overrides)
+        return replace(this_machine(ranks=devices or 2), **overrides)
     if name not in PRESETS:
         choices = ", ".join([*PRESETS, "this-machine"])
         raise ValueError(f"unknown --cluster {name!r}; choose one of {choices}")
@@ -223,6 +226,7 @@ def this_machine(
         host_bandwidth=1.0 / cost["mu"],
         cpu_adam_bytes_per_s=1.0 / cost["mu"],
         reduce_bytes_per_s=1.0 / cost["gamma"],
+        overlap=False,
         algorithms=("native", "ring", "shm"),
         measured=measured,
     )

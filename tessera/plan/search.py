@@ -95,6 +95,8 @@ class Estimate:
     offload_s: float
     tokens_per_s: float
     days: float | None
+    host_bytes: float = 0.0
+    """Optimizer state offloaded to host memory (per device), not counted in memory_bytes."""
 
     @property
     def memory_bytes(self) -> float:
@@ -202,15 +204,16 @@ def _memory(
         round(shard), s.dp, s.zero, param_bytes=param_b, grad_bytes=grad_b, optimizer_bytes=optim_b
     )
     states = {k: float(v) for k, v in states.items()}
-    if s.offload:
-        states["optimizer"] = 0.0  # the optimizer step runs on the host (CPU Adam)
+    states["host"] = 0.0
+    if s.offload:  # the optimizer step runs on the host (CPU Adam), its state in host memory
+        states["host"], states["optimizer"] = states["optimizer"], 0.0
     layers = model.layers / s.pp
     in_flight = s.microbatches if s.schedule == "gpipe" else min(s.pp, s.microbatches)
     kind = "full" if s.recompute else "none"
     act = model.activation_bytes(microbatch, layers=layers, t=s.tp, recompute=kind) * in_flight
     if s.recompute:  # the layer being recomputed holds its whole working set for a moment
         act += model.activation_bytes(microbatch, layers=1, t=s.tp)
-    return states, act
+    return states, act * param_b / 2  # Korthikanti's bytes are 16-bit: fp32 doubles them
 
 
 def estimate(
@@ -236,7 +239,7 @@ def estimate(
     else:
         flops = model.flops_per_token(recompute=s.recompute) * batch * model.seq
     compute = flops / (n * flops_rate)
-    act_bytes = 2.0 * microbatch * model.seq * model.hidden  # one 16-bit b x s x h tensor
+    act_bytes = param_b * microbatch * model.seq * model.hidden  # one b x s x h activation
     comm = 0.0
     if s.tp > 1:
         per_layer = 6 if s.recompute else 4
@@ -262,7 +265,7 @@ def estimate(
             dp_time = m * scatter + gather
         else:  # and each micro-batch gathers the parameters for its forward and its backward
             dp_time = m * (scatter + 2 * gather)
-        if s.pp == 1:  # overlapped with the backward pass (and ZeRO-3's gathers with forward)
+        if s.pp == 1 and cluster.overlap:  # beside the backward (ZeRO-3's gathers: forward too)
             window = compute if s.zero == 3 else compute * (0.75 if s.recompute else 2 / 3)
             dp_time = max(0.0, dp_time - window)
         comm += dp_time
@@ -276,7 +279,7 @@ def estimate(
     bubble = bubble_fraction(s.pp, s.microbatches, s.chunks) * compute
     step = compute + comm + bubble + offload
     tokens_per_s = batch * model.seq / step
-    total = sum(v for k, v in states.items() if k != "total") + act
+    total = states["params"] + states["gradients"] + states["optimizer"] + act
     return Estimate(
         strategy=s,
         params=states["params"],
@@ -288,6 +291,7 @@ def estimate(
         comm_s=comm,
         bubble_s=bubble,
         offload_s=offload,
+        host_bytes=states["host"],
         tokens_per_s=tokens_per_s,
         days=tokens / tokens_per_s / 86400 if tokens else None,
     )
