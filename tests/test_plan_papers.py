@@ -48,7 +48,7 @@ MEGATRON_TABLE_1 = [
 
 def test_megatron_table_1_parameter_counts_as_printed():
     """Equal to the table's 0.1B rounding on every row; within 1% from 7.5B up (1.7B and 3.6B,
-    printed with two digits, are 2.8% and 1.0% off the exact count the formula gives)."""
+    printed with two digits, are 2.8% and 1.1% off the exact count the formula gives)."""
     for billions, _a, h, l, *_ in MEGATRON_TABLE_1:  # noqa: E741 - the paper's symbol
         exact = gpt_params(l, h, V, S) / 1e9
         assert round(exact, 1) == billions
@@ -121,7 +121,8 @@ def test_zero_figure_1_and_table_1_as_printed():
 
 def test_zero_table_2_largest_model_per_configuration():
     # 64-way data parallelism of 32 GB V100s, model parallelism MP: baseline, P_os, P_os+g,
-    # P_os+g+p, in billions as printed (the MP > 1 rows are MP x the MP = 1 row's rounded values)
+    # P_os+g+p, in billions as printed (the MP > 1 rows are MP x the MP = 1 row's rounded values;
+    # the last column's 512, 1024, 2048 are printed 0.5T, 1T, 2T)
     printed = {1: (2, 7.6, 14.4, 128), 2: (4, 15.2, 28.8, 256), 4: (8, 30.4, 57.6, 512),
                8: (16, 60.8, 115.2, 1024), 16: (32, 121.6, 230.4, 2048)}  # fmt: skip
     for mp, row in printed.items():
