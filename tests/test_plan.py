@@ -8,6 +8,7 @@ In-process and cheap: the command runs through `tessera.cli.main` (no subprocess
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -144,7 +145,11 @@ def test_presets_and_this_machine_from_its_cache(tmp_path):
     cache = Path(tmp_path / "machine.json")
     cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 2}))
     here = this_machine(cache=cache)
-    assert here.peak_flops == 2e10 and here.devices == 2
+    assert here.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 2) and here.devices == 2
+    crowded = cache.with_name("four.json")  # 4 ranks on this host's cores take turns
+    crowded.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 4}))
+    four = this_machine(cache=crowded, ranks=4)
+    assert four.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 4) and four.devices == 4
     assert here.link(intra=True).alpha == 1e-4  # the fitted constants, as fitted
     assert here.intra_bandwidth == pytest.approx(1e9)
 

@@ -196,7 +196,8 @@ def this_machine(
     """This host as a cluster of `os.cpu_count()` CPU "devices" (one node), measured once.
 
     peak_flops is the matmul rate of one rank of `ranks` sharing the cores (what the trainer's
-    ranks get: `runtime.context` gives each cores // ranks threads); the links are the cost
+    ranks get: `runtime.context` gives each cores // ranks threads, at least one; more ranks than
+    cores take turns, so each gets cores / ranks of its thread's rate); the links are the cost
     model fitted by `comm.calibrate` between two local ranks; memory is the host's RAM shared by
     `ranks` ranks. Measured values are read from `cache` (default `CACHE_FILE`) when present.
     """
@@ -218,7 +219,7 @@ def this_machine(
         devices=ranks,
         per_node=max(ranks, cores),
         memory_bytes=ram / ranks,
-        peak_flops=measured["matmul_flops"],
+        peak_flops=measured["matmul_flops"] * min(1.0, cores / ranks),
         intra_bandwidth=1.0 / cost["beta"],
         inter_bandwidth=1.0 / cost["beta"],
         intra_latency=cost["alpha_native"],

@@ -8,8 +8,8 @@ are set against what `tessera.plan` predicts for the same split on this machine 
 Model states are compared as the mean over ranks (the planner splits Ψ evenly over stages;
 a pipeline's stages hold unequal shares, but their sum is the model's) and the largest rank.
 The runs are fp32 with AdamW: 4 + 4 + 8 bytes per parameter (`plan.search.PRECISIONS`). What a
-run measures is what a rank holds at the end of a step: the pipeline and tensor engines have
-freed their gradients by then (`zero_grad(set_to_none=True)`), so their prediction is compared
+run measures is what a rank holds at the end of a step: the pipeline, tensor and hybrid engines
+have freed their gradients by then (`zero_grad(set_to_none=True)`), so their prediction is compared
 without gradients; offloaded optimizer state lives in this host's memory, which is the "device"
 here, so it is compared with it. ddp does not measure its model states (n/a).
 
@@ -34,7 +34,7 @@ from tessera.train.run import run_training
 
 __all__ = ["Comparison", "compare_runs", "runs_for"]
 
-GRADIENTS_FREED = ("pipeline", "tensor")
+GRADIENTS_FREED = ("pipeline", "tensor", "hybrid")
 """Engines whose gradients are gone when a step's model states are measured (see above)."""
 
 
