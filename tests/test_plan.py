@@ -224,6 +224,8 @@ def test_compare_pairs_each_trainer_strategy_with_the_planners_and_reports_the_w
         if layer["strategy"] == "pipeline":
             assert (strategy.schedule, strategy.microbatches) == (layer["schedule"], 4)
     assert "hybrid dp=1 pp=2" not in [label for label, _, _ in runs_for(2, 4)]
+    user = [s.tp * s.pp for _, _, s in runs_for(2, 4, model_parallel=False)]
+    assert user == [1] * 5  # a user's model without --split / --tp-plan: data parallel only
     results = [
         Comparison("a", 0.2, 0.25, 100.0, 110.0, 100.0),
         Comparison("b", 0.4, 0.3, float("nan"), float("nan"), 50.0),

@@ -38,8 +38,14 @@ GRADIENTS_FREED = ("pipeline", "tensor", "hybrid")
 """Engines whose gradients are gone when a step's model states are measured (see above)."""
 
 
-def runs_for(nproc: int, microbatches: int) -> list[tuple[str, dict[str, Any], Strategy]]:
-    """The (label, config layer, planner strategy) of each strategy that runs on `nproc` ranks."""
+def runs_for(
+    nproc: int, microbatches: int, *, model_parallel: bool = True
+) -> list[tuple[str, dict[str, Any], Strategy]]:
+    """The (label, config layer, planner strategy) of each strategy that runs on `nproc` ranks.
+
+    `model_parallel=False` (a `--model` of the user's, which the pipeline and tensor strategies
+    split only with --split / --tp-plan): the data-parallel strategies only.
+    """
     n, m = nproc, microbatches
     runs: list[tuple[str, dict[str, Any], Strategy]] = [
         ("ddp", {"strategy": "ddp"}, Strategy(dp=n)),
@@ -52,6 +58,8 @@ def runs_for(nproc: int, microbatches: int) -> list[tuple[str, dict[str, Any], S
             Strategy(dp=n, zero=2, offload="cpu"),
         ),
     ]
+    if not model_parallel:
+        return runs
     for schedule in ("gpipe", "1f1b"):
         runs.append(
             (
@@ -129,7 +137,8 @@ def compare_runs(
     cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
     batch = config.batch_size
     results = []
-    for label, layer, strategy in runs_for(nproc, microbatches):
+    user_model = base.get("model_factory") is not None
+    for label, layer, strategy in runs_for(nproc, microbatches, model_parallel=not user_model):
         if only and label not in only:
             continue
         folder = out / label.replace(" ", "-").replace("=", "")
