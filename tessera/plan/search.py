@@ -2,9 +2,10 @@
 
 `plan(model, cluster, batch=B, microbatch=b)` enumerates data parallelism (ZeRO 0-3, offload cpu
 or nvme), tensor parallelism t (inside a node), pipeline parallelism p (m = B / (dp b)
-micro-batches, GPipe, 1F1B or interleaved) and their mixes, with and without full activation
-recomputation, and returns an `Estimate` per strategy, best first: those that fit before those
-that do not, then by predicted step time.
+micro-batches, GPipe, 1F1B or interleaved: the last is planned only, tessera's pipeline runs
+naive, gpipe and 1f1b) and their mixes, with and without full activation recomputation, and
+returns an `Estimate` per strategy, best first: those that fit before those that do not, then by
+predicted step time.
 
 The step time is compute + exposed communication + bubble (+ offload traffic):
 * compute: the iteration's FLOPs (`formulas.flops_per_iteration`) over n devices at X FLOP/s
