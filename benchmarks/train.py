@@ -55,6 +55,7 @@ def run_once(strategy: str, nproc: int, steps: int, skip: int, workdir: Path, ta
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
         "step_s": statistics.median(r["step_s"] for r in measured),
         "comm_s": statistics.median(r["comm_s"] for r in measured),
+        "mfu": statistics.median(r["mfu"] for r in measured),
     }
 
 
@@ -88,27 +89,29 @@ def main(argv: list[str] | None = None) -> dict:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train.json").write_text(json.dumps(result, indent=2) + "\n")
-    header = ("strategy", "ranks", "tokens/s", "step ms", "comm ms", "x single")
+    header = ("strategy", "ranks", "tokens/s", "step ms", "comm ms", "MFU", "x single")
     print(f"{header[0]:<12}" + "".join(f"{h:>10}" for h in header[1:]))
     for name, row in table.items():
         print(
             f"{name:<12}{STRATEGIES[name]:>10}{row['tokens_per_s']:>10,.0f}"
             f"{row['step_s'] * 1e3:>10.1f}{row['comm_s'] * 1e3:>10.1f}"
-            f"{row['ratio_to_single']:>10.2f}"
+            f"{row['mfu']:>10.1%}{row['ratio_to_single']:>10.2f}"
         )
     lines = [
         "## train: the main job (`tessera train` defaults) per strategy",
         "",
         f"{result['machine']}; {args.steps} steps per run, first {args.skip} left out, "
-        f"{args.repeats} runs per strategy alternating; medians.",
+        f"{args.repeats} runs per strategy alternating; medians. MFU: tokens/s x the model's "
+        "FLOPs per token (Narayanan et al. 2021 eq. 3, no recomputation) over the ranks' float32 "
+        "matmul rate measured by the run (`tessera.train.mfu`).",
         "",
-        "| strategy | ranks | tokens/s | step ms | exposed comm ms | x single |",
-        "|---|---|---|---|---|---|",
+        "| strategy | ranks | tokens/s | step ms | exposed comm ms | MFU | x single |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, row in table.items():
         lines.append(
             f"| {name} | {STRATEGIES[name]} | {row['tokens_per_s']:,.0f} | "
-            f"{row['step_s'] * 1e3:.1f} | {row['comm_s'] * 1e3:.1f} | "
+            f"{row['step_s'] * 1e3:.1f} | {row['comm_s'] * 1e3:.1f} | {row['mfu']:.1%} | "
             f"{row['ratio_to_single']:.2f} |"
         )
     (RESULTS / "train.md").write_text("\n".join(lines) + "\n")

@@ -38,6 +38,11 @@ NOT_RUN = {
     "make test": "runs this suite (and creates a virtualenv)",
     "make lint": "creates a virtualenv; `ruff check .` is run by CI",
 }
+PLAN_COMMAND = (
+    "tessera plan --cluster a100-80g-dgx --devices 1024 --layers 96 --hidden 12288 --heads 96 "
+    "--seq 2048 --vocab 51200 --batch 1536 --tokens 300B --achieved-flops 140T --recompute on"
+)
+"""Run in-process by test_plan.py::test_readme_plan_example_predicts_about_34_days."""
 RUN_HERE = (
     "tessera train --help",
     "tessera train --strategy single --nproc 1",
@@ -55,6 +60,7 @@ RUN_HERE = (
     "--out runs/gpt2",
     "tessera checkpoint export runs/gpt2 --format hf gpt2-export",
     "tessera train --nproc 2 --eval-every 50 --eval-batches 8 --out runs/e",  # test_train_eval.py
+    PLAN_COMMAND,
 )
 """The README commands the tests below run, each through `readme(command)`."""
 

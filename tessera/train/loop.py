@@ -43,6 +43,7 @@ from tessera.train.metrics import (
     read_events,
     read_metrics,
 )
+from tessera.train.mfu import ModelFlops
 from tessera.train.reporting import Reporter
 from tessera.train.resume_rules import check_resume_config, check_resume_world
 from tessera.train.workload import Workload, build_workload
@@ -183,6 +184,7 @@ def _train(
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
     torch.manual_seed(config.seed)
     model = workload.model_fn().to(ctx.device)
+    model_flops = ModelFlops.for_run(model, ctx.device, ctx.world_size)  # for MFU, before splits
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
@@ -204,6 +206,7 @@ def _train(
         Evaluator(config, workload, ctx, _to_device),
         CallbackRunner(callbacks, ctx),
         workload.tokens_per_step,
+        model_flops,
     )
     stopped_at: int | None = None
     wall_start = time.perf_counter()
@@ -251,6 +254,7 @@ def _train(
     summary["stopped_at"] = stopped_at  # None: ran to --steps
     summary["stop_reason"] = watch.callbacks.stop_reason
     summary["unit"] = workload.unit
+    summary["mfu_peak"] = model_flops.peak_source
     if workload.sample is None:
         summary["sample_note"] = "no sample.txt: it is generated for the demo GPT only"
     return summary
@@ -266,6 +270,8 @@ class _Watchers:
     evaluator: Evaluator
     callbacks: CallbackRunner
     tokens_per_step: int
+    model_flops: ModelFlops
+    """For the MFU of each logged record (its peak is measured on rank 0 only, when first asked)."""
 
 
 def _observe(
@@ -296,6 +302,7 @@ def _observe(
     watch.callbacks.step_end(done, record)
     stop = watch.callbacks.should_stop()
     if (logged or stop) and watch.log is not None and watch.reporter is not None:
+        record["mfu"] = watch.model_flops.mfu(record["tokens_per_s"])
         watch.log.write(record)
         watch.reporter.report(record)
     return stop
@@ -348,6 +355,7 @@ def _summary(
         "tokens_per_s": median(r["tokens_per_s"] for r in this_run),
         "step_s": median(r["step_s"] for r in this_run),
         "comm_s": median(r["comm_s"] for r in this_run),
+        "mfu": median(r.get("mfu", float("nan")) for r in this_run),
         "peak_mem_mb": this_run[-1]["peak_mem_mb"],
         "model_state_mb": this_run[-1].get("model_state_mb"),
         "wall_s": wall_s,
