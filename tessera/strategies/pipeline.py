@@ -184,10 +184,20 @@ class PipelineEngine(Engine):
             fields = getattr(self.pipe.stage, "output_fields", ["loss"])
             if isinstance(batch, Mapping) and self.loss_fn is None and "loss" not in fields:
                 raise ValueError(no_loss_message(type(self.module).__name__))  # every rank, at once
+        # fp16: the last stage's loss is scaled before its backward; the mean returned unscaled
+        # (the scale is a power of two: exact)
+        scale = self.loss_scale or 1.0
+        if self.loss_scaler is not None:
+            loss_fn = _scaled_loss(loss_fn, scale)
         if self.dp_sync is None:
-            return self.pipe.train_step(inputs, targets, loss_fn)
+            with self.autocast():
+                return self.pipe.train_step(inputs, targets, loss_fn) / scale
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
-        loss = self.pipe.train_step(inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm)
+        with self.autocast():
+            loss = self.pipe.train_step(
+                inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm
+            )
+        loss /= scale
         self.comm_seconds = self.dp_sync.finish()
         loss_sum = torch.tensor([loss])
         dist.all_reduce(loss_sum, group=self.dp_group)
@@ -218,13 +228,29 @@ class PipelineEngine(Engine):
         return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
 
     def step(self) -> None:
-        """Clip (grad_clip > 0), step the optimizer at its own learning rate, zero the grads."""
+        """Clip (grad_clip > 0), step the optimizer at its own learning rate, zero the grads
+        (fp16: unscale first; skip on inf/nan on any rank)."""
+        if not self.unscale_or_skip():
+            return
         if self.grad_clip > 0 and self.pipe.ready:
             self.clip_grad_norm(self.grad_clip)
         if self.zero is not None:
             self.zero.step()
         else:
             self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """This rank's stage gradients (under ZeRO its reduced slices): what its step reads."""
+        if self.zero is not None:
+            return list(self.zero.inner.gradient_slices())
+        return [p.grad for p in self.params]
+
+    def discard_gradients(self) -> None:
+        """Forget this step's gradients without stepping (a skipped fp16 step)."""
+        if self.zero is not None:
+            self.zero.inner.zero_grad()
+        else:
             self.optimizer.zero_grad(set_to_none=True)
 
     # --------------------------------------------------------------------------- state
@@ -269,7 +295,7 @@ class PipelineEngine(Engine):
             dist.all_gather_object(optimizers, self.optimizer.state_dict())
         else:
             optimizers = [copy.deepcopy(self.optimizer.state_dict())]  # not the live state
-        return {"model": self.full_state_dict(), "optimizer": optimizers}
+        return self.precision_state({"model": self.full_state_dict(), "optimizer": optimizers})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Slice the dense model into this rank's stage and shards; take this rank's optimizer."""
@@ -279,6 +305,7 @@ class PipelineEngine(Engine):
                 f"this run has {self.ctx.world_size} ranks"
             )
         mine = state["optimizer"][self.ctx.rank]
+        self.load_precision_state(state)
         if not self.pipe.ready:  # the whole model is still here; the optimizer after the cut
             self.module.load_state_dict(state["model"])
             self._pending_optimizer_state = mine
@@ -323,6 +350,15 @@ def _tensor_parallel(
         parallelize_gpt(model, group=group)
     else:
         raise ValueError(f"tp > 1 on a {name} needs plan={{module-name pattern: style}}")
+
+
+def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
+    """`loss_fn` times the fp16 loss scale: the pipeline runs backward on what the loss returns."""
+
+    def scaled(output: Any, targets: Any) -> torch.Tensor:
+        return loss_fn(output, targets) * scale
+
+    return scaled
 
 
 def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:

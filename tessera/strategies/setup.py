@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.precision import check_precision, route_to_policy
 from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
 
 __all__ = ["make_policy", "setup"]
@@ -43,6 +45,8 @@ def setup(
     strategy: str = "ddp",
     loss_fn: LossFn | None = None,
     grad_clip: float = 0.0,
+    precision: str = "fp32",
+    loss_scaler: DynamicLossScaler | None = None,
     ctx: Context | None = None,
     **options: Any,
 ) -> Engine:
@@ -55,8 +59,16 @@ def setup(
     clips the global gradient norm in `engine.step()`. `options` are the fields of the strategy's
     policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
     `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
+
+    `precision`: "fp32", "bf16" or "fp16" (autocast compute, fp32 master weights and optimizer
+    state, gradients reduced in the low dtype where the strategy communicates them; fp16 with
+    dynamic loss scaling by `loss_scaler`, default `DynamicLossScaler()`): see
+    `tessera.strategies.precision`.
     """
+    check_precision(precision, loss_scaler)
     policy = make_policy(strategy, options)
+    policy, precision = route_to_policy(policy, precision)
+    own_low_precision = getattr(policy, "mixed_precision", None) is not None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
@@ -72,4 +84,7 @@ def setup(
 
         ctx = init()
     build = STRATEGIES[strategy]
-    return build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    if precision != "fp32":
+        engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)
+    return engine

@@ -87,7 +87,10 @@ class TrainConfig:
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
     average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
     mixed_precision: str | None = _option(
-        None, "zero1-3: bf16 to compute and communicate, fp32 master weights and optimizer."
+        None,
+        "bf16 or fp16: compute under autocast (zero1-3 bf16: bf16 weights), gradients reduced in "
+        "it, fp32 master weights and optimizer state; fp16 with dynamic loss scaling (loss_scale "
+        "and skipped steps in metrics.jsonl). Every strategy but ps.",
     )
     offload: str | None = _option(
         None,
@@ -225,12 +228,12 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
-        if self.mixed_precision not in (None, "bf16"):
+        if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError(
-                f"mixed_precision must be bf16 or unset, got {self.mixed_precision!r}"
+                f"mixed_precision must be bf16, fp16 or unset, got {self.mixed_precision!r}"
             )
-        if self.mixed_precision and not self.strategy.startswith("zero"):
-            raise ConfigError("mixed_precision needs strategy zero1, zero2 or zero3")
+        if self.mixed_precision and self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(f"mixed_precision does not apply to strategy {self.strategy}")
         self._check_memory_options()
         if self.zero not in (0, 1, 2):
             raise ConfigError(

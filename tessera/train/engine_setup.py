@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from tessera.runtime.context import Context
-from tessera.strategies import Engine, setup
 from tessera.strategies.batch import LossFn
+from tessera.strategies.engine import Engine
+from tessera.strategies.setup import setup  # (the package name `setup` is also its module)
 from tessera.train.config import TrainConfig, read_tp_plan
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
@@ -65,11 +66,8 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
                 delayed_update=config.delayed_update,
                 delayed_update_after=config.delayed_update_after,
             )
-        return {
-            "bucket_cap_mb": config.bucket_cap_mb,
-            "mixed_precision": config.mixed_precision,
-            "offload": offload,
-        }
+        # (mixed precision goes to setup's `precision`, which gives ZeRO's policy its bf16)
+        return {"bucket_cap_mb": config.bucket_cap_mb, "offload": offload}
     split = [name.strip() for name in config.split.split(",")] if config.split else None
     plan = read_tp_plan(config.tp_plan) if config.tp_plan else None
     if strategy == "pipeline":
@@ -99,6 +97,7 @@ def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Co
         strategy=config.strategy,
         loss_fn=loss_fn,
         grad_clip=config.grad_clip,
+        precision=config.mixed_precision or "fp32",
         ctx=ctx,
         **policy_options(config),
     )

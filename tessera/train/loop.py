@@ -227,6 +227,9 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
                 ctx.device,
             )
             record = _record(done, ranks, tokens_per_step, lr)
+            if engine.loss_scaler is not None:  # fp16: the same on every rank (global check)
+                record["loss_scale"] = engine.loss_scale
+                record["skipped"] = engine.skipped_steps
             if log is not None:
                 log.write(record)
             if bar is not None:
