@@ -5,6 +5,11 @@ the demo model, and takes the median tokens/s over the steps after `--skip` warm
 the median over repeats. Prints a table and writes benchmarks/results/train.json.
 
     python benchmarks/train.py [--steps 40] [--repeats 3]
+
+Mixed precision: `--precisions fp32,bf16,fp16` runs each strategy in each (`--mixed-precision`)
+and adds, per low-precision row, its tokens/s against the same strategy's fp32 run and the
+difference of its final loss from fp32's (medians over repeats); `--strategies` picks the
+strategies. Those runs write benchmarks/results/train_precision.json / .md instead.
 """
 
 from __future__ import annotations
@@ -25,10 +30,20 @@ from tessera.train.metrics import read_metrics
 
 RESULTS = Path(__file__).parent / "results"
 STRATEGIES = {"single": 1, "torch-ddp": 2, "ddp": 2}  # strategy -> ranks
+RANKS = {"single": 1}
+"""Ranks of a strategy given with --strategies (2 unless listed)."""
 
 
-def run_once(strategy: str, nproc: int, steps: int, skip: int, workdir: Path, tag: str) -> dict:
-    out = workdir / f"{strategy}-{tag}"
+def run_once(
+    strategy: str,
+    nproc: int,
+    steps: int,
+    skip: int,
+    workdir: Path,
+    tag: str,
+    precision: str = "fp32",
+) -> dict:
+    out = workdir / f"{strategy}-{precision}-{tag}"
     command = [
         sys.executable,
         "-m",
@@ -48,6 +63,8 @@ def run_once(strategy: str, nproc: int, steps: int, skip: int, workdir: Path, ta
         "--checkpoint-every",
         "0",
     ]
+    if precision != "fp32":
+        command += ["--mixed-precision", precision]
     subprocess.run(command, check=True, capture_output=True, text=True)
     records = read_metrics(out / "metrics.jsonl")  # step records; event lines left out
     measured = records[skip:]
@@ -55,6 +72,7 @@ def run_once(strategy: str, nproc: int, steps: int, skip: int, workdir: Path, ta
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in measured),
         "step_s": statistics.median(r["step_s"] for r in measured),
         "comm_s": statistics.median(r["comm_s"] for r in measured),
+        "final_loss": records[-1]["loss"],
     }
 
 
@@ -63,7 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--precisions", default="", help="e.g. fp32,bf16,fp16 (see above)")
+    parser.add_argument("--strategies", default="", help="comma-separated (with --precisions)")
     args = parser.parse_args(argv)
+    if args.precisions:
+        return precision_rows(args)
     runs: dict[str, list[dict]] = {name: [] for name in STRATEGIES}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -117,3 +139,55 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+
+
+def precision_rows(args: argparse.Namespace) -> dict:
+    """bf16 and fp16 against fp32, per strategy: tokens/s ratio and final-loss difference."""
+    precisions = args.precisions.split(",")
+    if precisions[0] != "fp32":
+        raise SystemExit("--precisions must start with fp32 (the baseline of the ratios)")
+    strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
+    runs: dict[tuple[str, str], list[dict]] = {
+        (name, precision): [] for name in strategies for precision in precisions
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):  # alternating: A B C A B C ...
+            for name, precision in runs:
+                nproc = RANKS.get(name, 2)
+                runs[name, precision].append(
+                    run_once(name, nproc, args.steps, args.skip, Path(tmp), str(repeat), precision)
+                )
+    table = {}
+    for (name, precision), results in runs.items():
+        row = {key: statistics.median(r[key] for r in results) for key in results[0]}
+        fp32 = runs[name, "fp32"]
+        row["x_fp32"] = statistics.median(
+            r["tokens_per_s"] / base["tokens_per_s"] for r, base in zip(results, fp32)
+        )
+        row["loss_minus_fp32"] = statistics.median(
+            r["final_loss"] - base["final_loss"] for r, base in zip(results, fp32)
+        )
+        table[f"{name} {precision}"] = row
+    result = {
+        "benchmark": "train_precision",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "steps": args.steps,
+        "skip": args.skip,
+        "repeats": args.repeats,
+        "rows": table,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "train_precision.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [
+        "| strategy | precision | tokens/s | x fp32 | final loss | loss - fp32 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, row in table.items():
+        name, precision = key.split(" ")
+        lines.append(
+            f"| {name} | {precision} | {row['tokens_per_s']:,.0f} | {row['x_fp32']:.2f} | "
+            f"{row['final_loss']:.4f} | {row['loss_minus_fp32']:+.4f} |"
+        )
+    (RESULTS / "train_precision.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
