@@ -137,10 +137,6 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    main()
-
-
 def precision_rows(args: argparse.Namespace) -> dict:
     """bf16 and fp16 against fp32, per strategy: tokens/s ratio and final-loss difference."""
     precisions = args.precisions.split(",")
@@ -191,3 +187,7 @@ def precision_rows(args: argparse.Namespace) -> dict:
     (RESULTS / "train_precision.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
+
+
+if __name__ == "__main__":
+    main()

@@ -8,9 +8,10 @@ Oracles are plain PyTorch loops written here. What is checked:
   plain loop doing autocast + scaled backward + unscale + skip + clip-after-unscale; the skipped
   step leaves parameters and AdamW state unchanged;
 * resume with fp16 scaling is exact (the scaler's state travels in the checkpoint);
-* on 2 ranks, bf16 and fp16 runs of single, ddp, torch-ddp, zero2, zero3, pipeline, tensor stay
-  within a tolerance derived from the unit roundoff of the fp32 oracle, and differ from their
-  fp32 run (the low precision is really used); an inf on one rank alone makes every rank skip;
+* on 2 ranks, bf16 and fp16 runs of single, ddp, torch-ddp, zero2, zero3, pipeline, tensor,
+  hybrid and local-sgd stay within a tolerance derived from the unit roundoff of the fp32
+  oracle, and differ from their fp32 run (the low precision is really used); an inf on one
+  rank alone makes every rank skip;
 * the trainer takes `--mixed-precision fp16` for a non-ZeRO strategy and writes `loss_scale`
   and `skipped` to metrics.jsonl.
 """
@@ -191,6 +192,8 @@ STRATEGIES = {
     "zero3": {},
     "pipeline": {"microbatches": 2},
     "tensor": {"plan": {"0": "column", "2": "row"}},
+    "hybrid": {"dp": 2, "microbatches": 2},  # the dp reduction inside a pipeline stage
+    "local-sgd": {"average_every": 1},  # SGD: the average of the steps is the averaged step
 }
 ROUNDINGS = 2 * 6 + 2 + 1
 """Low-precision roundings on the longest path to one weight gradient of the 2-layer MLP: each

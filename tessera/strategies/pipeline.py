@@ -41,6 +41,7 @@ from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.precision import DTYPES
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
 
@@ -152,6 +153,8 @@ class PipelineEngine(Engine):
             self.dp_sync = StageDataParallel(
                 stage, group=self.dp_group, bucket_cap_mb=self.policy.bucket_cap_mb
             )
+            if self.precision in DTYPES:  # (a traced split: set up after use_precision)
+                self.dp_sync.ddp.reduce_in(DTYPES[self.precision])
         if built is None:
             return self._make_optimizer(self.params)
         mine = {id(p) for p in self.params}
@@ -161,6 +164,15 @@ class PipelineEngine(Engine):
             built.load_state_dict(self._pending_optimizer_state)
             self._pending_optimizer_state = None
         return built
+
+    def use_precision(
+        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
+    ) -> None:
+        """As `Engine.use_precision`; bf16/fp16 also average the stage's gradients over the dp
+        group in that dtype (tessera's DDP buckets; ZeRO inside the stages reduces fp32)."""
+        super().use_precision(precision, loss_scaler, autocast=autocast)
+        if isinstance(self.dp_sync, StageDataParallel) and precision in DTYPES:
+            self.dp_sync.ddp.reduce_in(DTYPES[precision])
 
     @property
     def zero(self) -> StageZero | None:
