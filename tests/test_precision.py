@@ -293,13 +293,20 @@ def test_the_trainer_takes_fp16_for_any_strategy_and_logs_the_scale(tmp_path):
         build_config({"mixed_precision": "fp8"})
     with pytest.raises(ConfigError, match="mixed_precision does not apply to strategy ps"):
         build_config({"strategy": "ps", "mixed_precision": "fp16"})
+    init = 2.0**20  # overflows this model's fp16 gradients: the first steps are skipped
     config = build_config({
-        "strategy": "single", "nproc": 1, "steps": 3, "mixed_precision": "fp16",
+        "strategy": "single", "nproc": 1, "steps": 5, "mixed_precision": "fp16",
+        "loss_scale_init": init, "loss_scale_growth_interval": 1,
         "model": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16}, "batch_size": 4,
         "corpus_bytes": 20_000, "sample_tokens": 0, "progress": False, "out": str(tmp_path),
     })  # fmt: skip
     run_training(config)
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "loss_scale" in line]
-    assert [line["step"] for line in steps] == [1, 2, 3]
-    assert all(line["loss_scale"] == 2.0**16 and line["skipped"] == 0 for line in steps)
+    assert [line["step"] for line in steps] == [1, 2, 3, 4, 5]
+    scale, skipped = init, 0
+    for line in steps:  # halved on each skipped step, doubled after each clean one (interval 1)
+        skip = line["skipped"] - skipped
+        scale, skipped = scale * (0.5 if skip else 2.0), line["skipped"]
+        assert skip in (0, 1) and line["loss_scale"] == scale, line
+    assert 0 < skipped < 5  # both kinds of step happened

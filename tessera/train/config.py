@@ -92,6 +92,10 @@ class TrainConfig:
         "it, fp32 master weights and optimizer state; fp16 with dynamic loss scaling (loss_scale "
         "and skipped steps in metrics.jsonl). Every strategy but ps.",
     )
+    loss_scale_init: float = _option(2.0**16, "fp16: the first loss scale.")
+    loss_scale_growth_interval: int = _option(
+        2000, "fp16: double the loss scale after this many steps without inf/nan."
+    )
     offload: str | None = _option(
         None,
         "zero1-3 with adamw: cpu (ZeRO-Offload: the step runs on the host with CPUAdam) or nvme "
@@ -211,6 +215,7 @@ class TrainConfig:
             "microbatches",
             "keep_checkpoints",
             "delayed_update_after",
+            "loss_scale_growth_interval",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -223,7 +228,7 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb"):
+        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb", "loss_scale_init"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:

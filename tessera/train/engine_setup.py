@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine
@@ -98,8 +99,18 @@ def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Co
         loss_fn=loss_fn,
         grad_clip=config.grad_clip,
         precision=config.mixed_precision or "fp32",
+        loss_scaler=_loss_scaler(config),
         ctx=ctx,
         **policy_options(config),
+    )
+
+
+def _loss_scaler(config: TrainConfig) -> DynamicLossScaler | None:
+    """fp16's loss scaler as the config sets it; None for any other precision."""
+    if config.mixed_precision != "fp16":
+        return None
+    return DynamicLossScaler(
+        config.loss_scale_init, growth_interval=config.loss_scale_growth_interval
     )
 
 
