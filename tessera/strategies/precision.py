@@ -8,10 +8,12 @@ What each precision means, whatever the strategy:
   each bucket for its all-reduce (`tessera.data_parallel.compression.cast_hook`), torch-ddp
   registers torch's `fp16/bf16_compress_hook`, zero1-3 in bf16 keep bf16 weights and gradients
   (ZeRO's own `mixed_precision="bf16"`: the reduce-scatter and all-gather move bf16), a pipeline
-  sends its activations and their gradients between stages in the dtype autocast produced.
-  Where they are not: zero1-3 in fp16 and hybrid's dp reduction reduce fp32 gradients (the
-  weights stay fp32 under autocast there); local-sgd averages fp32 parameters (it communicates
-  no gradients); tensor parallelism's all-reduces carry whatever dtype autocast produced.
+  sends its activations and their gradients between stages in the dtype autocast produced, and
+  hybrid averages a stage's gradients over its dp group in the low dtype (tessera's DDP buckets).
+  Where they are not: zero1-3 in fp16 and hybrid's ZeRO inside stages (`zero=1|2`) reduce fp32
+  gradients (the weights stay fp32 under autocast there; casting inside ZeRO's reduce-scatter is
+  not done); local-sgd averages fp32 parameters (it communicates no gradients); tensor
+  parallelism's all-reduces carry whatever dtype autocast produced.
 - fp16 adds dynamic loss scaling (`tessera.optim.loss_scale.DynamicLossScaler`): `backward`
   scales the loss, `step` unscales the gradients, checks them for inf/nan over every rank, and
   skips the step (halving the scale) when any rank found one; clipping sees unscaled gradients.
