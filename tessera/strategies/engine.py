@@ -37,7 +37,7 @@ from tessera._atomic import write_atomically
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies.batch import Batch, LossFn, compute_loss
-from tessera.strategies.precision import DTYPES, autocast, sum_flag
+from tessera.strategies.precision import DTYPES, autocast_context, sum_flag
 
 __all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
 
@@ -134,7 +134,7 @@ class Engine:
 
     def autocast(self) -> Any:
         """The context `train_step` computes the loss in: autocast to the low dtype, or none."""
-        return autocast(self.ctx.device, self.autocast_dtype)
+        return autocast_context(self.ctx.device, self.autocast_dtype)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss` times the fp16 loss scale (what backward runs on); `loss` itself otherwise."""

@@ -35,7 +35,14 @@ import torch.distributed as dist
 
 from tessera.optim.loss_scale import DynamicLossScaler
 
-__all__ = ["DTYPES", "PRECISIONS", "autocast", "check_precision", "route_to_policy", "sum_flag"]
+__all__ = [
+    "DTYPES",
+    "PRECISIONS",
+    "autocast_context",
+    "check_precision",
+    "route_to_policy",
+    "sum_flag",
+]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """The values of `precision=` (and of `tessera train --mixed-precision`, fp32 being unset)."""
@@ -76,7 +83,9 @@ def route_to_policy(policy: Any, precision: str) -> tuple[Any, str]:
     return policy, own or precision
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+def autocast_context(
+    device: torch.device, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager:
     """`torch.autocast` on `device`'s type with `dtype`, or nothing when `dtype` is None."""
     if dtype is None:
         return contextlib.nullcontext()
