@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def run_once(
     workdir: Path,
     tag: str,
     precision: str = "fp32",
+    extra: tuple[str, ...] = (),
 ) -> dict:
     out = workdir / f"{strategy}-{precision}-{tag}"
     command = [
@@ -65,6 +67,7 @@ def run_once(
     ]
     if precision != "fp32":
         command += ["--mixed-precision", precision]
+    command += list(extra)
     subprocess.run(command, check=True, capture_output=True, text=True)
     records = read_metrics(out / "metrics.jsonl")  # step records; event lines left out
     measured = records[skip:]
@@ -83,6 +86,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", default="", help="e.g. fp32,bf16,fp16 (see above)")
     parser.add_argument("--strategies", default="", help="comma-separated (with --precisions)")
+    parser.add_argument(
+        "--train-args",
+        default="",
+        help="with --precisions: more `tessera train` flags, e.g. '--n-layer 2 --n-embd 64'",
+    )
     args = parser.parse_args(argv)
     if args.precisions:
         return precision_rows(args)
@@ -151,7 +159,16 @@ def precision_rows(args: argparse.Namespace) -> dict:
             for name, precision in runs:
                 nproc = RANKS.get(name, 2)
                 runs[name, precision].append(
-                    run_once(name, nproc, args.steps, args.skip, Path(tmp), str(repeat), precision)
+                    run_once(
+                        name,
+                        nproc,
+                        args.steps,
+                        args.skip,
+                        Path(tmp),
+                        str(repeat),
+                        precision,
+                        tuple(shlex.split(args.train_args)),
+                    )  # fmt: skip
                 )
     table = {}
     for (name, precision), results in runs.items():
@@ -170,6 +187,7 @@ def precision_rows(args: argparse.Namespace) -> dict:
         "steps": args.steps,
         "skip": args.skip,
         "repeats": args.repeats,
+        "train_args": args.train_args,
         "rows": table,
     }
     RESULTS.mkdir(exist_ok=True)
