@@ -192,19 +192,31 @@ def precision_rows(args: argparse.Namespace) -> dict:
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_precision.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / "train_precision.md").write_text(precision_markdown(result))
+    print(precision_markdown(result))
+    return result
+
+
+def precision_markdown(result: dict) -> str:
+    """The BENCHMARKS.md section of a `train_precision.json` result."""
     lines = [
+        "## train_precision: bf16 and fp16 (`--mixed-precision`) against fp32 per strategy",
+        "",
+        f"{result['machine']}, shared with other jobs while it ran (noisy); `tessera train "
+        f"{result['train_args']}`; {result['steps']} steps per run, first {result['skip']} left "
+        f"out of tokens/s, {result['repeats']} runs per row alternating; medians (x fp32: median "
+        "of the per-repeat ratios; loss - fp32: final-step loss difference, median over repeats).",
+        "",
         "| strategy | precision | tokens/s | x fp32 | final loss | loss - fp32 |",
         "|---|---|---|---|---|---|",
     ]
-    for key, row in table.items():
+    for key, row in result["rows"].items():
         name, precision = key.split(" ")
         lines.append(
             f"| {name} | {precision} | {row['tokens_per_s']:,.0f} | {row['x_fp32']:.2f} | "
             f"{row['final_loss']:.4f} | {row['loss_minus_fp32']:+.4f} |"
         )
-    (RESULTS / "train_precision.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return result
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
