@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 from tessera import comm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
-from tessera.data_parallel.compression import CompressionHook, resolve_compression
+from tessera.data_parallel.compression import CompressionHook, cast_hook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
 from tessera.flat import flatten, unflatten_into
 from tessera.runtime.context import default_timeout_s
@@ -130,6 +130,13 @@ class DataParallel(nn.Module):
             group=group,
             engine_kind="DataParallel",
         )
+
+    def reduce_in(self, dtype: torch.dtype) -> None:
+        """Average every bucket in `dtype` from now on (mixed precision: half the bytes); the
+        result is written back into the full-width gradients. Replaces no other compression."""
+        if self._compression is not None:
+            raise ValueError("reduce_in: this DataParallel already compresses its gradients")
+        self._compression = cast_hook(dtype)
 
     def _shared_allocator(self, named: list[tuple[str, nn.Parameter]]) -> Any:
         """Bucket buffers inside the shared-memory segment, when the shm transport may run.

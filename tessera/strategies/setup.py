@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, check_grad_accum
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.precision import check_precision, route_to_policy
 from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
 
 __all__ = ["make_policy", "setup"]
@@ -44,6 +46,8 @@ def setup(
     loss_fn: LossFn | None = None,
     grad_clip: float = 0.0,
     grad_accum: int = 1,
+    precision: str = "fp32",
+    loss_scaler: DynamicLossScaler | None = None,
     ctx: Context | None = None,
     **options: Any,
 ) -> Engine:
@@ -61,8 +65,16 @@ def setup(
     policy option. `options` are the fields of the strategy's policy (e.g. `bucket_cap_mb=` for
     ddp, `offload="cpu"` for zero1-3). `ctx` defaults to `tessera.init()`. Every rank calls
     `setup` with the same model (same initial weights).
+
+    `precision`: "fp32", "bf16" or "fp16" (autocast compute, fp32 master weights and optimizer
+    state, gradients reduced in the low dtype where the strategy communicates them; fp16 with
+    dynamic loss scaling by `loss_scaler`, default `DynamicLossScaler()`): see
+    `tessera.strategies.precision`.
     """
+    check_precision(precision, loss_scaler)
     policy = make_policy(strategy, options)
+    policy, precision = route_to_policy(policy, precision)
+    own_low_precision = getattr(policy, "mixed_precision", None) is not None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
@@ -84,4 +96,7 @@ def setup(
     build = STRATEGIES[strategy]
     engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
     engine.grad_accum = grad_accum
+
+    if precision != "fp32":
+        engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)
     return engine

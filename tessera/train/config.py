@@ -114,7 +114,14 @@ class TrainConfig:
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
     average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
     mixed_precision: str | None = _option(
-        None, "zero1-3: bf16 to compute and communicate, fp32 master weights and optimizer."
+        None,
+        "bf16 or fp16: compute under autocast (zero1-3 bf16: bf16 weights), gradients reduced in "
+        "it, fp32 master weights and optimizer state; fp16 with dynamic loss scaling (loss_scale "
+        "and skipped steps in metrics.jsonl). Every strategy but ps.",
+    )
+    loss_scale_init: float = _option(2.0**16, "fp16: the first loss scale.")
+    loss_scale_growth_interval: int = _option(
+        2000, "fp16: double the loss scale after this many steps without inf/nan."
     )
     offload: str | None = _option(
         None,
@@ -248,6 +255,7 @@ class TrainConfig:
             "microbatches",
             "keep_checkpoints",
             "delayed_update_after",
+            "loss_scale_growth_interval",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -260,17 +268,17 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb"):
+        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb", "loss_scale_init"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
-        if self.mixed_precision not in (None, "bf16"):
+        if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError(
-                f"mixed_precision must be bf16 or unset, got {self.mixed_precision!r}"
+                f"mixed_precision must be bf16, fp16 or unset, got {self.mixed_precision!r}"
             )
-        if self.mixed_precision and not self.strategy.startswith("zero"):
-            raise ConfigError("mixed_precision needs strategy zero1, zero2 or zero3")
+        if self.mixed_precision and self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(f"mixed_precision does not apply to strategy {self.strategy}")
         self._check_memory_options()
         if self.zero not in (0, 1, 2):
             raise ConfigError(

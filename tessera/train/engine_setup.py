@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
-from tessera.strategies import Engine, setup
 from tessera.strategies.batch import LossFn
+from tessera.strategies.engine import Engine
+from tessera.strategies.setup import setup  # (the package name `setup` is also its module)
 from tessera.train.config import TrainConfig, read_tp_plan
 from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 
@@ -46,11 +48,8 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
                 delayed_update=config.delayed_update,
                 delayed_update_after=config.delayed_update_after,
             )
-        return {
-            "bucket_cap_mb": config.bucket_cap_mb,
-            "mixed_precision": config.mixed_precision,
-            "offload": offload,
-        }
+        # (mixed precision goes to setup's `precision`, which gives ZeRO's policy its bf16)
+        return {"bucket_cap_mb": config.bucket_cap_mb, "offload": offload}
     split = [name.strip() for name in config.split.split(",")] if config.split else None
     plan = read_tp_plan(config.tp_plan) if config.tp_plan else None
     if strategy == "pipeline":
@@ -81,8 +80,19 @@ def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Co
         loss_fn=loss_fn,
         grad_clip=config.grad_clip,
         grad_accum=config.grad_accum,
+        precision=config.mixed_precision or "fp32",
+        loss_scaler=_loss_scaler(config),
         ctx=ctx,
         **policy_options(config),
+    )
+
+
+def _loss_scaler(config: TrainConfig) -> DynamicLossScaler | None:
+    """fp16's loss scaler as the config sets it; None for any other precision."""
+    if config.mixed_precision != "fp16":
+        return None
+    return DynamicLossScaler(
+        config.loss_scale_init, growth_interval=config.loss_scale_growth_interval
     )
 
 

@@ -296,6 +296,9 @@ def _observe(
         "model_state_mb": _model_state_mb(engine),
     }
     record = _record(done, gather_rank_metrics(measured, ctx.device), watch.tokens_per_step, lr)
+    if engine.loss_scaler is not None:  # fp16: the same on every rank (global check)
+        record["loss_scale"] = engine.loss_scale
+        record["skipped"] = engine.skipped_steps
     if val_loss is not None:
         record["val_loss"] = val_loss
         watch.callbacks.eval_end(done, record)
