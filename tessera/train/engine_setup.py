@@ -20,7 +20,7 @@ from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine
-from tessera.strategies.setup import setup  # (the package name `setup` is also its module)
+from tessera.strategies import setup
 from tessera.train.config import TrainConfig, read_tp_plan
 from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 
