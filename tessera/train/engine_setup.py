@@ -18,9 +18,9 @@ from torch import nn
 
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
+from tessera.strategies import setup
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine
-from tessera.strategies import setup
 from tessera.train.config import TrainConfig, read_tp_plan
 from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 

@@ -78,8 +78,8 @@ def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig)
 
 def _check_policy(config: TrainConfig) -> None:
     """The config's strategy options through the strategy's policy (one translation, one check)."""
-    from tessera.strategies.registry import OWN_ENTRY_POINTS
     from tessera.strategies.entry import make_policy
+    from tessera.strategies.registry import OWN_ENTRY_POINTS
     from tessera.train.engine_setup import policy_options
 
     if config.strategy in OWN_ENTRY_POINTS:
