@@ -148,17 +148,28 @@ def preset(name: str, devices: int | None = None, **overrides: Any) -> Cluster:
     return Cluster(name=name, devices=devices or values["per_node"], **values)
 
 
-def matmul_rate(size: int = 512, seconds: float = 0.3) -> float:
-    """FLOP/s of a float32 (size x size) @ (size x size) on this process's threads (median)."""
+def matmul_rate(size: int = 512, seconds: float = 0.3, device: Any = "cpu") -> float:
+    """FLOP/s of a float32 (size x size) @ (size x size) on `device` (CPU: this process's
+    threads), the median of repeated runs.
+
+    The operands come from a generator of their own: a trainer measures this between steps, and
+    drawing from torch's global generator would change the run's random stream (dropout), so a
+    resumed run would no longer equal an uninterrupted one.
+    """
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator)
+    b = torch.randn(size, size, device=device, generator=generator)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     torch.mm(a, b)  # warm-up
+    sync()
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or len(times) < 5:
         start = time.perf_counter()
         torch.mm(a, b)
+        sync()
         times.append(time.perf_counter() - start)
     return 2 * size**3 / sorted(times)[len(times) // 2]
 

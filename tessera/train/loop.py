@@ -296,6 +296,8 @@ def _observe(
         "model_state_mb": _model_state_mb(engine),
     }
     record = _record(done, gather_rank_metrics(measured, ctx.device), watch.tokens_per_step, lr)
+    if watch.log is not None:  # rank 0, where the record is logged and the callbacks run
+        record["mfu"] = watch.model_flops.mfu(record["tokens_per_s"])
     if engine.loss_scaler is not None:  # fp16: the same on every rank (global check)
         record["loss_scale"] = engine.loss_scale
         record["skipped"] = engine.skipped_steps
@@ -305,7 +307,6 @@ def _observe(
     watch.callbacks.step_end(done, record)
     stop = watch.callbacks.should_stop()
     if (logged or stop) and watch.log is not None and watch.reporter is not None:
-        record["mfu"] = watch.model_flops.mfu(record["tokens_per_s"])
         watch.log.write(record)
         watch.reporter.report(record)
     return stop

@@ -38,7 +38,7 @@ def device_peak_flops(device: torch.device, world_size: int = 1) -> tuple[float,
         for key, peak in _CUDA_PEAKS.items():
             if key in name:
                 return peak, f"{key} data sheet"
-        return matmul_rate(size=4096, seconds=0.2), "measured matmul rate"
+        return matmul_rate(size=4096, seconds=0.2, device=device), "measured matmul rate"
     if CACHE_FILE.is_file():
         cached = json.loads(CACHE_FILE.read_text())
         if cached.get("ranks") == world_size and "matmul_flops" in cached:
