@@ -16,7 +16,12 @@ from torch import nn
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
-from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
+from tessera.strategies.registry import (
+    BUILTIN_STRATEGIES,
+    STRATEGIES,
+    policy_class,
+    strategy_names,
+)
 
 __all__ = ["make_policy", "setup"]
 
@@ -55,6 +60,10 @@ def setup(
     clips the global gradient norm in `engine.step()`. `options` are the fields of the strategy's
     policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
     `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
+
+    A model built on the meta device (`with torch.device("meta"): ...`) is taken by `zero3`
+    (with or without offload; `init_fn=` as in `tessera.zero.materialize`): each rank
+    materialises only its shard. tessera's other strategies refuse it.
     """
     policy = make_policy(strategy, options)
     if not isinstance(model, nn.Module):
@@ -65,6 +74,10 @@ def setup(
             "lambda params: torch.optim.AdamW(params, lr=1e-3)), not an optimizer: the strategy "
             "chooses the parameters it steps"
         )
+    if strategy in BUILTIN_STRATEGIES and strategy != "zero3" and _any_meta(model):
+        from tessera.zero.materialize import refuse_meta
+
+        refuse_meta(model, f"strategy {strategy!r}")
     if isinstance(grad_clip, bool) or not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
     if ctx is None:
@@ -73,3 +86,7 @@ def setup(
         ctx = init()
     build = STRATEGIES[strategy]
     return build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+
+
+def _any_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
