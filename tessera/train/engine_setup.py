@@ -10,6 +10,7 @@ step only, so a resumed run sets exactly the rate of the run that never stopped.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -17,8 +18,9 @@ import torch
 from torch import nn
 
 from tessera.runtime.context import Context
-from tessera.strategies import Engine, setup
 from tessera.strategies.batch import LossFn
+from tessera.strategies.engine import Engine
+from tessera.strategies.setup import setup  # the function: the lazy package name can be the module
 from tessera.train.config import TrainConfig, read_tp_plan
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
@@ -91,8 +93,17 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
     return {}  # single, torch-ddp and users' strategies take no trainer knob
 
 
-def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Context) -> Engine:
-    """`tessera.setup` of `model` as `config` says (strategy, optimizer, clipping, knobs)."""
+def build_engine(
+    config: TrainConfig,
+    model: nn.Module,
+    loss_fn: LossFn,
+    ctx: Context,
+    *,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> Engine:
+    """`tessera.setup` of `model` as `config` says (strategy, optimizer, clipping, knobs);
+    `init_fn` initialises a meta-device model under zero3 (`tessera.train.build_model`)."""
+    extra = {"init_fn": init_fn} if init_fn is not None else {}
     return setup(
         model,
         partial(make_optimizer, config),
@@ -101,6 +112,7 @@ def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Co
         grad_clip=config.grad_clip,
         ctx=ctx,
         **policy_options(config),
+        **extra,
     )
 
 

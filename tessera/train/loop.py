@@ -22,6 +22,7 @@ from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, r
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context, init
 from tessera.strategies import Engine
+from tessera.train.build_model import build_model
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
 from tessera.train.engine_setup import (
@@ -185,13 +186,12 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
-    torch.manual_seed(config.seed)
-    model = workload.model_fn().to(ctx.device)
+    model, init_fn = build_model(workload, config, ctx.device, announce=ctx.is_main)
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
         checkpoint_activations(model)
-    engine = build_engine(config, model, workload.loss_fn, ctx)
+    engine = build_engine(config, model, workload.loss_fn, ctx, init_fn=init_fn)
     scheduler = lr_scheduler(engine, config)  # a function of the step: resume stays exact
     start = _restore(engine, scheduler, ctx, out, workload, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None

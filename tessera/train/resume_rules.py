@@ -28,6 +28,7 @@ RESUME_MAY_CHANGE = frozenset(
         "keep_checkpoints",
         "sample_tokens",
         "timeout_s",
+        "meta_init",  # the same weights either way (tessera.train.build_model); a resume loads them
     }
 )
 """Config keys a resumed run may set differently: none changes what a step computes."""

@@ -46,6 +46,7 @@ __all__ = [
     "PendingInit",
     "has_meta",
     "materialize_shards",
+    "meta_problem",
     "prepare_meta",
     "refuse_meta",
     "storageless",
@@ -63,12 +64,16 @@ def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _meta_names(module: nn.Module) -> tuple[list[str], list[str]]:
     """Names of the tensors (parameters and buffers) on the meta device, and of the others."""
     meta, real = [], []
     for prefix, sub in module.named_modules():
         for name, tensor in _own_tensors(sub):
-            (meta if tensor.is_meta else real).append(f"{prefix}.{name}" if prefix else name)
+            (meta if tensor.is_meta else real).append(_qualified(prefix, name))
     return meta, real
 
 
@@ -105,27 +110,33 @@ class PendingInit:
     """`id` of each parameter that has no value yet."""
 
 
-def _check_initialisable(module: nn.Module, init_fn: InitFn | None) -> None:
+def meta_problem(module: nn.Module, init_fn: InitFn | None) -> str | None:
+    """Why a meta-device `module` cannot be materialised with `init_fn`, or None if it can.
+
+    Refused: a model only partly on the meta device, and, without `init_fn`, modules holding
+    tensors that have no `reset_parameters()`. (What an init leaves unwritten is found while
+    materialising.)"""
     meta, real = _meta_names(module)
     if real:
-        raise ValueError(
+        return (
             f"the model is only partly on the meta device ({', '.join(real[:3])} "
             f"{'are' if len(real) > 1 else 'is'} not): build all of it under "
             f"torch.device('meta'), or none of it"
         )
     if init_fn is not None:
-        return
+        return None
     missing = [
         f"{name or '(root)'} ({type(sub).__name__}: {', '.join(n for n, _ in _own_tensors(sub))})"
         for name, sub in module.named_modules()
         if _own_tensors(sub) and not callable(getattr(sub, "reset_parameters", None))
     ]
     if missing:
-        raise ValueError(
+        return (
             f"a meta-device model is initialised through each module's reset_parameters(), and "
             f"these modules have none: {'; '.join(missing[:4])}. Pass init_fn=FN (FN(module) "
             f"initialises that module's own parameters and buffers), or build it on a real device"
         )
+    return None
 
 
 def prepare_meta(
@@ -140,7 +151,9 @@ def prepare_meta(
         return None
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a function of one module, got {init_fn!r}")
-    _check_initialisable(module, init_fn)
+    problem = meta_problem(module, init_fn)
+    if problem is not None:
+        raise ValueError(problem)
     pending = PendingInit(torch.device(device), init_fn)
     for param in list(module.parameters()):  # each once, also when tied
         real = nn.Parameter(storageless(param.shape, param.dtype, pending.device))
@@ -169,7 +182,7 @@ class _Walk:
                 storage = param.untyped_storage()
                 storage.resize_(param.numel() * param.element_size())
                 self.version[id(param)] = param._version
-                self.where[id(param)] = f"{prefix}.{name}" if prefix else name
+                self.where[id(param)] = _qualified(prefix, name)
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.is_meta:
                 real = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.pending.device)
@@ -188,14 +201,15 @@ class _Walk:
         for name, param in before.items():
             if sub._parameters.get(name) is not param:
                 raise ValueError(
-                    f"{self._how()} replaced parameter {prefix}.{name}: initialise it in place "
-                    f"(nn.init.*, or .copy_ under torch.no_grad()), ZeRO-3 holds that object"
+                    f"{self._how()} replaced parameter {_qualified(prefix, name)}: initialise "
+                    f"it in place (nn.init.*, or .copy_ under torch.no_grad()), ZeRO-3 holds "
+                    f"that object"
                 )
         for name, real in buffers:
             current = sub._buffers.get(name)
             if current is real and real._version == 0:
                 raise ValueError(
-                    f"buffer {prefix}.{name} of a meta-device model is not set by "
+                    f"buffer {_qualified(prefix, name)} of a meta-device model is not set by "
                     f"{self._how()}: a value computed in __init__ does not survive the meta "
                     f"device; compute it in init_fn (or reset_parameters)"
                 )
