@@ -5,7 +5,8 @@ forward, BatchNorm buffers, a root unit split around the blocks):
 - the materialised model equals the model built whole on the same seed, bit for bit: its first
   values equal a plain `Net()` built in this test, and after a backward and three AdamW steps
   its gradients and parameters equal those of the same ZeRO-3 run on the model built whole (the
-  same computation on the same values: no tolerance is needed);
+  same computation on the same values: no tolerance is needed); ranks seeded apart still get
+  group rank 0's values;
 - storage accounting of the materialisation: every storage created while it runs is counted
   (a TorchDispatchMode sees each allocation, a weak reference to each storage says when it is
   freed, parameters grow through `resize_` of storages it saw created), and the peak of the live
@@ -71,8 +72,8 @@ class Net(nn.Module):
         return self.head(self.norm(h))
 
 
-def _build(meta: bool, **kwargs: Any) -> Net:
-    torch.manual_seed(SEED)
+def _build(meta: bool, seed: int = SEED, **kwargs: Any) -> Net:
+    torch.manual_seed(seed)
     if not meta:
         return Net(**kwargs)
     with torch.device("meta"):
@@ -182,7 +183,11 @@ def _rank() -> dict[str, Any]:
     whole, meta = _run(meta=False), _run(meta=True)
     torch.manual_seed(SEED)
     plain = Net().state_dict()
+    # Seeded apart: every rank's shard still comes from group rank 0's values.
+    apart, _ = initialize(_build(True, SEED + dist.get_rank()), torch.optim.SGD, stage=3, lr=0.1)
+    apart = full_state_dict(apart)
     return {
+        "rank_0_values": all(torch.equal(apart[k], v) for k, v in plain.items()),
         "first_is_plain": {k: torch.equal(meta["first"][k], v) for k, v in plain.items()},
         "first": all(torch.equal(meta["first"][k], v) for k, v in whole["first"].items()),
         "grads": all(map(torch.equal, meta["grads"], whole["grads"])),
@@ -196,7 +201,7 @@ def _rank() -> dict[str, Any]:
 def test_a_meta_model_equals_the_model_built_whole_and_never_is_whole_on_a_rank(run_ranks):
     for result in run_ranks(_rank, 2):
         assert all(result["first_is_plain"].values()), result["first_is_plain"]
-        assert result["first"] and result["grads"]
+        assert result["first"] and result["grads"] and result["rank_0_values"]
         assert all(result["last"].values()), result["last"]
         m = result["memory"]
         # In flight beside this rank's slices (a half, plus padding), the root unit and the
