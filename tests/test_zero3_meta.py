@@ -173,6 +173,17 @@ def _refusal(build: Any, **kwargs: Any) -> str:
     return "accepted"
 
 
+class Forgetful(nn.Module):
+    """`reset_parameters` that leaves its parameter unwritten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(3))
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 def _replace_weight(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         module.weight = nn.Parameter(torch.zeros_like(module.weight, device="cpu"))
@@ -195,6 +206,7 @@ def _rank() -> dict[str, Any]:
         "memory": _materialisation_peak(),
         "mask": _refusal(Masked),
         "replaced": _refusal(lambda: nn.Sequential(nn.Linear(2, 2)), init_fn=_replace_weight),
+        "unwritten": _refusal(lambda: nn.Sequential(nn.Linear(2, 3), Forgetful())),
     }
 
 
@@ -216,6 +228,10 @@ def test_a_meta_model_equals_the_model_built_whole_and_never_is_whole_on_a_rank(
         assert m["setup"] <= m["end"] + in_flight, m
         assert "buffer mask of" in result["mask"] and "init_fn" in result["mask"]
         assert "init_fn replaced parameter 0.weight" in result["replaced"]
+        assert (
+            "parameter 1.weight of a meta-device model is not set by reset_para"
+            in (result["unwritten"])
+        )
 
 
 class Gate(nn.Module):
@@ -273,3 +289,35 @@ def test_the_trainer_builds_zero3_models_on_the_meta_device_with_the_same_losses
         losses[meta] = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
         assert len(calls) == 1 and len(losses[meta]) == 3  # materialised in the meta run only
     assert losses[True] == losses[False]
+
+
+class _WithInit(nn.Sequential):
+    def init_module(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.zeros_(module.weight)
+
+
+def test_the_trainer_builds_on_the_meta_device_only_what_it_can_initialise(capsys):
+    from types import SimpleNamespace
+
+    from tessera.train.build_model import build_model
+
+    def config(strategy: str = "zero3", factory: str = "mine:build", meta: bool = True) -> Any:
+        return SimpleNamespace(strategy=strategy, meta_init=meta, model_factory=factory, seed=0)
+
+    def workload(build: Any) -> Any:
+        return SimpleNamespace(model_fn=build)
+
+    cpu = torch.device("cpu")
+    own = workload(lambda: _WithInit(nn.Linear(2, 2)))
+    model, init_fn = build_model(own, config(), cpu)
+    assert model[0].weight.is_meta and init_fn == model.init_module
+    for changed in (config(strategy="ddp"), config(meta=False), config(factory="hf:GPT2Model")):
+        model, init_fn = build_model(own, changed, cpu)
+        assert not model[0].weight.is_meta and init_fn is None
+    gated = workload(lambda: nn.Sequential(nn.Linear(3, 3), Gate()))
+    model, init_fn = build_model(gated, config(), cpu, announce=True)
+    assert not model[1].weight.is_meta and init_fn is None
+    assert "building the model whole on every rank: a meta-device model is initialised" in (
+        capsys.readouterr().err
+    )
