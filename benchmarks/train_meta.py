@@ -6,7 +6,8 @@ device, or whole), shards it with ZeRO-3 (fp32 AdamW, no offload: every byte cou
 memory), trains 2 steps of one 64-token sequence per rank, and reports its peak RSS (VmHWM:
 torch import, set-up and steps included) after set-up and at the end. A trial fits when every
 rank's peak stays within `--budget-mb`. Widths are tried in increasing order per mode until one
-exceeds the budget. Prints a table and writes benchmarks/results/train_meta_{N}ranks.{json,md}.
+exceeds the budget. Prints a table, writes benchmarks/results/train_meta_{N}ranks[_MODE].json
+and rebuilds benchmarks/results/train_meta.md from every such file (one table per run).
 
     python benchmarks/train_meta.py [--budget-mb 1024] [--ranks 2] [--widths 384 512 640 768]
                                     [--modes whole meta]
@@ -154,11 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
         "modes": largest(args.budget_mb, args.ranks, sorted(args.widths), args.modes),
     }
     RESULTS.mkdir(exist_ok=True)
-    name = f"train_meta_{args.ranks}ranks" + ("" if args.modes == list(MODES) else args.modes[0])
+    name = f"train_meta_{args.ranks}ranks" + (
+        "" if args.modes == list(MODES) else "_" + args.modes[0]
+    )
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    text = markdown(result)
-    (RESULTS / f"{name}.md").write_text(text)
-    print(text)
+    print(markdown(result))
+    runs = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("train_meta_*.json"))]
+    heading = "## train_meta: the largest model per rank budget, ZeRO-3 on the meta device or whole"
+    (RESULTS / "train_meta.md").write_text(heading + "\n\n" + "\n".join(map(markdown, runs)))
     return result
 
 
