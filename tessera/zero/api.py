@@ -211,7 +211,7 @@ def shard(
 
 def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a meta-device model is materialised by default: the current GPU under nccl."""
-    if dist.get_backend(group) == "nccl":
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

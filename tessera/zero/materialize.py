@@ -194,10 +194,12 @@ class _Walk:
         """Give `sub` its memory, run its init, check that its buffers were written."""
         before = dict(sub._parameters)
         buffers = self.give_memory(prefix, sub)
-        init = self.pending.init_fn or getattr(sub, "reset_parameters", None)
-        if init is not None:
-            with torch.no_grad():
-                init(sub) if self.pending.init_fn is not None else init()
+        reset = getattr(sub, "reset_parameters", None)
+        with torch.no_grad():
+            if self.pending.init_fn is not None:
+                self.pending.init_fn(sub)
+            elif callable(reset):
+                reset()
         for name, param in before.items():
             if sub._parameters.get(name) is not param:
                 raise ValueError(
