@@ -89,4 +89,5 @@ def setup(
 
 
 def _any_meta(model: nn.Module) -> bool:
+    """`tessera.zero.materialize.has_meta`, without importing ZeRO for every strategy."""
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
