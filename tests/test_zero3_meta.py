@@ -323,3 +323,21 @@ def test_the_trainer_builds_on_the_meta_device_only_what_it_can_initialise(capsy
     assert "building the model whole on every rank: a meta-device model is initialised" in (
         capsys.readouterr().err
     )
+
+
+def test_a_trained_user_model_is_never_gathered_whole_at_the_end(tmp_path, monkeypatch):
+    """Only the demo's text sample needs the whole model: a user model's run never gathers it."""
+    from tessera.strategies.zero import ZeroEngine
+    from tessera.train import build_config, run_training
+
+    def whole(self: Any) -> None:
+        raise AssertionError("the whole model was gathered")
+
+    monkeypatch.setattr(ZeroEngine, "full_state_dict", whole)
+    config = {
+        "model_factory": "user_workloads:classifier", "data": "user_workloads:dicts",
+        "batch_size": 8, "progress": False, "warmup_steps": 1, "strategy": "zero3", "nproc": 1,
+        "steps": 2, "out": str(tmp_path / "run"),
+    }  # fmt: skip
+    summary = run_training(build_config(config, {}))
+    assert summary is not None and not (tmp_path / "run" / "sample.txt").exists()

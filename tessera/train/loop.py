@@ -239,14 +239,15 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
             _save(engine, ctx, out, done, {**extra, "scheduler": scheduler.state_dict()})
     if bar is not None:
         bar.close()
-    weights = engine.full_state_dict()  # collective for strategies that shard the model
+    weights = None  # the whole model, on every rank: only the demo's text sample needs it
+    if workload.sample is not None:
+        weights = engine.full_state_dict()  # collective for strategies that shard the model
     engine.close()  # e.g. offload="nvme": its swap files go now, not at interpreter exit
     if not ctx.is_main:
         return None
-    weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}
     sample = ""
-    if workload.sample is not None:  # the demo GPT's text sample; a user's model has none
-        sample = workload.sample(weights)
+    if weights is not None:  # the demo GPT's text sample; a user's model has none
+        sample = workload.sample({name: t.detach().cpu() for name, t in weights.items()})
         (out / "sample.txt").write_text(sample)
     summary = _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
     summary["unit"] = workload.unit
