@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 HERE = Path(__file__).parent
-ORDER = ("train", "comm", "comm_gather", "ddp", "zero", "pipeline", "tensor_parallel")
+ORDER = (
+    "train",
+    "train_precision",
+    "comm",
+    "comm_gather",
+    "ddp",
+    "zero",
+    "pipeline",
+    "tensor_parallel",
+)
 
 HEADER = """# Benchmarks
 

@@ -49,7 +49,7 @@ _LAZY = {
     "DataParallel": ("tessera.data_parallel", "DataParallel"),
     "Mesh": ("tessera.mesh", "Mesh"),
     "strategies": ("tessera.strategies", None),
-    "setup": ("tessera.strategies.setup", "setup"),
+    "setup": ("tessera.strategies.entry", "setup"),
     "Engine": ("tessera.strategies.engine", "Engine"),
 }
 

@@ -52,6 +52,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
             )
             continue
         kind = {int: int, float: float}.get(annotation, str)
+        if field.name == "nproc":
+            kind = _nproc_value
         parser.add_argument(
             flag,
             dest=dest,
@@ -60,6 +62,16 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
             metavar=field.name.upper(),
             help=help_text,
         )
+
+
+def _nproc_value(text: str) -> int | str:
+    """`--nproc N` or `--nproc auto` (resolved with the rest of the config)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
 _NOT_CONFIG = ("command", "config", "resume", "handler", "max_restarts", "min_nproc")
@@ -93,7 +105,7 @@ def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> N
     if world is None:
         return
     local = world[1]
-    given = [layer["nproc"] for layer in user_layers if "nproc" in layer]
+    given = [layer["nproc"] for layer in user_layers if layer.get("nproc", "auto") != "auto"]
     if given and given[-1] != local:
         raise ConfigError(
             f"--nproc {given[-1]} disagrees with the {local} processes per node that tessera "
@@ -240,7 +252,49 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`tessera plan`: predicted memory and step time of every strategy (tessera.plan)."""
+    from tessera.plan.cli import run_plan
+
+    try:
+        return run_plan(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """`tessera compare`: each strategy run here for --steps steps against the planner."""
+    from tessera.train.compare import compare_runs, markdown, plot
+
+    base: dict[str, Any] = {"batch_size": args.batch_size, "microbatches": args.microbatches}
+    if args.model:
+        base.update(model_factory=args.model, data=args.data)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    only = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
+    results = compare_runs(
+        base,
+        nproc=args.nproc,
+        steps=args.steps,
+        out=out,
+        only=only,
+        recalibrate=not args.cached_calibration,
+    )
+    table = markdown(results, args.nproc)
+    (out / "compare.md").write_text(table + "\n")
+    print(table)
+    png = plot(results, out / "compare.png", f"measured vs predicted, {args.nproc} ranks")
+    print(f"wrote {png}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
+    """The `tessera` command's parser: every command, its help and its flags.
+
+    Why so long: it is the command line's reference, one `add_argument` per flag read top to
+    bottom (the trainer's flags are generated from `TrainConfig`); cut into one function per
+    command it would say the same at more length.
+    """
     from tessera.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(
@@ -295,6 +349,44 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", help="the script (or module with -m) to run")
     run.add_argument("script_args", nargs="*", help="its arguments, passed on untouched")
     run.set_defaults(handler=_run)
+
+    from tessera.plan.cli import add_plan_arguments
+
+    plan = commands.add_parser(
+        "plan",
+        help="predict memory and step time of every strategy for a model on a cluster",
+        description="For a model (--model gpt --layers L --hidden H --heads A --seq S --vocab V, "
+        "--params 7.5B, or a --model the trainer accepts) on a cluster (--cluster a100-80g-dgx, "
+        "h100-80g-dgx, this-machine, or --devices/--per-node/--device-memory/--peak-flops/"
+        "--intra/--inter), every applicable strategy's memory per device and predicted step "
+        "time, best first (tessera.plan: the formulas of ZeRO, Megatron-LM and Korthikanti et "
+        "al., collectives priced by tessera.comm.cost).",
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(handler=_plan)
+
+    compare = commands.add_parser(
+        "compare",
+        help="run each strategy here for a few steps: measured against predicted (PNG, table)",
+        description="Each strategy that runs on --nproc ranks trains --steps steps (the demo GPT, "
+        "or --model with --data) through the trainer; its median step time and model states per "
+        "rank are set against tessera plan's prediction for this machine (measured once, as "
+        "`tessera plan --cluster this-machine` does).",
+    )
+    compare.add_argument("--model", help="PKG.MODULE:FACTORY or hf:CLASS (default: demo GPT)")
+    compare.add_argument("--data", help="the --model's data, as for tessera train")
+    compare.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    compare.add_argument("--steps", type=int, default=8, help="steps per strategy (default 8)")
+    compare.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
+    compare.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")
+    compare.add_argument("--strategies", help="comma-separated labels to run (default: all)")
+    compare.add_argument("--out", default="runs/compare", help="folder of the runs and results")
+    compare.add_argument(
+        "--cached-calibration",
+        action="store_true",
+        help="use the machine as last measured instead of measuring it again first",
+    )
+    compare.set_defaults(handler=_compare)
 
     bench = commands.add_parser(
         "bench",

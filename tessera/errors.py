@@ -63,7 +63,7 @@ class CollectiveTimeout(TesseraError, TimeoutError):
     """A collective or point-to-point wait passed its timeout."""
 
     flight_record: str | None = None
-    """Path of this rank's flight record (`tessera.comm.flight_recorder`), if one was written."""
+    """Path of this rank's flight record (`tessera.runtime.flight_recorder`), if one was written."""
 
     def __init__(self, rank: int, op: str, timeout_s: float, detail: str = "") -> None:
         self.rank = rank

@@ -146,7 +146,7 @@ def test_strategy_interface_imports_none_of_its_engines():
     # for their base class: a cycle. Now the registry names engines by "module:attribute", and
     # the Engine protocol and `setup` sit in tessera.strategies, above the libraries.
     loaded = _fresh_modules(
-        "import tessera.strategies.engine, tessera.strategies.registry, tessera.strategies.setup"
+        "import tessera.strategies.engine, tessera.strategies.registry, tessera.strategies.entry"
     )
     assert [m for m in loaded if m.startswith(ENGINE_PACKAGES)] == []
 

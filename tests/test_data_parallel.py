@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from tessera.data_parallel import (
     average_parameters,
     cast_hook,
 )
-from tessera.errors import RankFailedError
+from tessera.errors import CollectiveTimeout, RankFailedError
 from tessera.models import CNN, GPT, MLP, CNNConfig, GPTConfig, MLPConfig
 
 STEPS = 3
@@ -197,16 +199,31 @@ def _features() -> dict:
     except FloatingPointError as exc:
         found["non_finite"] = str(exc)
     dp.reducer.remove_hooks()
+    # the wait for the reduction is bounded by the timeout_s given (rank 1 comes late: rank 0's
+    # wait raises, naming it; its collectives complete when rank 1 arrives)
+    dp, found["late"] = DataParallel(_model("mlp"), timeout_s=0.25), None
+    if ctx.rank == 1:
+        time.sleep(2.0)
+    try:
+        F.cross_entropy(dp(x), y).backward()
+    except CollectiveTimeout as exc:
+        found["late"] = str(exc)
+    dp.reducer.remove_hooks()
     return found
 
 
 def test_no_sync_naive_unused_and_non_finite(run_ranks):
-    for found in run_ranks(_features, 2):
+    for rank, found in enumerate(run_ranks(_features, 2)):
         for check in ("no_sync", "naive", "bucketed"):
             check_close(*found[check], what=check)
         assert found["unused_grad"] == 0.0
         assert found["used_grad"] == [3.0, 3.0]  # d(sum)/d(bias): 3 rows of ones, exact
         assert "non-finite gradient in ['layers.4.bias', 'layers.4.weight'" in found["non_finite"]
+        if rank == 0:  # rank 1, late, finds rank 0's reductions posted: no error there
+            assert found["late"].startswith("rank 0: all_reduce of gradient bucket 0 did not "
+                                            "complete within 0.25 s; another rank")  # fmt: skip
+        else:
+            assert found["late"] is None
 
 
 class _Unusual(nn.Module):

@@ -28,6 +28,7 @@ from tessera.federated import (
     RDPAccountant,
     SecAggConfig,
     SecureAggregationError,
+    SimulationConfig,
     partition,
     secure_sum,
     simulate,
@@ -268,6 +269,30 @@ def test_simulate_history_and_learning():
     assert all(len(s) == 4 and len(d) == 1 and set(d) <= set(s) for s, d in
                zip(history.selected, history.dropped))  # fmt: skip
     assert history.loss[-1] < history.loss[0]
+
+
+def test_simulate_takes_its_knobs_as_a_config_or_as_keywords():
+    """`simulate(config=SimulationConfig(...))` is the keyword form; keywords override a config's
+    fields; an unknown knob or a bad value is refused before anything is built."""
+    x, y = _data(40)
+    knobs = dict(partition="iid", num_clients=4, clients_per_round=2, rounds=2, lr=0.2, seed=3)
+    by_keywords = simulate(_model_fn(), (x, y), (x, y), **knobs)
+    by_config = simulate(_model_fn(), (x, y), (x, y), config=SimulationConfig(**knobs))
+    assert by_config.selected == by_keywords.selected and by_config.loss == by_keywords.loss
+    for name, value in by_keywords.state_dict.items():
+        assert torch.equal(by_config.state_dict[name], value), name
+    overridden = simulate(
+        _model_fn(), (x, y), (x, y), SimulationConfig(**{**knobs, "lr": 0.01}), lr=0.2
+    )
+    assert overridden.loss == by_keywords.loss
+    built = []
+    with pytest.raises(TypeError, match="'rounds_'"):
+        simulate(lambda: built.append(1), (x, y), (x, y), rounds_=2)
+    with pytest.raises(ValueError, match="clients_per_round=5"):
+        SimulationConfig(num_clients=4, clients_per_round=5)
+    with pytest.raises(TypeError, match="SimulationConfig"):
+        simulate(lambda: built.append(1), (x, y), (x, y), config=dict(knobs))
+    assert not built
 
 
 def test_simulate_bad_input(caplog):

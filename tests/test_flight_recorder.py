@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 import tessera
 from tessera.comm import all_reduce, dump_on_failure, set_dump_dir
-from tessera.comm.flight_recorder import install_signal_dump, reached
 from tessera.errors import RankFailedError
+from tessera.runtime.flight_recorder import install_signal_dump, reached
 from tessera.train import build_config
 from tessera.train.loop import train_worker
 

@@ -7,6 +7,7 @@ function), so a cycle hidden behind a function-level import counts as a cycle.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import tessera
@@ -82,6 +83,7 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
     return found
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(paths)
@@ -118,6 +120,17 @@ def test_nothing_imports_upward():
             ):
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_only_the_trainer_and_the_cli_import_the_planner():
+    """tessera.plan is a front (DESIGN.md): what the trainer and the command use, nothing else."""
+    importers = {
+        module
+        for module, targets in _graph().items()
+        if any(t == "tessera.plan" or t.startswith("tessera.plan.") for t in targets)
+        and not module.startswith("tessera.plan")
+    }
+    assert all(m == "tessera.cli" or m.startswith("tessera.train") for m in importers), importers
 
 
 def test_no_import_cycle_even_through_function_level_imports():

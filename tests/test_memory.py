@@ -247,3 +247,46 @@ def test_checkpointing_under_zero3_is_exact(run_ranks):
     found = run_ranks(_zero3_with_checkpointing, 2)[0]
     for name, value in found[False].items():  # same kernels, same order: bit-identical
         assert torch.equal(found[True][name], value), name
+
+
+# --- the residency scheduler (ZeRO-3's gathers and swap_idle share it) ------------------------
+def test_residency_end_of_backward_fires_after_a_backward_that_raised():
+    # A backward that raises half-way never runs its end-of-backward callback. The scheduler
+    # queues that callback once per graph task, so the next backward still gets one (a single
+    # "queued" flag would stay set and no later backward would ever release its blocks).
+    import threading
+
+    from tessera.memory.residency import ResidencyScheduler
+
+    ended: list[int] = []
+    brought: list[int] = []
+    scheduler = ResidencyScheduler(
+        2,
+        bring_in=brought.append,
+        prefetch=brought.append,
+        end_of_backward=lambda: ended.append(1),
+        lock=threading.RLock(),
+    )
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("boom")
+
+    x = torch.randn(3, requires_grad=True)
+    weight = nn.Parameter(torch.randn(3))
+    scheduler.track(weight, 1)
+    with scheduler.saved_tensors_hooks():
+        failing = Boom.apply(x) * weight  # backward unpacks `weight` (block 1), then raises
+    with pytest.raises(RuntimeError, match="boom"):
+        failing.sum().backward()
+    assert ended == [] and brought == [1, 0]  # block 1 brought in, block 0 (before it) prefetched
+    for _ in range(2):
+        with scheduler.saved_tensors_hooks():
+            loss = (x[:2] * weight[:2]).sum()  # a view of the block's storage is its tensor too
+        loss.backward()
+    assert ended == [1, 1] and brought == [1, 0] * 3

@@ -180,3 +180,20 @@ def test_mappings_attention_wavefront_checks_and_context_on_two_ranks(run_ranks)
         if rank == 1:  # the last layer's rank holds the output
             check_close(*found["wavefront"], what="wavefront LSTM output")
         assert (found["checks_off"], found["checks_on"]) == (False, True)
+
+
+def test_every_lazy_name_stays_what_it_names_after_its_module_is_imported():
+    # `tessera.strategies.setup` was the function's module too: once anything imported that
+    # module, `from tessera.strategies import setup` gave the module, not the function.
+    import importlib
+
+    import tessera.strategies as strategies
+
+    for package, lazy in ((strategies, strategies._LAZY), (tessera, tessera._LAZY)):
+        for name, where in lazy.items():
+            module, attribute = where if isinstance(where, tuple) else (where, name)
+            importlib.import_module(module)  # what the trainer (or a user) may import first
+            value = getattr(package, name)
+            if attribute is not None:  # a function or class, not one of tessera's packages
+                assert not isinstance(value, type(strategies)), f"{package.__name__}.{name}"
+    assert strategies.setup is tessera.setup and callable(tessera.setup)

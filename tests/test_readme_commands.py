@@ -38,6 +38,11 @@ NOT_RUN = {
     "make test": "runs this suite (and creates a virtualenv)",
     "make lint": "creates a virtualenv; `ruff check .` is run by CI",
 }
+PLAN_COMMAND = (
+    "tessera plan --cluster a100-80g-dgx --devices 1024 --layers 96 --hidden 12288 --heads 96 "
+    "--seq 2048 --vocab 51200 --batch 1536 --tokens 300B --achieved-flops 140T --recompute on"
+)
+"""Run in-process by test_plan.py::test_readme_plan_example_predicts_about_34_days."""
 RUN_HERE = (
     "tessera train --help",
     "tessera train --strategy single --nproc 1",
@@ -54,6 +59,8 @@ RUN_HERE = (
     "tessera train --model hf:GPT2LMHeadModel --model-config gpt2-tiny.json --data corpus.txt "
     "--out runs/gpt2",
     "tessera checkpoint export runs/gpt2 --format hf gpt2-export",
+    "tessera train --nproc 2 --eval-every 50 --eval-batches 8 --out runs/e",  # test_train_eval.py
+    PLAN_COMMAND,
 )
 """The README commands the tests below run, each through `readme(command)`."""
 
@@ -152,7 +159,8 @@ def test_flags_override_the_config_file(tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_on_loopback_as_the_readme_starts_them(tmp_path):
-    """The README's two `tessera run` lines, with one process per node on 127.0.0.1.
+    """The README's two `tessera run` lines, with one process per node on 127.0.0.1, train
+    like one process on the whole batch.
 
     torchrun's parser used to read the trainer's `--nproc` as an abbreviation of its own
     `--nproc-per-node` ("ambiguous option"), so neither node started.
@@ -187,7 +195,20 @@ def test_two_nodes_on_loopback_as_the_readme_starts_them(tmp_path):
         assert process.returncode == 0, err
         outputs.append(out)
     assert sum("ddp on 2 ranks" in out for out in outputs) == 1  # one world of two
-    assert len(read_metrics(tmp_path / "runs/torchrun-tessera/metrics.jsonl")) == 3
+    run_dir = tmp_path / "runs/torchrun-tessera"
+    assert len(read_metrics(run_dir / "metrics.jsonl")) == 3
+    # and the two nodes train as one process on the whole batch: against the plain-loop oracle
+    # (not bit for bit against one node of two ranks: a node of one process gives its rank both
+    # cores, so its kernels sum in another order than two ranks sharing them)
+    from _tolerance import check_close
+    from test_trainer_oracle import oracle_run  # tests/ is on sys.path under pytest
+
+    from tessera.train import build_config, latest_checkpoint, load_checkpoint, load_yaml
+
+    trained = load_checkpoint(latest_checkpoint(run_dir))["engine"]["model"]
+    config = build_config(load_yaml(run_dir / "config.yaml"))
+    oracle, exact = oracle_run(config, "fp32"), oracle_run(config, "fp64")
+    check_close(trained, oracle["state"], exact["state"], what="two nodes")
 
 
 def test_library_example_runs_and_prints_what_the_readme_says(tmp_path):

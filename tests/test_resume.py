@@ -58,6 +58,15 @@ RUNS: dict[str, dict[str, Any]] = {
     "zero2": {"strategy": "zero2", "bucket_cap_mb": 0.01},
     "zero3": {"strategy": "zero3"},
     "zero3-bf16": {"strategy": "zero3", "mixed_precision": "bf16"},
+    # fp16: the loss scaler's state travels in the (sharded) checkpoint's payload
+    # fp16 from a scale that overflows (steps 1, 2 skipped), then grows after each clean step: a
+    # resumed run that forgot the scale would skip step 3 too
+    "zero2-fp16": {
+        "strategy": "zero2",
+        "mixed_precision": "fp16",
+        "loss_scale_init": 2.0**19,
+        "loss_scale_growth_interval": 1,
+    },
     # ZeRO-Infinity: moments, masters and parameter partitions in files; blocks recomputed.
     "zero3-nvme": {
         "strategy": "zero3",
@@ -171,7 +180,7 @@ def _assert_same_run(resumed: Path, straight: Path) -> None:
     [
         ["single"],
         ["ddp", "torch-ddp", "local-sgd"],
-        ["zero1", "zero2", "zero3", "zero3-bf16", "zero3-nvme"],
+        ["zero1", "zero2", "zero3", "zero3-bf16", "zero2-fp16", "zero3-nvme"],
         ["pipeline", "tensor", "hybrid-zero1", "hybrid-zero2"],
     ],
     ids=lambda runs: "+".join(runs),

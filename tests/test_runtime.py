@@ -93,13 +93,19 @@ def test_init_in_a_plain_process_is_a_world_of_one():
     script = textwrap.dedent(
         """
         import json, tessera, torch, torch.distributed as dist
-        ctx = tessera.init()
+        import os
+        from tessera.comm.api import _timeout
+        from tessera.runtime import current_context
+        ctx = tessera.init(timeout_s=7.5)  # the bound travels in the Context, not os.environ
         t = torch.tensor([5.0]); dist.all_reduce(t)
-        print(json.dumps([ctx.rank, ctx.world_size, ctx.backend, t.item()]))
+        print(json.dumps([ctx.rank, ctx.world_size, ctx.backend, t.item(), ctx.timeout_s,
+                          _timeout(None), "TESSERA_TIMEOUT_S" in os.environ,
+                          current_context() is ctx is tessera.init()]))
         tessera.shutdown()
         """
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    env.pop("TESSERA_TIMEOUT_S", None)
     out = subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -108,7 +114,8 @@ def test_init_in_a_plain_process_is_a_world_of_one():
         timeout=60,
         check=True,
     )
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [0, 1, "gloo", 5.0]
+    reported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reported == [0, 1, "gloo", 5.0, 7.5, 7.5, False, True]
 
 
 def test_init_under_tessera_run_matches_the_launcher(tmp_path):
@@ -169,9 +176,44 @@ def test_every_module_takes_its_timeout_from_one_source(monkeypatch):
     readers = [
         str(path.relative_to(package))
         for path in package.rglob("*.py")
-        if re.search(r"environ[^\n]*TESSERA_TIMEOUT_S", path.read_text())
+        if re.search(r"\benviron\b[^\n]*(TESSERA_TIMEOUT_S|TIMEOUT_VARIABLE)", path.read_text())
     ]
     assert readers == ["runtime/context.py"]
+
+
+def test_the_context_timeout_bounds_waits_as_a_value(monkeypatch):
+    # A wait takes its bound from the Context it was built with, never from the environment
+    # (which says 3 s here): past 0.05 s it raises naming the rank and the operation.
+    import threading
+    from concurrent.futures import Future
+
+    from tessera.errors import CollectiveTimeout
+    from tessera.runtime.context import Context
+    from tessera.runtime.wait import wait_or_raise
+    from tessera.zero.delayed import DelayedUpdate
+
+    monkeypatch.setenv("TESSERA_TIMEOUT_S", "3")
+    environment = dict(os.environ)
+    ctx = Context(rank=5, world_size=8, local_rank=1, local_world_size=4,
+                  device=torch.device("cpu"), backend="gloo", timeout_s=0.05)  # fmt: skip
+    release = threading.Event()
+    delayed = DelayedUpdate(after=0, rank=ctx.rank, timeout_s=ctx.timeout_s)
+    delayed.launch(release.wait)  # a background step that never finishes
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"^rank 5: the delayed \(background\) optimizer "
+                       r"step did not complete within 0.05 s; the host"):  # fmt: skip
+        delayed.wait()
+    with pytest.raises(CollectiveTimeout, match=r"^rank 5: all_gather of unit 2 did not complete "
+                       r"within 0.05 s; another rank has not reached"):  # fmt: skip
+        wait_or_raise(Future(), "all_gather of unit 2", ctx.timeout_s, ctx.rank)
+    assert time.monotonic() - started < 2.5
+    release.set()
+    # a task that timed out itself keeps its own, more precise error (its peer named)
+    inner = Future()
+    inner.set_exception(CollectiveTimeout(5, "recv from rank 2", 1.0, "rank 2 stopped"))
+    with pytest.raises(CollectiveTimeout, match="recv from rank 2 did not complete within 1 s"):
+        wait_or_raise(inner, "the step", ctx.timeout_s, ctx.rank)
+    assert dict(os.environ) == environment
 
 
 def test_ranks_are_spawned_when_variables_read_at_process_start_changed(monkeypatch):

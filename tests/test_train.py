@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,6 @@ from tessera.train import (
     build_config,
     latest_checkpoint,
     load_checkpoint,
-    load_yaml,
     run_training,
 )
 from tessera.train.metrics import read_metrics
@@ -114,62 +112,6 @@ def test_corrupt_checkpoint_is_refused_on_resume(tmp_path):
     error = resumed.stderr.strip().splitlines()[-1]
     assert error.startswith("tessera: error: cannot resume r: it holds no complete checkpoint")
     assert len(read_metrics(tmp_path / "r/metrics.jsonl")) == 2  # nothing appended
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_two_nodes_train_like_one_node_with_the_same_ranks(tmp_path):
-    args = [*TINY, "--strategy", "torch-ddp", "--steps", "4", "--optimizer", "sgd"]
-    one_node = _tessera("train", *args, "--nproc", "2", "--out", "one", cwd=tmp_path)
-    assert one_node.returncode == 0, one_node.stderr
-    endpoint = f"127.0.0.1:{_free_port()}"
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tessera",
-                "run",
-                "-n",
-                "1",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--rdzv-endpoint",
-                endpoint,
-                "-m",
-                "tessera",
-                "train",
-                *args,
-                "--out",
-                "two",
-            ],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    outputs = []
-    for node in nodes:
-        out, err = node.communicate(timeout=240)
-        assert node.returncode == 0, err
-        outputs.append(out)
-    assert sum("torch-ddp on 2 ranks" in out for out in outputs) == 1  # one world of two
-    one, two = _params(tmp_path / "one"), _params(tmp_path / "two")
-    # Not bit for bit: a node of one process gives its rank both cores, so its kernels sum in
-    # another order than two ranks sharing them. Both against the plain-loop oracle instead.
-    config = build_config(load_yaml(tmp_path / "one" / "config.yaml"))
-    oracle, exact = oracle_run(config, "fp32"), oracle_run(config, "fp64")
-    check_close(one, oracle["state"], exact["state"], what="one node")
-    check_close(two, oracle["state"], exact["state"], what="two nodes")
 
 
 def test_config_errors_are_tessera_errors_and_strategies_register():

@@ -128,8 +128,9 @@ class _MomentumSGD:
 def _data(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
+    tokens = tokenizer.encode_tensor(text)
     batches = LMBatches(
-        tokenizer.encode_tensor(text),
+        tokens[: int(tokens.numel() * 0.9)],  # the trainer holds out the corpus's last tenth
         block_size=config.model.block_size,
         global_batch_size=config.batch_size,
         seed=config.seed,

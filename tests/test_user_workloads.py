@@ -1,8 +1,9 @@
 """`tessera train --model/--data/--loss`: a user's model, data and loss, through the CLI.
 
 Resume is exact for them as for the demo GPT (3 steps, then --resume to 6, equals 6 straight,
-bit for bit); errors stop before any rank starts (no run folder is even created); checkpoints
-export to safetensors whose keys are the model's. The factories live in tests/user_workloads.py.
+bit for bit, the straight run evaluating on held-out data as it goes); errors stop before any
+rank starts (no run folder is even created); checkpoints export to safetensors whose keys are
+the model's. The factories live in tests/user_workloads.py.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", sorted(WORKLOADS))
 def test_three_steps_then_resume_to_six_equals_six_straight(tmp_path, monkeypatch, strategy):
     workload = ["--strategy", strategy, *WORKLOADS[strategy], "--checkpoint-every", "3"]
-    _train(*workload, "--steps", "6", "--out", str(tmp_path / "straight"))
+    # the straight run also evaluates (its data as the held-out set): it must change no step
+    data = WORKLOADS[strategy][WORKLOADS[strategy].index("--data") + 1]
+    evaluation = ["--eval-every", "2", "--eval-batches", "2", "--eval-data", data]
+    _train(*workload, *evaluation, "--steps", "6", "--out", str(tmp_path / "straight"))
     _train(*workload, "--steps", "3", "--out", str(tmp_path / "split"))
     assert main(["train", "--resume", str(tmp_path / "split"), "--steps", "6"]) == 0
     runs = ["split"]
@@ -62,6 +66,8 @@ def test_three_steps_then_resume_to_six_equals_six_straight(tmp_path, monkeypatc
     straight = _final(tmp_path / "straight")
     expected = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "straight/metrics.jsonl")]
     assert len(expected) == 6
+    evaluated = [r for r in read_metrics(tmp_path / "straight/metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [2, 4, 6] and evaluated[-1]["val_loss"] > 0
     for run in runs:
         losses = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / run / "metrics.jsonl")]
         assert losses == expected, run

@@ -20,7 +20,7 @@ from tessera.comm.api import (
 from tessera.comm.calibrate import calibrate
 from tessera.comm.cost import CostParams, choose, predict
 from tessera.comm.diagnostics import history, set_checks
-from tessera.comm.flight_recorder import dump_on_failure, set_dump_dir
+from tessera.runtime.flight_recorder import dump_on_failure, set_dump_dir
 
 __all__ = [
     "ALGORITHMS",

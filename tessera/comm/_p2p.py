@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tessera.comm import diagnostics, flight_recorder
+from tessera.comm import diagnostics
 from tessera.errors import CollectiveMismatch
+from tessera.runtime import flight_recorder, progress
 
 __all__ = ["Comm", "GroupInfo", "group_info"]
 
@@ -204,7 +205,7 @@ class Comm:
         remaining = self.deadline - time.monotonic()
         info = self.info
         peer_global = None if peer is None else info.global_rank(peer)
-        diagnostics.waiting(info.key, self.seq, self.timeout_s)
+        progress.waiting(info.key, self.seq, self.timeout_s)
         try:
             if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
                 raise RuntimeError("timeout")
@@ -215,4 +216,4 @@ class Comm:
                 info.key, self.seq, info.ranks, self.op_name, self.timeout_s, peer_global
             ) from exc
         finally:
-            diagnostics.done_waiting()
+            progress.done_waiting()

@@ -159,7 +159,8 @@ def all_reduce(
 
     `algorithm`: one of `ALGORITHMS`, or "auto" (the cost model's fastest for this size, world
     and dtype). bf16/fp16 accumulate in float32. Raises `CollectiveTimeout` past `timeout`
-    seconds (default: TESSERA_TIMEOUT_S, 300) and `CollectiveMismatch` if ranks disagree.
+    seconds (default: this rank's `Context.timeout_s`, see `tessera.init`) and
+    `CollectiveMismatch` if ranks disagree.
     """
     check_op(op, tensor.dtype)
     _check_algorithm(algorithm, ALGORITHMS)
@@ -209,18 +210,19 @@ def reduce(
     *,
     algorithm: str = "auto",
     group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """Reduce `tensor` over the group into global rank `dst`'s tensor (others: unchanged).
 
     "tree": binomial tree; "master_worker": every rank sends to `dst`; "native": torch's; any
     other allreduce algorithm runs on a copy and `dst` keeps the result. "auto": shm on one
-    host, else tree.
+    host, else tree. `timeout`: as in `all_reduce`.
     """
     check_op(op, tensor.dtype)
     _check_algorithm(algorithm, ALGORITHMS)
     info = group_info(group)
     root = _group_rank(info, dst, "dst")
-    timeout_s = _timeout(None)
+    timeout_s = _timeout(timeout)
     if info.size == 1:
         _start("reduce", tensor, op, "native" if algorithm == "auto" else algorithm, info, root)
         return tensor
@@ -257,15 +259,17 @@ def broadcast(
     *,
     algorithm: str = "auto",
     group: dist.ProcessGroup | None = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """Copy global rank `src`'s `tensor` into every rank's `tensor`, in place, and return it.
 
     `algorithm`: one of `BROADCAST_ALGORITHMS` or "auto" (shm on one host, else tree).
+    `timeout`: as in `all_reduce`.
     """
     _check_algorithm(algorithm, BROADCAST_ALGORITHMS)
     info = group_info(group)
     root = _group_rank(info, src, "src")
-    timeout_s = _timeout(None)
+    timeout_s = _timeout(timeout)
     if info.size == 1:
         _start("broadcast", tensor, "", "native" if algorithm == "auto" else algorithm, info, root)
         return tensor

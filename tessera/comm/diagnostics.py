@@ -12,9 +12,10 @@ typed errors:
   4 or more, two groups of ranks that each agree internally could still exchange data.
 - Timeout: every wait has a deadline. A watchdog thread notices waits that last longer than a
   moment and posts "rank r waits in collective #s" to the process group's store; the rank whose
-  deadline passes reads those posts and names the ranks that never reached #s (the error itself
-  is built by `flight_recorder.timeout_error`, which writes the rank's record first: the
-  recorder reads this module's history, never the other way round).
+  deadline passes reads those posts and names the ranks that never reached #s (the watchdog and
+  the posts are `tessera.runtime.progress`; the error itself is built by the runtime's
+  `flight_recorder.timeout_error`, which writes the rank's record first, with this module's
+  history in it: comm registers `history_rows` with the recorder, which imports no comm).
 
 `set_checks(False)` (or TESSERA_COMM_CHECK=0) turns the descriptor exchange off for speed.
 """
@@ -25,14 +26,14 @@ import collections
 import os
 import sys
 import threading
-import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tessera.comm._ops import ALGORITHMS, OPS, SUPPORTED_DTYPES
 from tessera.errors import CollectiveMismatch
+from tessera.runtime import flight_recorder
 
 __all__ = ["HISTORY", "Record", "checks_enabled", "history", "set_checks"]
 
@@ -194,90 +195,22 @@ def _label() -> int:
     return getattr(_label_of_thread, "value", 0)
 
 
-# --------------------------------------------------------------------------------- timeouts
-class _Watchdog:
-    """Posts to the store which collective this rank has been waiting in for a while."""
-
-    def __init__(self) -> None:
-        self._waiting: tuple[str, int, float, float] | None = None  # key, seq, since, patience
-        self._posted: tuple[str, int] | None = None
-        self._thread: threading.Thread | None = None
-
-    def begin(self, key: str, seq: int, timeout_s: float) -> None:
-        # Called on every wait: two attribute writes, nothing more, on the fast path.
-        self._waiting = (key, seq, time.monotonic(), min(1.0, timeout_s / 4))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tessera-comm-watchdog")
-            self._thread.daemon = True
-            self._thread.start()
-
-    def end(self) -> None:
-        self._waiting = None
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(0.1)
-            waiting = self._waiting
-            if waiting is None:
-                continue
-            key, seq, since, patience = waiting
-            if time.monotonic() - since > patience and self._posted != (key, seq):
-                self._posted = (key, seq)
-                post_progress(key, seq)
+def history_rows() -> list[dict[str, Any]]:
+    """`history()` as plain data, for the flight record's "collectives" list."""
+    return [
+        {
+            "seq": entry.seq,
+            "kind": entry.kind,
+            "algorithm": entry.algorithm,
+            "op": entry.op,
+            "shape": list(entry.shape),
+            "dtype": str(entry.dtype).removeprefix("torch."),
+            "group_ranks": list(entry.group_ranks),
+            "call_site": entry.call_site,
+            "issued_by": describe_label(entry.label) if entry.label else None,
+        }
+        for entry in history()
+    ]
 
 
-_watchdog = _Watchdog()
-
-
-def waiting(key: str, seq: int, timeout_s: float) -> None:
-    """Mark the start of a blocking wait in collective `seq` of the group `key`."""
-    _watchdog.begin(key, seq, timeout_s)
-
-
-def done_waiting() -> None:
-    """Mark the end of a blocking wait."""
-    _watchdog.end()
-
-
-def current_wait() -> dict[str, object] | None:
-    """The collective this rank is blocked in right now (group key, seq, seconds), if any."""
-    waiting = _watchdog._waiting
-    if waiting is None:
-        return None
-    key, seq, since, _ = waiting
-    return {"group": key, "seq": seq, "waited_s": round(time.monotonic() - since, 3)}
-
-
-def _store() -> dist.Store | None:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store, no cross-rank diagnosis; the error still names us
-        return None
-
-
-def post_progress(key: str, seq: int) -> None:
-    """Tell the other ranks, through the store, that this rank reached collective `seq`."""
-    store = _store()
-    if store is not None:
-        try:
-            store.set(f"tessera/comm/{key}/{dist.get_rank()}", str(seq))
-        except Exception:  # noqa: BLE001 - best effort: diagnosis must never mask the timeout
-            pass
-
-
-def missing_ranks(key: str, seq: int, ranks: tuple[int, ...]) -> list[int] | None:
-    """Global ranks of the group that have not been seen at collective `seq` (None: unknown)."""
-    store = _store()
-    if store is None:
-        return None
-    missing = []
-    try:
-        for rank in ranks:
-            name = f"tessera/comm/{key}/{rank}"
-            if rank == dist.get_rank():
-                continue
-            if not store.check([name]) or int(store.get(name).decode()) < seq:
-                missing.append(rank)
-    except Exception:  # noqa: BLE001
-        return None
-    return missing
+flight_recorder.record_collectives_from(history_rows)

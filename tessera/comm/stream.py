@@ -41,15 +41,14 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from tessera.comm import diagnostics
-from tessera.errors import CollectiveTimeout
 from tessera.runtime.context import default_timeout_s, on_shutdown
+from tessera.runtime.wait import wait_or_raise
 
 __all__ = [
     "CommStream",
@@ -125,18 +124,16 @@ class CommStream:
         what: str = "collective",
         timeout_s: float | None = None,
     ) -> Any:
-        """`submit` and wait (at most `timeout_s`, default the job's); re-raises `fn`'s error."""
+        """`submit` and wait at most `timeout_s` (None: this rank's `Context.timeout_s`);
+        re-raises `fn`'s error."""
         future = self.submit(fn, *args, label=label)
-        timeout = default_timeout_s() if timeout_s is None else timeout_s
-        try:
-            return future.result(timeout=timeout)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                dist.get_rank() if dist.is_initialized() else 0,
-                f"{what} on the communication stream of group {self.name}",
-                timeout,
-                "another rank has not reached the same collective (or has failed)",
-            ) from None
+        return wait_or_raise(
+            future,
+            f"{what} on the communication stream of group {self.name}",
+            default_timeout_s() if timeout_s is None else timeout_s,
+            dist.get_rank() if dist.is_initialized() else 0,
+            "another rank has not reached the same collective (or has failed)",
+        )
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Let the queued tasks finish and stop the worker (waits at most `timeout_s`)."""

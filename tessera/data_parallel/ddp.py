@@ -28,12 +28,26 @@ from torch.utils._pytree import tree_flatten
 from tessera import comm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
-from tessera.data_parallel.compression import CompressionHook, resolve_compression
+from tessera.data_parallel.compression import CompressionHook, cast_hook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
 from tessera.flat import flatten, unflatten_into
 from tessera.runtime.context import default_timeout_s
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "broadcast_from_first"]
+
+
+@torch.no_grad()
+def broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Copy group rank 0's values into `tensors`, one flat message per dtype (DDP's start and
+    its buffers before each forward; ZeRO's start)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for same in by_dtype.values():
+        flat = flatten(same)
+        comm.broadcast(flat, src, group=group)
+        unflatten_into(flat, same)
 
 
 def _reachable_parameters(outputs: Any) -> set[int]:
@@ -58,7 +72,12 @@ class DataParallel(nn.Module):
     """Data-parallel wrapper: after `loss.backward()`, every `.grad` is the average over ranks.
 
     The wrapped module's own parameters are trained (no copy): build the optimizer on
-    `module.parameters()`. Each rank feeds its own slice of the batch.
+    `module.parameters()`. Each rank feeds its own slice of the batch. Waiting for the gradient
+    reduction is bounded by `timeout_s` (None: this rank's `Context.timeout_s`).
+
+    Why so many parameters: they are torch's `DistributedDataParallel` knobs under its names
+    (bucket size, unused parameters, buffers, the group, a communication hook), plus tessera's
+    own algorithm choice and bound; keyword-only, each with the default DDP users expect.
     """
 
     def __init__(
@@ -73,6 +92,7 @@ class DataParallel(nn.Module):
         broadcast_buffers: bool = True,
         powersgd_rank: int = 2,
         check_finite: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         super().__init__()
         if bucket_cap_mb <= 0:
@@ -95,7 +115,6 @@ class DataParallel(nn.Module):
         self._compression = resolve_compression(compression, powersgd_rank)
         self._world = dist.get_world_size(group)
         self._rank = dist.get_rank()
-        self._src = dist.get_global_rank(group, 0) if group is not None else 0
         # Every collective of this wrapper runs on the group's one stream, in program order,
         # behind whatever other engines on the group queued before (`tessera.comm.stream`).
         stream = stream_for(group)
@@ -106,11 +125,18 @@ class DataParallel(nn.Module):
             cap_bytes=int(bucket_cap_mb * 2**20),
             reduce_bucket=self._reduce_bucket,
             rank=self._rank,
-            timeout_s=default_timeout_s(),
+            timeout_s=default_timeout_s() if timeout_s is None else timeout_s,
             allocate=self._shared_allocator(named),
             group=group,
             engine_kind="DataParallel",
         )
+
+    def reduce_in(self, dtype: torch.dtype) -> None:
+        """Average every bucket in `dtype` from now on (mixed precision: half the bytes); the
+        result is written back into the full-width gradients. Replaces no other compression."""
+        if self._compression is not None:
+            raise ValueError("reduce_in: this DataParallel already compresses its gradients")
+        self._compression = cast_hook(dtype)
 
     def _shared_allocator(self, named: list[tuple[str, nn.Parameter]]) -> Any:
         """Bucket buffers inside the shared-memory segment, when the shm transport may run.
@@ -152,15 +178,8 @@ class DataParallel(nn.Module):
             )
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Copy group rank 0's values into `tensors`, one flat message per dtype."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for same in by_dtype.values():
-                flat = flatten(same)
-                comm.broadcast(flat, self._src, group=self.group)
-                unflatten_into(flat, same)
+        """Copy group rank 0's values into `tensors` (`broadcast_from_first`)."""
+        broadcast_from_first(tensors, self.group)
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Average one bucket over the group (runs on the group's communication stream)."""
@@ -200,18 +219,12 @@ class DataParallel(nn.Module):
     def _trainable(self) -> Iterator[tuple[str, nn.Parameter]]:
         return ((n, p) for n, p in self.module.named_parameters() if p.requires_grad)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Skip gradient reduction inside the block; gradients accumulate locally.
 
         The first backward outside the block reduces the accumulated gradients.
         """
-        previous = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.sync_enabled = previous
+        return self.reducer.no_sync()
 
     @property
     def exposed_comm_s(self) -> float:

@@ -31,11 +31,11 @@ until its reduction has finished: the full gradients are freed as soon as they a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -44,12 +44,18 @@ from torch import nn
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket, BufferFactory, assign_buckets
 from tessera.errors import CollectiveTimeout
+from tessera.runtime.wait import wait_or_raise
 
 __all__ = ["Reducer"]
 
 
 class Reducer:
-    """Bucketed, overlapped gradient reduction for a list of parameters."""
+    """Bucketed, overlapped gradient reduction for a list of parameters.
+
+    Why so many parameters: DDP and the three ZeRO stages share this one reducer, and each
+    keyword is where they differ (how a bucket is reduced, allocated and released, which units
+    it follows); all but the parameters are keywords.
+    """
 
     def __init__(
         self,
@@ -101,6 +107,18 @@ class Reducer:
             bucket.reset()
             if release_buffers:
                 self._release(bucket)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction inside the block; gradients accumulate locally (in the
+        bucket buffers, which `release_buffers` keeps until reduced). The first backward
+        outside the block (after a forward) reduces the accumulated gradients once."""
+        previous = self.sync_enabled
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
 
     def submit(self, fn: Callable[..., object], *args: object, item: int = -1) -> Future:
         """Run `fn(*args)` on the group's stream, after every collective already queued there.
@@ -236,14 +254,15 @@ class Reducer:
         futures, self._futures = self._futures, []
         for index, future in enumerate(futures):
             try:
-                future.result(timeout=self._timeout_s)
-            except FutureTimeout:
-                raise CollectiveTimeout(
-                    self._rank,
+                wait_or_raise(
+                    future,
                     f"all_reduce of gradient bucket {index}",
                     self._timeout_s,
+                    self._rank,
                     "another rank has not finished its backward (or has failed)",
-                ) from None
+                )
+            except CollectiveTimeout:
+                raise  # reported now: draining the rest would wait out each one's bound too
             except BaseException:
                 _drain(futures[index + 1 :], self._timeout_s)  # nothing of ours stays queued
                 raise

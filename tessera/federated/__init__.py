@@ -6,10 +6,12 @@ k neighbours, Bell et al. 2020) and client-level differential privacy (McMahan e
 `serve` / `connect` (and `tessera fl server|client|token`) run the same code deployed, over gRPC,
 each client with its own token (`client_token`).
 Modules, one concept each: `partitioning` (who holds which samples), `client` (local training),
-`aggregate` (the server's weighted mean and step), `secure_aggregation` (with `_shamir` and
-`_graph`), `privacy`, `round` (one round, written once: selection, checks, sum, privacy, step),
-`simulation` (its in-process transport), `wire` (messages), `deployed` (the gRPC server, its
-other transport, with `_secure_round`) and `deployed_client`, `cli`.
+`aggregate` (the server's weighted mean and step), `secure_aggregation` (its parties in
+`_secagg_protocol`, with `_shamir`, `_graph`, `_prg`, `_keys` and the fixed-point `_ring`),
+`privacy`, `round` (one round, written once: selection, checks, sum, privacy, step),
+`simulation` (`SimulationConfig`, and its in-process transport), `wire` (messages),
+`deployed` (the gRPC server, its other transport, with `_secure_round`) and `deployed_client`,
+`cli`.
 The deployed names load on first use, so simulation does not need grpcio.
 """
 
@@ -22,7 +24,7 @@ from tessera.federated.aggregate import ALGORITHMS
 from tessera.federated.partitioning import SCHEMES, partition
 from tessera.federated.privacy import DPConfig, RDPAccountant
 from tessera.federated.secure_aggregation import SecAggConfig, SecureAggregationError, secure_sum
-from tessera.federated.simulation import History, simulate
+from tessera.federated.simulation import History, SimulationConfig, simulate
 
 __all__ = [
     "ALGORITHMS",
@@ -33,6 +35,7 @@ __all__ = [
     "SecAggConfig",
     "SecureAggregationError",
     "ServerConfig",
+    "SimulationConfig",
     "client_token",
     "connect",
     "partition",

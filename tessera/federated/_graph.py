@@ -16,7 +16,7 @@ subtracts for the same edge.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -47,3 +47,20 @@ def harary_graph(
             graph[u].add(v)
             graph[v].add(u)
     return {u: frozenset(vs) for u, vs in graph.items()}
+
+
+def components(graph: Mapping[int, frozenset[int]], alive: set[int]) -> list[list[int]]:
+    """The connected components of the graph restricted to `alive`, each sorted, by first id."""
+    groups, seen = [], set()
+    for start in sorted(alive):
+        if start in seen:
+            continue
+        seen.add(start)
+        group, frontier = [start], [start]
+        while frontier:
+            frontier = [v for u in frontier for v in graph[u] & alive if v not in seen]
+            frontier = sorted(set(frontier))
+            seen.update(frontier)
+            group.extend(frontier)
+        groups.append(sorted(group))
+    return groups

@@ -124,6 +124,9 @@ def local_update(
 
     `model` is a replica whose parameters are overwritten with `global_vector`; `inputs` and
     `labels` are the client's samples only.
+
+    Why so many parameters: the training knobs are named one by one (keywords), so that local
+    training reads without the round's `ClientSettings`, whose seed and clip are not its concern.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     load_vector(params, global_vector)

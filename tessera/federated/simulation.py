@@ -24,8 +24,10 @@ nothing they would compute reaches the server (their secure-aggregation masks ar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ from tessera.federated.privacy import DPConfig
 from tessera.federated.round import FederatedRound, RoundConfig, RoundTask
 from tessera.federated.secure_aggregation import SecAggConfig, as_config, secure_sum
 
-__all__ = ["History", "simulate"]
+__all__ = ["History", "SimulationConfig", "simulate"]
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -70,56 +72,100 @@ class History:
     """Selected clients that never reported, each round."""
 
 
+@dataclass(frozen=True)
+class SimulationConfig:
+    """The knobs of `simulate`, one default each; checked when made, before anything is built.
+
+    Each field may also be passed to `simulate` as a keyword of the same name.
+    """
+
+    partition: str | Sequence[np.ndarray] = "shards"
+    """A scheme of `partitioning.SCHEMES` (with default alpha / shards) or a list of index
+    arrays, one per client."""
+    num_clients: int = 100
+    """Clients holding data; the pool each round draws from."""
+    clients_per_round: int = 10
+    """Clients drawn each round (and the DP denominator)."""
+    local_epochs: int = 1
+    """Passes each selected client makes over its samples."""
+    batch_size: int | None = 10
+    """A client's SGD batch (None: its whole data, one step per epoch: FedSGD-like)."""
+    lr: float = 0.1
+    """The clients' SGD learning rate."""
+    rounds: int = 100
+    """Rounds to run (0: only evaluate the initial model)."""
+    algorithm: str = "fedavg"
+    """One of `aggregate.ALGORITHMS`."""
+    mu: float = 0.0
+    """FedProx's proximal weight."""
+    secure_aggregation: bool | SecAggConfig = False
+    """True for Bonawitz et al.'s complete graph, a `SecAggConfig` for a threshold or SecAgg+'s
+    k neighbours."""
+    dp: DPConfig | None = None
+    """Client-level differential privacy (None: plain weighted means)."""
+    dropout: float = 0.0
+    """The share of the selected clients that never report, each round."""
+    seed: int = 0
+    """Selection, dropouts, partitioning and the clients' sample orders (not the DP noise)."""
+
+    def __post_init__(self) -> None:
+        _check_numbers(self.num_clients, self.clients_per_round, self.local_epochs,
+                       self.batch_size, self.lr, self.rounds, self.mu)  # fmt: skip
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"simulate: dropout={self.dropout} must be in [0, 1)")
+        as_config(self.secure_aggregation)  # raises on a bad value
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"simulate: unknown algorithm {self.algorithm!r}; choose one of {ALGORITHMS}"
+            )
+        if self.dp is not None and not isinstance(self.dp, DPConfig):
+            raise TypeError(
+                f"simulate: dp must be a DPConfig or None, got {type(self.dp).__name__}"
+            )
+
+
+_KNOBS = tuple(f.name for f in dataclasses.fields(SimulationConfig))
+
+
 def simulate(
     model_fn: Callable[[], nn.Module],
     train: Pair,
     test: Pair,
-    *,
-    partition: str | Sequence[np.ndarray] = "shards",
-    num_clients: int = 100,
-    clients_per_round: int = 10,
-    local_epochs: int = 1,
-    batch_size: int | None = 10,
-    lr: float = 0.1,
-    rounds: int = 100,
-    algorithm: str = "fedavg",
-    mu: float = 0.0,
-    secure_aggregation: bool | SecAggConfig = False,
-    dp: DPConfig | None = None,
-    dropout: float = 0.0,
-    seed: int = 0,
+    config: SimulationConfig | None = None,
+    **knobs: Any,
 ) -> History:
     """Train `model_fn()`'s model federatedly on `train`, evaluating on `test`; see the module doc.
 
-    `partition` is a scheme of `partitioning.SCHEMES` (with default alpha / shards) or a list of
-    index arrays, one per client. `model_fn` must return a model of the same architecture each
-    call: the first is the global model, the second the replica clients train in.
-    `secure_aggregation`: True for Bonawitz et al.'s complete graph, a `SecAggConfig` for a
-    threshold or SecAgg+'s k neighbours.
+    The knobs are a `SimulationConfig` (`config`), or its fields as keywords
+    (`simulate(model_fn, train, test, rounds=5, lr=0.05)`), which override `config`'s.
+    `model_fn` must return a model of the same architecture each call: the first is the global
+    model, the second the replica clients train in.
     """
+    unknown = sorted(set(knobs) - set(_KNOBS))
+    if unknown:
+        raise TypeError(f"simulate() got unexpected keyword arguments {unknown}; knobs: {_KNOBS}")
+    if config is not None and not isinstance(config, SimulationConfig):
+        raise TypeError(f"simulate: config must be a SimulationConfig, got {type(config).__name__}")
+    cfg = dataclasses.replace(config or SimulationConfig(), **knobs)
     train_x, train_y = _check_pair(train, "train")
     test_x, test_y = _check_pair(test, "test")
-    _check_numbers(num_clients, clients_per_round, local_epochs, batch_size, lr, rounds, mu)
-    if not 0.0 <= dropout < 1.0:
-        raise ValueError(f"simulate: dropout={dropout} must be in [0, 1)")
-    parts = _client_parts(partition, train_y, num_clients, seed)
-    secagg = as_config(secure_aggregation)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"simulate: unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
-    if dp is not None and not isinstance(dp, DPConfig):
-        raise TypeError(f"simulate: dp must be a DPConfig or None, got {type(dp).__name__}")
+    parts = _client_parts(cfg.partition, train_y, cfg.num_clients, cfg.seed)
 
     global_model, replica = model_fn(), model_fn()
     params = [p for p in global_model.parameters() if p.requires_grad]
-    settings = ClientSettings(algorithm=algorithm, epochs=local_epochs, batch_size=batch_size,
-                              lr=lr, mu=mu, seed=seed, clip=dp and dp.clip)  # fmt: skip
-    config = RoundConfig(clients_per_round=clients_per_round, client=settings, dp=dp,
-                         secagg=secagg, dropout=dropout, quorum=0)  # fmt: skip
-    server = FederatedRound(config, parameters_to_vector(params).detach().clone())
+    settings = ClientSettings(
+        algorithm=cfg.algorithm, epochs=cfg.local_epochs, batch_size=cfg.batch_size, lr=cfg.lr,
+        mu=cfg.mu, seed=cfg.seed, clip=cfg.dp and cfg.dp.clip,
+    )  # fmt: skip
+    round_config = RoundConfig(
+        clients_per_round=cfg.clients_per_round, client=settings, dp=cfg.dp,
+        secagg=as_config(cfg.secure_aggregation), dropout=cfg.dropout, quorum=0,
+    )  # fmt: skip
+    server = FederatedRound(round_config, parameters_to_vector(params).detach().clone())
     transport = InProcessClients(replica, train_x, train_y, parts)
     history = History(state_dict={})
     _evaluate(global_model, test_x, test_y, history)
-    for round_index in range(1, rounds + 1):
+    for round_index in range(1, cfg.rounds + 1):
         result = server.run(round_index, transport)
         history.round_s.append(result.seconds)
         history.bytes_up.append(result.bytes_up)

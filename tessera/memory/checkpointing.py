@@ -10,10 +10,10 @@ extra forward per step (about a third more compute).
 with kwargs, with inputs that need no grad, with hooks, and preserves the RNG state so dropout
 recomputes identically) to every block in place, by replacing the block's `forward` on the
 instance: parameter names, the state dict and hooks on the block stay as they were. Blocks are
-found like ZeRO-3's units: the children with parameters of every outermost
-`nn.ModuleList`/`nn.Sequential`. A block that is itself only a container (an `nn.ModuleDict` of
-layers that its parent calls one by one) has no forward to wrap, so each of its children is
-wrapped instead.
+found by `tessera.memory.blocks.find_blocks`, like ZeRO-3's units: the children with parameters
+of every outermost `nn.ModuleList`/`nn.Sequential`. A block that is itself only a container
+(an `nn.ModuleDict` of layers that its parent calls one by one) has no forward to wrap, so each
+of its children is wrapped instead.
 
 `offload="cpu"` (as in ZeRO-Infinity's activation offload, Rajbhandari et al. 2021) keeps the
 block inputs in host memory: each tensor input is copied to the host (a differentiable `.to`
@@ -34,34 +34,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tessera.memory.blocks import find_blocks
+
 __all__ = ["checkpoint_activations", "checkpointed_blocks"]
 
 _MARK = "_tessera_checkpointed"
 _OFFLOAD_MODES = (None, "cpu")
-
-
-def _find_blocks(module: nn.Module) -> list[nn.Module]:
-    """Outermost container children with trainable parameters; a bare container's children."""
-    blocks: list[nn.Module] = []
-
-    def add(block: nn.Module) -> None:
-        if isinstance(block, (nn.ModuleDict, nn.ModuleList)):  # no forward of its own
-            for child in block.children():
-                if any(p.requires_grad for p in child.parameters()):
-                    add(child)
-        else:
-            blocks.append(block)
-
-    def visit(parent: nn.Module) -> None:
-        container = isinstance(parent, (nn.ModuleList, nn.Sequential))
-        for child in parent.children():
-            if container and any(p.requires_grad for p in child.parameters()):
-                add(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return blocks
 
 
 def _to_host(value: Any) -> Any:
@@ -135,7 +113,7 @@ def checkpoint_activations(
         raise ValueError(f"every must be a positive int, got {every!r}")
     if getattr(module, _MARK, False):
         raise ValueError(f"{type(module).__name__} is already activation-checkpointed")
-    blocks = _find_blocks(module)
+    blocks = find_blocks(module)
     if not blocks:
         raise ValueError(
             f"{type(module).__name__} has no blocks to checkpoint: checkpoint_activations wraps "

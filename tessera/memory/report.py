@@ -26,29 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.memory.storage import PLACES, storage_bytes_by_place, storage_id
+
 __all__ = ["MemoryReport", "report", "saved_activation_bytes"]
 
-PLACES = ("device", "host", "disk")
 CATEGORIES = ("params", "grads", "optimizer state", "activations peak")
-
-
-def _place(tensor: torch.Tensor) -> str:
-    return "host" if tensor.device.type == "cpu" else "device"
-
-
-def _count(tensors: Iterable[torch.Tensor | None], seen: set[tuple[str, int]]) -> dict[str, int]:
-    """Bytes per place of the storages behind `tensors` not yet in `seen` (which it extends)."""
-    found = dict.fromkeys(PLACES, 0)
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if storage.nbytes() == 0 or key in seen:
-            continue
-        seen.add(key)
-        found[_place(tensor)] += storage.nbytes()
-    return found
 
 
 def _disk_bytes(paths: Iterable[str | os.PathLike[str]]) -> int:
@@ -67,22 +49,15 @@ def saved_activation_bytes(
     Storages of `exclude` (pass the model's parameters: a Linear saves its weight for backward,
     which is a parameter, not an activation) are not counted.
     """
-    skip = {(str(t.device), t.untyped_storage().data_ptr()) for t in exclude}
-    saved: dict[tuple[str, int], tuple[str, int]] = {}
+    saved: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key not in skip:
-            saved[key] = (_place(tensor), storage.nbytes())
+        saved.append(tensor)  # autograd keeps it until backward anyway
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         result = forward()
-    found = dict.fromkeys(PLACES, 0)
-    for place, nbytes in saved.values():
-        found[place] += nbytes
-    return result, found
+    return result, storage_bytes_by_place(saved, {storage_id(t) for t in exclude})
 
 
 @dataclass
@@ -141,9 +116,9 @@ def report(
     seen: set[tuple[str, int]] = set()
     params = list(model.parameters())
     result = MemoryReport()
-    result.bytes["params"] = _count(params, seen)
-    result.bytes["grads"] = _count((p.grad for p in params), seen)
-    result.bytes["optimizer state"] = _count(
+    result.bytes["params"] = storage_bytes_by_place(params, seen)
+    result.bytes["grads"] = storage_bytes_by_place((p.grad for p in params), seen)
+    result.bytes["optimizer state"] = storage_bytes_by_place(
         _optimizer_tensors(optimizer) if optimizer is not None else [], seen
     )
     result.bytes["optimizer state"]["disk"] = _disk_bytes(disk_paths)

@@ -10,7 +10,8 @@ memory) or in a host copy (`nvme_dir=None`; on a GPU that frees device memory, o
 saves nothing and exists to test the mechanism). Resident are the running block and the next
 `keep` (prefetched by a reader thread).
 
-How it stays correct for any forward (the same two rules as ZeRO-3, `tessera/zero/stage3.py`):
+How it stays correct for any forward (the same two rules as ZeRO-3, `tessera/zero/stage3.py`,
+both on the one residency scheduler, `tessera/memory/residency.py`):
 
 * forward: a block's pre-hook brings its parameters in (waiting for the prefetch) and prefetches
   the next `keep` blocks in the order of the last forward; a block that has finished is swapped
@@ -37,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tessera.memory.checkpointing import _find_blocks
+from tessera.memory.blocks import find_blocks
+from tessera.memory.residency import ResidencyScheduler, in_backward
 from tessera.optim.swap_files import SwapFile, SwapFolder
 
 __all__ = ["IdleSwapper", "swap_idle"]
@@ -77,21 +79,13 @@ class _Block:
         return self.flat.untyped_storage()
 
 
-class _SavedParameter:
-    __slots__ = ("block", "tensor")
-
-    def __init__(self, block: int, tensor: torch.Tensor) -> None:
-        self.block = block
-        self.tensor = tensor
-
-
 class IdleSwapper:
     """What `swap_idle` installs on a module; `close()` removes hooks and files."""
 
     def __init__(self, module: nn.Module, *, keep: int, nvme_dir: str | None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"swap_idle: keep must be an int >= 0, got {keep!r}")
-        modules = _find_blocks(module)
+        modules = find_blocks(module)
         if not modules:
             raise ValueError(
                 f"swap_idle: {type(module).__name__} has no blocks (children with parameters of "
@@ -113,14 +107,21 @@ class IdleSwapper:
                 else None
             )
             self.blocks.append(_Block(index, sub, store))
-        self._block_of_storage = {b.storage._cdata: b.index for b in self.blocks}
         self._lock = threading.RLock()
+        self._residency = ResidencyScheduler(
+            len(self.blocks),
+            bring_in=self._bring_in,
+            prefetch=self._request,
+            end_of_backward=self._end_of_backward,
+            lock=self._lock,
+            window=keep,
+            keep_unseen=True,
+        )
+        for block in self.blocks:
+            self._residency.track(block.flat, block.index)
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tessera-swap-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tessera-swap-write")
-        self._order: list[int] = list(range(len(self.blocks)))
-        self._recording: list[int] = []
         self._active: set[int] = set()
-        self._arrived: dict[int, set[int]] = {}
         self._saved_hooks: Any = None
         self._hooks = [
             module.register_forward_pre_hook(self._enter_root),
@@ -133,7 +134,7 @@ class IdleSwapper:
             )
             for param in block.params:
                 if param.requires_grad:
-                    hook = self._make_arrival(block, id(param))
+                    hook = self._make_arrival(block)
                     self._hooks.append(param.register_post_accumulate_grad_hook(hook))
         for block in self.blocks:
             self._write_out(block, dirty=True)
@@ -160,7 +161,10 @@ class IdleSwapper:
 
     def _bring_in(self, index: int) -> None:
         self._request(index)
-        block = self.blocks[index]
+        self._finish_loading(self.blocks[index])
+
+    def _finish_loading(self, block: _Block) -> None:
+        """Wait for a load in flight, if any: the block is resident after it."""
         with self._lock:
             if block.loading is not None:
                 block.loading.result()
@@ -170,10 +174,7 @@ class IdleSwapper:
     def _write_out(self, block: _Block, *, dirty: bool) -> None:
         """Swap a resident block out; `dirty`: its values changed and go to the store first."""
         with self._lock:
-            if block.loading is not None:
-                block.loading.result()
-                block.loading = None
-                block.resident = True
+            self._finish_loading(block)
             if not block.resident:
                 return
             block.resident = False
@@ -197,12 +198,6 @@ class IdleSwapper:
                 block.writing.result()
                 block.writing = None
 
-    def _window(self, index: int, backward: bool) -> list[int]:
-        """Block `index` and the `keep` that follow it in the direction of travel."""
-        at = self._order.index(index) if index in self._order else index
-        order = self._order[: at + 1][::-1] if backward else self._order[at:]
-        return order[: self.keep + 1]
-
     def _swap_out_except(self, wanted: set[int]) -> None:
         for block in self.blocks:
             if block.index not in wanted and block.index not in self._active:
@@ -210,33 +205,31 @@ class IdleSwapper:
 
     # -- forward ---------------------------------------------------------------------------------
     def _enter_root(self, module: nn.Module, args: tuple) -> None:
-        if self._saved_hooks is None and torch._C._current_graph_task_id() == -1:
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        if self._saved_hooks is None and not in_backward():
+            self._saved_hooks = self._residency.saved_tensors_hooks()
             self._saved_hooks.__enter__()
-            self._recording = []
+            self._residency.start_recording()
 
     def _exit_root(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
-            if torch.is_grad_enabled() and self._recording:
-                self._order = self._recording + [
-                    i for i in range(len(self.blocks)) if i not in self._recording
-                ]
-            last = self._order[-1:] if torch.is_grad_enabled() else []
-            self._swap_out_except(set(last))  # backward starts with the last block
+            training = torch.is_grad_enabled()
+            if training:
+                self._residency.adopt_recording()
+            last = self._residency.last_in_order if training else None
+            self._swap_out_except({last})  # backward starts with the last block
 
     def _make_enter(self, block: _Block) -> Any:
         def enter(module: nn.Module, args: tuple) -> None:
             with self._lock:
-                window = self._window(block.index, backward=False)
-                self._swap_out_except(set(window))
+                ahead = self._residency.ahead(block.index, self.keep)
+                self._swap_out_except({block.index, *ahead})
                 self._active.add(block.index)
                 self._bring_in(block.index)
-                for index in window[1:]:
+                for index in ahead:
                     self._request(index)
-                if block.index not in self._recording:
-                    self._recording.append(block.index)
+                self._residency.record(block.index)
 
         return enter
 
@@ -247,50 +240,21 @@ class IdleSwapper:
 
         return exit_
 
-    # -- backward --------------------------------------------------------------------------------
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        try:
-            key = tensor.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
-            return tensor
-        index = self._block_of_storage.get(key)
-        return tensor if index is None else _SavedParameter(index, tensor)
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _SavedParameter):
-            return packed
-        with self._lock:
-            self._queue_end_of_backward()
-            self._bring_in(packed.block)
-            for index in self._window(packed.block, backward=True)[1:]:
-                self._request(index)
-        return packed.tensor
-
-    def _make_arrival(self, block: _Block, key: int) -> Any:
+    # -- backward: the saved tensors are the scheduler's; gradients arriving ---------------------
+    def _make_arrival(self, block: _Block) -> Any:
         wanted = sum(p.requires_grad for p in block.params)
 
         def arrived(param: torch.Tensor) -> None:
             with self._lock:
-                self._queue_end_of_backward()
-                got = self._arrived.setdefault(block.index, set())
-                got.add(key)
-                if len(got) == wanted:
-                    self._arrived.pop(block.index)
+                if self._residency.gradient_arrived(block.index, param, wanted):
                     if block.index not in self._active:
                         self._write_out(block, dirty=False)
 
         return arrived
 
-    def _queue_end_of_backward(self) -> None:
-        if not getattr(self, "_end_queued", False) and torch._C._current_graph_task_id() != -1:
-            self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
     def _end_of_backward(self) -> None:
-        with self._lock:
-            self._end_queued = False
-            self._arrived.clear()
-            self._swap_out_except(set())
+        """Backward is over (the scheduler's callback, under the lock): every block goes."""
+        self._swap_out_except(set())
 
     # -- the optimizer step, one block at a time -----------------------------------------------
     @torch.no_grad()

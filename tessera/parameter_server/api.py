@@ -51,7 +51,8 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _RunConfig:
-    """Everything every process needs; pickled to spawned processes."""
+    """Everything every process needs; pickled to spawned processes. Checked when made (a
+    `ConfigError` naming the first bad argument of `run`), before anything starts."""
 
     model_fn: Callable[[], nn.Module]
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
@@ -67,6 +68,30 @@ class _RunConfig:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("model_fn", "loss_fn", "data_fn"):
+            if not callable(getattr(self, name)):
+                raise ConfigError(f"{name} must be callable, got {getattr(self, name)!r}")
+        for name in ("num_servers", "num_workers", "steps"):
+            count = getattr(self, name)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {count!r}")
+        for worker, factor in self.slow_workers.items():
+            if not (isinstance(worker, int) and 0 <= worker < self.num_workers):
+                raise ConfigError(
+                    f"slow_workers names worker {worker!r}; workers are 0..{self.num_workers - 1}"
+                )
+            if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
+                raise ConfigError(f"slow_workers[{worker}] must be a factor >= 1, got {factor!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s!r}")
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))  # frozen: set once here
+        every, keep = self.checkpoint_every, self.keep_checkpoints
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"checkpoint_every must be an integer >= 0, got {every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {keep!r}")
 
 
 def run(
@@ -107,37 +132,25 @@ def run(
     smallest saved clock over the servers up to `steps` (see `checkpoint` for how ASP's unaligned
     shards resume exactly). Each server keeps its files from the `keep_checkpoints`-th newest
     version common to all servers on, so a crash at any moment leaves a version to resume from.
+
+    Why so many parameters: the three functions that define the job, then its knobs as keywords
+    with one default each (the trainer's `--strategy ps` passes them by name); they are checked
+    together, before anything is spawned, and travel to every process as one `_RunConfig`.
     """
-    config = _validate(
+    config = _RunConfig(
         model_fn,
         loss_fn,
         data_fn,
-        optimizer_fn,
-        lr,
+        _optimizer_fn(optimizer_fn, lr),
         num_servers,
         num_workers,
-        consistency,
+        resolve_policy(consistency),
         steps,
-        slow_workers,
-        timeout_s,
-    )
-    if (
-        isinstance(checkpoint_every, bool)
-        or not isinstance(checkpoint_every, int)
-        or checkpoint_every < 0
-    ):
-        raise ConfigError(f"checkpoint_every must be an integer >= 0, got {checkpoint_every!r}")
-    if (
-        isinstance(keep_checkpoints, bool)
-        or not isinstance(keep_checkpoints, int)
-        or keep_checkpoints < 1
-    ):
-        raise ConfigError(f"keep_checkpoints must be an integer >= 1, got {keep_checkpoints!r}")
-    config = replace(
-        config,
+        dict(slow_workers or {}),
+        timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s,
+        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
         checkpoint_every=checkpoint_every,
         keep_checkpoints=keep_checkpoints,
-        checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir),
     )
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -167,58 +180,15 @@ def run(
     return result
 
 
-def _validate(
-    model_fn,
-    loss_fn,
-    data_fn,
-    optimizer_fn,
-    lr,
-    num_servers,
-    num_workers,
-    consistency,
-    steps,
-    slow_workers,
-    timeout_s,
-) -> _RunConfig:
-    for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("data_fn", data_fn)):
-        if not callable(fn):
-            raise ConfigError(f"{name} must be callable, got {fn!r}")
-    for name, count in (
-        ("num_servers", num_servers),
-        ("num_workers", num_workers),
-        ("steps", steps),
-    ):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {count!r}")
-    policy = resolve_policy(consistency)
-    if optimizer_fn is None:
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ConfigError(f"lr must be a positive number, got {lr!r}")
-        optimizer_fn = functools.partial(torch.optim.SGD, lr=lr)
-    slow_workers = dict(slow_workers or {})
-    for worker, factor in slow_workers.items():
-        if not (isinstance(worker, int) and 0 <= worker < num_workers):
-            raise ConfigError(
-                f"slow_workers names worker {worker!r}; workers are 0..{num_workers - 1}"
-            )
-        if not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1):
-            raise ConfigError(f"slow_workers[{worker}] must be a factor >= 1, got {factor!r}")
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ConfigError(f"timeout_s must be positive, got {timeout_s!r}")
-    return _RunConfig(
-        model_fn,
-        loss_fn,
-        data_fn,
-        optimizer_fn,
-        num_servers,
-        num_workers,
-        policy,
-        steps,
-        slow_workers,
-        "",
-        float(timeout_s),
-    )
+def _optimizer_fn(
+    optimizer_fn: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None, lr: float
+) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """`optimizer_fn`, else SGD at `lr` (checked: a positive number)."""
+    if optimizer_fn is not None:
+        return optimizer_fn
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"lr must be a positive number, got {lr!r}")
+    return functools.partial(torch.optim.SGD, lr=lr)
 
 
 def _world_init_method() -> str:

@@ -52,7 +52,11 @@ class _Read:
 
 
 class ShardServer:
-    """Server `server` of the run: a list of 1-D parameter pieces and their optimizer."""
+    """Server `server` of the run: a list of 1-D parameter pieces and their optimizer.
+
+    Why so many parameters: a server is made by `run` (and by tests) from the run's config, one
+    keyword each: its shard, the policy and liveness it enforces, and its checkpoint series.
+    """
 
     def __init__(
         self,

@@ -69,15 +69,25 @@ class _ArmedForWeightPass:
 
 
 class StageDataParallel(_ArmedForWeightPass):
-    """DDP of one pipeline stage's `module` over the dp `group`: gradients averaged in buckets."""
+    """DDP of one pipeline stage's `module` over the dp `group`: gradients averaged in buckets
+    (each wait bounded by `timeout_s`; None: this rank's `Context.timeout_s`)."""
 
     def __init__(
-        self, module: nn.Module, *, group: dist.ProcessGroup, bucket_cap_mb: float = 25.0
+        self,
+        module: nn.Module,
+        *,
+        group: dist.ProcessGroup,
+        bucket_cap_mb: float = 25.0,
+        timeout_s: float | None = None,
     ) -> None:
         # the stage's forward is driven by the pipeline, not by the wrapper: its buffers (none in
         # the GPT) would not be re-broadcast, so they are not broadcast at all
         self.ddp = DataParallel(
-            module, group=group, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False
+            module,
+            group=group,
+            bucket_cap_mb=bucket_cap_mb,
+            broadcast_buffers=False,
+            timeout_s=timeout_s,
         )
         self.reducer = self.ddp.reducer
         self.reducer.sync_enabled = False  # silent during the schedule's micro-batches

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.comm.shm.channel import DTYPES as _CODED
+
 __all__ = [
     "DTYPES",
     "MAX_TENSORS",
@@ -37,19 +39,9 @@ __all__ = [
     "unpack",
 ]
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
-"""Element types a stage boundary may carry."""
+DTYPES = [dtype for dtype in _CODED if not dtype.is_complex]
+"""Element types a stage boundary may carry: the transport's table (`comm.shm.channel.DTYPES`,
+whose index is each one's code in the metadata message) but for complex ones."""
 
 MAX_TENSORS = 8
 """Most tensors one stage boundary carries (the metadata message has a fixed length)."""

@@ -90,7 +90,7 @@ class Pipeline:
     without tracing. A model on one stage needs neither. `num_microbatches` (m) splits each batch;
     `schedule` is "naive", "gpipe" or "1f1b". Every check (schedule name, m, balance, split points)
     raises ValueError before any message is sent.
-    Every receive waits at most `timeout_s` (default TESSERA_TIMEOUT_S, else 300 s).
+    Every receive waits at most `timeout_s` (default: this rank's `Context.timeout_s`).
     `defer_weight_grads` computes the linear layers' weight gradients in one W pass per step
     (faster; keeps each linear's input and output gradient until then, see `deferred.py`);
     None (the default) defers when there is more than one micro-batch and the stage runs the

@@ -113,7 +113,13 @@ class _Wavefront(torch.autograd.Function):
 class WavefrontRNN(nn.Module):
     """This rank's layer of a stacked `nn.LSTM` / `nn.GRU`, run as a wavefront over `group`."""
 
-    def __init__(self, rnn: nn.LSTM | nn.GRU, *, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        rnn: nn.LSTM | nn.GRU,
+        *,
+        group: dist.ProcessGroup | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
         super().__init__()
         if type(rnn) not in (nn.LSTM, nn.GRU):
             raise ValueError(f"wavefront takes an nn.LSTM or nn.GRU, got {type(rnn).__name__}")
@@ -134,7 +140,7 @@ class WavefrontRNN(nn.Module):
             if hasattr(rnn, f"{name}_l{self.layer}"):
                 setattr(self.cell, name, getattr(rnn, f"{name}_l{self.layer}"))
         self.names = [n for n, _ in self.cell.named_parameters()]
-        timeout = default_timeout_s()
+        timeout = default_timeout_s() if timeout_s is None else timeout_s
         self.links = Links(group, timeout) if size > 1 else None
         self.final_state: tuple[torch.Tensor, ...] = ()
         self.timeline: list[Event] = []
@@ -186,6 +192,14 @@ class WavefrontRNN(nn.Module):
         return torch.stack(parts)
 
 
-def wavefront(rnn: nn.LSTM | nn.GRU, *, group: dist.ProcessGroup | None = None) -> WavefrontRNN:
-    """Split a stacked LSTM/GRU one layer per rank of `group`, run as a wavefront."""
-    return WavefrontRNN(rnn, group=group)
+def wavefront(
+    rnn: nn.LSTM | nn.GRU,
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float | None = None,
+) -> WavefrontRNN:
+    """Split a stacked LSTM/GRU one layer per rank of `group`, run as a wavefront.
+
+    Every wait between layers is bounded by `timeout_s` (None: this rank's `Context.timeout_s`).
+    """
+    return WavefrontRNN(rnn, group=group, timeout_s=timeout_s)

@@ -24,6 +24,7 @@ __all__ = [
     "Context",
     "DEFAULT_TIMEOUT_S",
     "TIMEOUT_VARIABLE",
+    "current_context",
     "default_timeout_s",
     "init",
     "on_shutdown",
@@ -31,20 +32,18 @@ __all__ = [
 ]
 
 TIMEOUT_VARIABLE = "TESSERA_TIMEOUT_S"
-"""The environment variable that carries the bound of every wait to processes a job starts."""
+"""The environment variable that hands the bound of every wait to the processes a job starts
+(`tessera.launch(timeout_s=...)` sets it); read once, where the rank's `Context` is built."""
 
 DEFAULT_TIMEOUT_S = 300.0
-"""Default bound of every blocking wait (5 minutes); TESSERA_TIMEOUT_S overrides it."""
+"""Default bound of every blocking wait (5 minutes); `init(timeout_s=...)` or, from a launching
+parent, TESSERA_TIMEOUT_S overrides it."""
 
 
-def default_timeout_s() -> float:
-    """The bound, in seconds, of every blocking wait of this process: the one place it is read.
-
-    `init(timeout_s=...)` publishes the job's value in TESSERA_TIMEOUT_S (so that processes this
-    one starts inherit it); without it, the variable as the user set it, else DEFAULT_TIMEOUT_S.
-    Every engine, collective and pipeline link asks here rather than reading the variable.
-    """
-    value = os.environ.get("TESSERA_TIMEOUT_S", "")
+def _timeout_from_environment() -> float:
+    """TESSERA_TIMEOUT_S as a launching parent handed it (`tessera.launch(timeout_s=...)`), else
+    DEFAULT_TIMEOUT_S: read only where a `Context` is built, never by the waits themselves."""
+    value = os.environ.get(TIMEOUT_VARIABLE, "")
     if value == "":
         return DEFAULT_TIMEOUT_S
     try:
@@ -52,8 +51,21 @@ def default_timeout_s() -> float:
     except ValueError:
         timeout_s = float("nan")
     if not timeout_s > 0 or timeout_s == float("inf"):
-        raise ValueError(f"TESSERA_TIMEOUT_S={value!r} is not a positive number of seconds")
+        raise ValueError(f"{TIMEOUT_VARIABLE}={value!r} is not a positive number of seconds")
     return timeout_s
+
+
+def default_timeout_s() -> float:
+    """The bound, in seconds, of every blocking wait of this process.
+
+    Once the group is joined: the `timeout_s` of this process's `Context` (`current_context`).
+    Before: the value `init()` would give it (TESSERA_TIMEOUT_S from a launching parent, else
+    DEFAULT_TIMEOUT_S). Engines and waits take the value from the Context they were given;
+    this is for callers that have none.
+    """
+    if dist.is_initialized():
+        return current_context().timeout_s
+    return _timeout_from_environment()
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,8 @@ class Context:
     backend: str
     """The torch.distributed backend: "gloo" on CPU, "nccl" on GPU."""
     timeout_s: float
-    """Bound of blocking waits in the process group, in seconds."""
+    """Bound of every blocking wait of this rank, in seconds: engines built with this Context
+    pass it, as a value, to each wait (`tessera.runtime.wait.wait_or_raise`)."""
 
     @property
     def is_main(self) -> bool:
@@ -147,7 +160,7 @@ def _keep_freed_memory() -> None:
         return
 
 
-def _current_context() -> Context:
+def _context_of_group(timeout_s: float) -> Context:
     backend = str(dist.get_backend())
     rank = dist.get_rank()
     local_rank = _env_int("LOCAL_RANK", rank)
@@ -159,23 +172,42 @@ def _current_context() -> Context:
         local_world_size=_env_int("LOCAL_WORLD_SIZE", dist.get_world_size()),
         device=device,
         backend=backend,
-        timeout_s=default_timeout_s(),
+        timeout_s=timeout_s,
     )
+
+
+_context: Context | None = None
+"""The Context of the group this process joined (`init`), or None before (and after shutdown)."""
+
+
+def current_context() -> Context:
+    """This process's `Context`: the one `init()` returned.
+
+    A group joined without `init()` (a plain `dist.init_process_group`) gets one built once, its
+    timeout from the environment as `init()` would read it. RuntimeError before any group.
+    """
+    global _context
+    if not dist.is_initialized():
+        raise RuntimeError("no process group was joined: call tessera.init() first")
+    if _context is None:
+        _context = _context_of_group(_timeout_from_environment())
+    return _context
 
 
 def init(backend: str | None = None, *, timeout_s: float | None = None) -> Context:
     """Join the default process group from the environment and return this rank's `Context`.
 
     Calling it again returns the context of the group already joined. `timeout_s` bounds every
-    blocking collective of the group (default 300 s, or TESSERA_TIMEOUT_S).
+    blocking wait of this rank (default 300 s, or TESSERA_TIMEOUT_S as `tessera.launch` hands it
+    to the ranks it starts); it travels in the Context, the environment is left as it was.
     """
+    global _context
     if dist.is_initialized():
-        return _current_context()
+        return current_context()
     if timeout_s is None:
-        timeout_s = default_timeout_s()
-    if timeout_s <= 0:
+        timeout_s = _timeout_from_environment()
+    if not timeout_s > 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-    os.environ["TESSERA_TIMEOUT_S"] = str(timeout_s)
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
@@ -191,7 +223,8 @@ def init(backend: str | None = None, *, timeout_s: float | None = None) -> Conte
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return _current_context()
+    _context = _context_of_group(float(timeout_s))
+    return _context
 
 
 _before_shutdown: list[Callable[[], None]] = []
@@ -210,7 +243,9 @@ def on_shutdown(callback: Callable[[], None]) -> None:
 def shutdown() -> None:
     """Run the `on_shutdown` callbacks (the communication streams stop), then leave the process
     group (no-op if none was joined)."""
+    global _context
     for callback in list(_before_shutdown):
         callback()
     if dist.is_initialized():
         dist.destroy_process_group()
+    _context = None

@@ -36,8 +36,8 @@ _LAZY = {
     "compute_loss": "tessera.strategies.batch",
     "gather_batch": "tessera.strategies.batch",
     "split_microbatches": "tessera.strategies.batch",
-    "make_policy": "tessera.strategies.setup",
-    "setup": "tessera.strategies.setup",
+    "make_policy": "tessera.strategies.entry",
+    "setup": "tessera.strategies.entry",
 }
 
 

@@ -24,10 +24,12 @@ import torch.distributed as dist
 __all__ = [
     "Batch",
     "LossFn",
+    "check_grad_accum",
     "compute_loss",
     "gather_batch",
     "model_loss",
     "no_loss_message",
+    "split_for_accumulation",
     "split_microbatches",
 ]
 
@@ -104,6 +106,40 @@ def split_microbatches(batch: Batch, m: int) -> list[Any]:
         raise ValueError(f"a batch of {rows} rows does not split into {m} equal micro-batches")
     size = rows // m
     return [_map_tensors(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(m)]
+
+
+def check_grad_accum(k: Any) -> None:
+    """Refuse a `grad_accum` that is not an int >= 1."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"grad_accum must be an int >= 1 (1: no accumulation), got {k!r}")
+
+
+def split_for_accumulation(batch: Batch, k: int) -> list[tuple[Any, float]]:
+    """Cut `batch` into `k` micro-batches of as equal rows as can be; each with its share.
+
+    The share is the micro-batch's fraction of the rows: the sum of `share * mean loss` over the
+    micro-batches is the whole batch's mean loss (for a loss averaged over rows), so the
+    gradients of the shares' weighted losses add up to the whole batch's gradient. Sizes differ
+    by at most one row when `k` does not divide the rows; fewer rows than `k` is refused.
+    """
+    check_grad_accum(k)
+    if k == 1:  # the batch as given, whatever it holds (the batch rule judges it)
+        return [(batch, 1.0)]
+    if not isinstance(batch, (Mapping, tuple, list)):
+        raise TypeError(
+            f"a batch is a dict of tensors or an (inputs, targets) pair, got {type(batch).__name__}"
+        )
+    rows = _rows(batch)
+    if rows < k:
+        raise ValueError(f"a batch of {rows} rows does not split into grad_accum={k} micro-batches")
+    size, extra = divmod(rows, k)
+    parts, start = [], 0
+    for index in range(k):
+        end = start + size + (index < extra)
+        micro = _map_tensors(batch, lambda t, a=start, b=end: t[a:b])
+        parts.append((micro, (end - start) / rows))
+        start = end
+    return parts
 
 
 _META = 10

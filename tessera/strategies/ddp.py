@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from tessera.errors import CheckpointError
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.precision import DTYPES
 
 __all__ = [
     "DDPEngine",
@@ -46,17 +48,34 @@ class DDPEngine(Engine):
             module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
         )
         self.ddp = DataParallel(
-            module, bucket_cap_mb=policy.bucket_cap_mb, algorithm=policy.algorithm
+            module,
+            bucket_cap_mb=policy.bucket_cap_mb,
+            algorithm=policy.algorithm,
+            timeout_s=ctx.timeout_s,
         )
+
+    def use_precision(
+        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
+    ) -> None:
+        """As `Engine.use_precision`; bf16/fp16 also average each bucket in that dtype (cast for
+        the all-reduce, written back into the fp32 gradients)."""
+        super().use_precision(precision, loss_scaler, autocast=autocast)
+        if precision in DTYPES:
+            self.ddp.reduce_in(DTYPES[precision])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through `DataParallel`, which prepares this step's gradient reduction."""
         return self.ddp(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward; buckets are averaged as they fill, the end waits for the last ones."""
-        loss.backward()
+        """Backward (of the fp16-scaled loss); buckets are averaged as they fill, the end waits
+        for the last ones."""
+        self.scaled(loss).backward()
         self.comm_seconds = self.ddp.exposed_comm_s
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally; the next synced backward reduces their sum once."""
+        return self.ddp.no_sync()
 
 
 class LocalSGDEngine(Engine):
@@ -113,11 +132,13 @@ class LocalSGDEngine(Engine):
             dist.gather_object(mine, replicas if self.ctx.rank == 0 else None, dst=0)
         if self.ctx.rank != 0:
             return {}
-        return {
-            **replicas[0],
-            "replicas": replicas,
-            "steps_since_average": self._steps % self.period,
-        }
+        return self.precision_state(
+            {
+                **replicas[0],
+                "replicas": replicas,
+                "steps_since_average": self._steps % self.period,
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's own replica and optimizer state, and the averaging counter."""
@@ -141,6 +162,7 @@ class LocalSGDEngine(Engine):
         self.module.load_state_dict(replicas[self.ctx.rank]["model"])
         self.optimizer.load_state_dict(replicas[self.ctx.rank]["optimizer"])
         self._steps = since_average
+        self.load_precision_state(state)
 
 
 def build_ddp(

@@ -6,12 +6,21 @@
         loss = engine.train_step(batch)    # forward and backward of this rank's batch
         engine.step()                      # clip (grad_clip > 0), optimizer step, zero_grad
         scheduler.step()
+    val_loss = engine.eval_step(held_out_batch)   # forward only: training is left as it was
+
+Mixed precision (`setup(..., precision="bf16" | "fp16")`, see `tessera.strategies.precision`):
+`train_step` computes the loss under autocast, `backward` scales it (fp16), and `step` unscales
+the gradients and skips the step on inf/nan on any rank (`loss_scale`, `skipped_steps`).
 
 `train_step` is one unit (not forward, then backward) because a pipeline interleaves the
-forwards and backwards of its micro-batches inside one step. The batch follows the batch rule of
-`tessera.strategies.batch`. `engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the
-one over this rank's shards), and `step` uses the learning rate in its `param_groups`, so a
-torch learning-rate scheduler works unchanged.
+forwards and backwards of its micro-batches inside one step, and because gradient accumulation
+(`tessera.setup(..., grad_accum=K)`) runs K forward/backward passes inside it: the rank's batch is
+cut into K micro-batches, each loss weighted by its share of the rows (so the gradient is the
+whole batch's), and the gradients are reduced over ranks once, in the last backward (the others
+run under `no_sync()`). The batch follows the batch rule of `tessera.strategies.batch`.
+`engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the one over this rank's
+shards), and `step` uses the learning rate in its `param_groups`, so a torch learning-rate
+scheduler works unchanged.
 
 This base class is the `single` strategy (one process, no communication: the reference every
 other strategy equals); adapters override what their strategy changes.
@@ -19,6 +28,7 @@ other strategy equals); adapters override what their strategy changes.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,8 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera._atomic import write_atomically
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
-from tessera.strategies.batch import Batch, LossFn, compute_loss
+from tessera.strategies.batch import Batch, LossFn, compute_loss, split_for_accumulation
+from tessera.strategies.evaluation import evaluating
+from tessera.strategies.precision import DTYPES, autocast_context, sum_flag
 
 __all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
 
@@ -56,6 +69,17 @@ class Engine:
 
     sharded_checkpoint = False
     """True where every rank writes files of its own in `save` (ZeRO's shards)."""
+    precision = "fp32"
+    """`fp32`, `bf16` or `fp16` (set by `use_precision`; class attributes: every engine has them,
+    also those that do not call `Engine.__init__`)."""
+    loss_scaler: DynamicLossScaler | None = None
+    """fp16's dynamic loss scaler, or None."""
+    autocast_dtype: torch.dtype | None = None
+    """The dtype `train_step` autocasts to; None where the strategy keeps low-precision weights
+    itself (ZeRO's bf16) or under fp32."""
+
+    grad_accum = 1
+    """Micro-batches per `train_step` (gradient accumulation); `tessera.setup` sets it."""
 
     def __init__(
         self,
@@ -93,29 +117,134 @@ class Engine:
         self.comm_seconds = 0.0
         """Communication the last step waited for (not hidden behind compute), in seconds."""
 
+    # -- precision -----------------------------------------------------------------------------
+    def use_precision(
+        self, precision: str, loss_scaler: DynamicLossScaler | None = None, *, autocast: bool = True
+    ) -> None:
+        """Train in `precision` from now on (`tessera.setup` calls this once, before any step).
+
+        `autocast=False`: the strategy's weights are already in the low dtype (ZeRO's bf16).
+        fp16 gets `loss_scaler` (default: a `DynamicLossScaler` with GradScaler's defaults).
+        Strategies that communicate gradients extend this to reduce them in the low dtype.
+        """
+        self.precision = precision
+        self.autocast_dtype = DTYPES.get(precision) if autocast else None
+        if precision == "fp16":
+            self.loss_scaler = loss_scaler if loss_scaler is not None else DynamicLossScaler()
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale the next backward uses; None without fp16."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for an inf/nan gradient (fp16) since the run began."""
+        return self.loss_scaler.skipped if self.loss_scaler is not None else 0
+
+    def autocast(self) -> Any:
+        """The context `train_step` computes the loss in: autocast to the low dtype, or none."""
+        return autocast_context(self.ctx.device, self.autocast_dtype)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the fp16 loss scale (what backward runs on); `loss` itself otherwise."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """The gradients this rank's optimizer step reads (ZeRO: its reduced slices)."""
+        return [p.grad for p in self.module.parameters()]
+
+    def discard_gradients(self) -> None:
+        """Forget this step's gradients without stepping (a skipped fp16 step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def unscale_or_skip(self) -> bool:
+        """fp16: unscale the gradients and decide over every rank; False (gradients discarded,
+        scale halved) when any rank holds an inf/nan. True without a loss scaler. Collective."""
+        if self.loss_scaler is None:
+            return True
+        found_inf = self.loss_scaler.unscale_and_check(self.local_gradients(), sum_flag)
+        self.loss_scaler.update(found_inf)
+        if found_inf:
+            self.discard_gradients()
+        return not found_inf
+
     # -- training ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward as this strategy runs it (wrapped by DDP, say)."""
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward; after it every gradient this rank steps is the one the optimizer uses."""
-        loss.backward()
+        """Backward (of the fp16-scaled loss); after it every gradient this rank steps is the
+        one the optimizer uses."""
+        self.scaled(loss).backward()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Backwards inside keep their gradients on this rank (added up); the first backward
+        after it reduces the sum over ranks. Strategies that reduce gradients override it."""
+        return contextlib.nullcontext()
+
+    def _micro_loss(self, micro: Batch) -> torch.Tensor:
+        """The loss of one micro-batch under the batch rule (every forward of a step runs here),
+        computed under the engine's autocast (`precision`)."""
+        with self.autocast():
+            return compute_loss(
+                self.forward, micro, self.loss_fn, model_name=type(self.module).__name__
+            )
 
     def train_step(self, batch: Batch) -> float:
-        """Forward and backward of this rank's `batch` (the batch rule); return its loss."""
-        loss = compute_loss(
-            self.forward, batch, self.loss_fn, model_name=type(self.module).__name__
-        )
-        self.backward(loss)
-        return float(loss.detach())
+        """Forward and backward of this rank's `batch` (the batch rule); return its loss.
+
+        With `grad_accum` K > 1 the batch is cut into K micro-batches (`split_for_accumulation`),
+        each backward takes its loss times its share of the rows, all but the last run under
+        `no_sync()`, and the returned loss is the shares' weighted mean: the whole batch's.
+        """
+        parts = split_for_accumulation(batch, self.grad_accum)
+        total = 0.0
+        for index, (micro, share) in enumerate(parts):
+            last = index == len(parts) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                loss = self._micro_loss(micro)
+                self.backward(loss if len(parts) == 1 else loss * share)
+            total += share * float(loss.detach())
+        return total
+
+    def eval_step(self, batch: Batch) -> float:
+        """The loss of `batch` without training: the float `train_step` would return for it.
+
+        Forward only, under `torch.no_grad()`, with the model in eval mode for the call (each
+        module's mode restored after) and the RNG states saved and restored: no gradient, no
+        optimizer state and no random stream of training is touched, so a run that evaluates
+        equals one that does not, bit for bit. Data-parallel strategies return this rank's
+        batch's loss (as `train_step` does; average over ranks for the global one); tensor,
+        pipeline and hybrid gather the ranks' shards and return the global batch's mean loss on
+        every rank. Collective wherever `train_step` is: every rank calls it.
+        """
+        with evaluating(*self._eval_modules()):
+            return self._eval_loss(batch)
+
+    def _eval_modules(self) -> list[nn.Module]:
+        """The modules `eval_step` puts into eval mode."""
+        return [self.module]
+
+    def _eval_loss(self, batch: Batch) -> float:
+        """Forward of `batch` through the user's module itself (not a DDP wrapper, whose forward
+        would prepare a gradient reduction); ZeRO-3's hooks gather the parameters as in training."""
+        name = type(self.module).__name__
+        with self.autocast():
+            return float(compute_loss(self.module, batch, self.loss_fn, model_name=name))
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
         return float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
 
     def step(self) -> None:
-        """Clip (if `grad_clip` > 0), step the optimizer at its own lr, clear the gradients."""
+        """Clip (if `grad_clip` > 0), step the optimizer at its own lr, clear the gradients.
+
+        fp16: first unscale; on an inf/nan on any rank skip the whole step (`unscale_or_skip`).
+        """
+        if not self.unscale_or_skip():
+            return
         if self.grad_clip > 0:
             self.clip_grad_norm(self.grad_clip)
         self.optimizer_step()
@@ -137,21 +266,37 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint payload: model and optimizer state (collective; complete on rank 0)."""
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        model, optimizer = self.module.state_dict(), self.optimizer.state_dict()
+        return self.precision_state({"model": model, "optimizer": optimizer})
+
+    def precision_state(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` with the fp16 loss scaler's state added (the same on every rank)."""
+        if self.loss_scaler is None:
+            return payload
+        return {**payload, "loss_scaler": self.loss_scaler.state_dict()}
+
+    def load_precision_state(self, payload: dict[str, Any]) -> None:
+        """Restore the loss scaler from `payload` (a payload without one keeps the fresh scale:
+        a checkpoint from an fp32/bf16 run)."""
+        if self.loss_scaler is not None and "loss_scaler" in payload:
+            self.loss_scaler.load_state_dict(payload["loss_scaler"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (every rank loads the same payload)."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.load_precision_state(state)
 
     def save_files(self, folder: Path) -> dict[str, Any]:
         """Collective: write this rank's own files into `folder` (sharded strategies) and return
-        the payload rank 0 stores (by default `state_dict()`, which holds everything)."""
-        return self.state_dict()
+        the payload rank 0 stores (by default `state_dict()`, which holds everything, and the
+        fp16 loss scaler's state)."""
+        return self.precision_state(self.state_dict())
 
     def load_files(self, folder: Path, payload: dict[str, Any]) -> None:
         """Restore from `payload` and the files `save_files` wrote into `folder`."""
         self.load_state_dict(payload)
+        self.load_precision_state(payload)
 
     def save(self, folder: str | Path) -> Path:
         """Collective: save the engine into `folder` (created): `engine.pt`, a plain

@@ -33,6 +33,7 @@ from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.mesh import Mesh
 from tessera.models import GPT
 from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
+from tessera.pipeline.evaluate import forward_only
 from tessera.pipeline.gpt import gpt_as_sequential, gpt_split, gpt_state_from_sequential
 from tessera.pipeline.microbatch import batch_rows, take_rows
 from tessera.pipeline.partition import balance_from_split
@@ -41,6 +42,7 @@ from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.precision import DTYPES
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
 
@@ -54,6 +56,8 @@ class PipelineEngine(Engine):
     forward alone is no pipeline step); save/load/export come from the base, over the dense
     state this engine's `state_dict` gathers. `Engine.__init__` is not called: it would build an
     optimizer over the whole model, and this engine's optimizer covers this rank's stage only.
+    Gradient accumulation is the pipeline's own: with `grad_accum` K, `tessera.setup` gives it K
+    times the policy's micro-batches, and one step over them reduces the gradients once.
     """
 
     def __init__(
@@ -150,8 +154,13 @@ class PipelineEngine(Engine):
             return self.dp_sync.optimizer
         if dp > 1:
             self.dp_sync = StageDataParallel(
-                stage, group=self.dp_group, bucket_cap_mb=self.policy.bucket_cap_mb
+                stage,
+                group=self.dp_group,
+                bucket_cap_mb=self.policy.bucket_cap_mb,
+                timeout_s=self.ctx.timeout_s,
             )
+            if self.precision in DTYPES:  # (a traced split: set up after use_precision)
+                self.dp_sync.ddp.reduce_in(DTYPES[self.precision])
         if built is None:
             return self._make_optimizer(self.params)
         mine = {id(p) for p in self.params}
@@ -162,16 +171,25 @@ class PipelineEngine(Engine):
             self._pending_optimizer_state = None
         return built
 
+    def use_precision(
+        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
+    ) -> None:
+        """As `Engine.use_precision`; bf16/fp16 also average the stage's gradients over the dp
+        group in that dtype (tessera's DDP buckets; ZeRO inside the stages reduces fp32)."""
+        super().use_precision(precision, loss_scaler, autocast=autocast)
+        if isinstance(self.dp_sync, StageDataParallel) and precision in DTYPES:
+            self.dp_sync.ddp.reduce_in(DTYPES[precision])
+
     @property
     def zero(self) -> StageZero | None:
         """The ZeRO sharding of this rank's stage over its dp group, if any."""
         return self.dp_sync if isinstance(self.dp_sync, StageZero) else None
 
     # ----------------------------------------------------------------------------- a step
-    def train_step(self, batch: Any) -> float:
-        """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
-        world, dp = self.ctx.world_size, self.mesh.size("dp")
-        if world > 1:
+    def _replica_rows(self, batch: Any) -> tuple[Any, Any, LossFn]:
+        """Gather the global batch, keep this dp replica's rows, cut the stages if not yet."""
+        dp = self.mesh.size("dp")
+        if self.ctx.world_size > 1:
             batch = gather_batch(batch)
         rows = batch_rows(batch)
         if rows % dp:
@@ -184,11 +202,44 @@ class PipelineEngine(Engine):
             fields = getattr(self.pipe.stage, "output_fields", ["loss"])
             if isinstance(batch, Mapping) and self.loss_fn is None and "loss" not in fields:
                 raise ValueError(no_loss_message(type(self.module).__name__))  # every rank, at once
+        return inputs, targets, loss_fn
+
+    def train_step(self, batch: Any) -> float:
+        """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
+        dp = self.mesh.size("dp")
+        inputs, targets, loss_fn = self._replica_rows(batch)
+        # fp16: the last stage's loss is scaled before its backward; the mean returned unscaled
+        # (the scale is a power of two: exact)
+        scale = self.loss_scale or 1.0
+        if self.loss_scaler is not None:
+            loss_fn = _scaled_loss(loss_fn, scale)
         if self.dp_sync is None:
-            return self.pipe.train_step(inputs, targets, loss_fn)
+            with self.autocast():
+                return self.pipe.train_step(inputs, targets, loss_fn) / scale
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
-        loss = self.pipe.train_step(inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm)
+        with self.autocast():
+            loss = self.pipe.train_step(
+                inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm
+            )
+        loss /= scale
         self.comm_seconds = self.dp_sync.finish()
+        loss_sum = torch.tensor([loss])
+        dist.all_reduce(loss_sum, group=self.dp_group)
+        return float(loss_sum) / dp
+
+    def _eval_modules(self) -> list[nn.Module]:
+        """The model and, once cut, this rank's stage (a traced stage is a module of its own)."""
+        return [self.module, self.pipe.module] if self.pipe.ready else [self.module]
+
+    def _eval_loss(self, batch: Any) -> float:
+        """Forward only through the stages (`tessera.pipeline.evaluate`): the global batch's
+        mean loss on every rank, averaged over the dp replicas' rows."""
+        inputs, targets, loss_fn = self._replica_rows(batch)
+        with self.autocast():
+            loss = forward_only(self.pipe, inputs, targets, loss_fn)
+        dp = self.mesh.size("dp")
+        if dp == 1:
+            return loss
         loss_sum = torch.tensor([loss])
         dist.all_reduce(loss_sum, group=self.dp_group)
         return float(loss_sum) / dp
@@ -218,13 +269,29 @@ class PipelineEngine(Engine):
         return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
 
     def step(self) -> None:
-        """Clip (grad_clip > 0), step the optimizer at its own learning rate, zero the grads."""
+        """Clip (grad_clip > 0), step the optimizer at its own learning rate, zero the grads
+        (fp16: unscale first; skip on inf/nan on any rank)."""
+        if not self.unscale_or_skip():
+            return
         if self.grad_clip > 0 and self.pipe.ready:
             self.clip_grad_norm(self.grad_clip)
         if self.zero is not None:
             self.zero.step()
         else:
             self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """This rank's stage gradients (under ZeRO its reduced slices): what its step reads."""
+        if self.zero is not None:
+            return list(self.zero.inner.gradient_slices())
+        return [p.grad for p in self.params]
+
+    def discard_gradients(self) -> None:
+        """Forget this step's gradients without stepping (a skipped fp16 step)."""
+        if self.zero is not None:
+            self.zero.inner.zero_grad()
+        else:
             self.optimizer.zero_grad(set_to_none=True)
 
     # --------------------------------------------------------------------------- state
@@ -269,7 +336,7 @@ class PipelineEngine(Engine):
             dist.all_gather_object(optimizers, self.optimizer.state_dict())
         else:
             optimizers = [copy.deepcopy(self.optimizer.state_dict())]  # not the live state
-        return {"model": self.full_state_dict(), "optimizer": optimizers}
+        return self.precision_state({"model": self.full_state_dict(), "optimizer": optimizers})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Slice the dense model into this rank's stage and shards; take this rank's optimizer."""
@@ -279,6 +346,7 @@ class PipelineEngine(Engine):
                 f"this run has {self.ctx.world_size} ranks"
             )
         mine = state["optimizer"][self.ctx.rank]
+        self.load_precision_state(state)
         if not self.pipe.ready:  # the whole model is still here; the optimizer after the cut
             self.module.load_state_dict(state["model"])
             self._pending_optimizer_state = mine
@@ -323,6 +391,15 @@ def _tensor_parallel(
         parallelize_gpt(model, group=group)
     else:
         raise ValueError(f"tp > 1 on a {name} needs plan={{module-name pattern: style}}")
+
+
+def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
+    """`loss_fn` times the fp16 loss scale: the pipeline runs backward on what the loss returns."""
+
+    def scaled(output: Any, targets: Any) -> torch.Tensor:
+        return loss_fn(output, targets) * scale
+
+    return scaled
 
 
 def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:

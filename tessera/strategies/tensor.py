@@ -89,6 +89,10 @@ class TensorEngine(Engine):
         self.comm_seconds = time.perf_counter() - start
         return super().train_step(batch)
 
+    def _eval_loss(self, batch: Any) -> float:
+        """The global batch's mean loss (gathered as in `train_step`), on every rank."""
+        return super()._eval_loss(gather_batch(batch))
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale every rank's gradients so the dense model's gradient norm is at most
         `max_norm`; return the norm before. Collective."""
@@ -108,7 +112,7 @@ class TensorEngine(Engine):
             dist.all_gather_object(optimizers, self.optimizer.state_dict())
         else:
             optimizers = [self.optimizer.state_dict()]
-        return {"model": self.full_state_dict(), "optimizer": optimizers}
+        return self.precision_state({"model": self.full_state_dict(), "optimizer": optimizers})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Slice the dense model into this rank's shards; take this rank's optimizer state."""
@@ -119,6 +123,7 @@ class TensorEngine(Engine):
             )
         load_full_state_dict(self.module, state["model"])
         self.optimizer.load_state_dict(state["optimizer"][self.ctx.rank])
+        self.load_precision_state(state)
 
     def model_state_bytes(self) -> int:
         """Bytes of this rank's parameters, gradients and optimizer state."""

@@ -8,15 +8,18 @@ that is DDP waiting for its last buckets, i.e. communication that compute did no
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, NoOptions, OptimizerFactory
+from tessera.strategies.precision import DTYPES
 
 __all__ = ["NoOptions", "TorchDDPEngine", "build"]
 
@@ -44,6 +47,16 @@ class TorchDDPEngine(Engine):
             if parameter.requires_grad:
                 parameter.register_post_accumulate_grad_hook(self._mark_gradient)
 
+    def use_precision(
+        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
+    ) -> None:
+        """As `Engine.use_precision`; bf16/fp16 also register a comm hook, so DDP all-reduces
+        each bucket in that dtype (before the first backward: DDP's rule). The hook is torch's
+        `fp16_compress_hook` for any dtype (torch's own bf16 hook refuses gloo)."""
+        super().use_precision(precision, loss_scaler, autocast=autocast)
+        if precision in DTYPES:
+            self.ddp.register_comm_hook(None, _compress_hook(DTYPES[precision]))
+
     def _mark_gradient(self, _parameter: torch.Tensor) -> None:
         self._last_gradient_at = time.perf_counter()
 
@@ -52,10 +65,39 @@ class TorchDDPEngine(Engine):
         return self.ddp(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward; DDP's hooks all-reduce (average) gradients as buckets fill."""
+        """Backward (of the fp16-scaled loss); DDP's hooks all-reduce (average) gradients as
+        buckets fill."""
         self._last_gradient_at = time.perf_counter()
-        loss.backward()
+        self.scaled(loss).backward()
         self.comm_seconds = max(0.0, time.perf_counter() - self._last_gradient_at)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """`DistributedDataParallel.no_sync`: gradients accumulate locally until the next
+        synced backward, which all-reduces their sum once."""
+        return self.ddp.no_sync()
+
+
+def _compress_hook(dtype: torch.dtype) -> Any:
+    """A DDP comm hook: divide by the world size, all-reduce in `dtype`, copy back."""
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        low = buffer.to(dtype).div_(dist.get_world_size())
+        future = dist.all_reduce(low, async_op=True).get_future()
+
+        def write_back(done: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(write_back)
+
+    # DDP checks the annotations as objects; this module's are strings (postponed evaluation)
+    hook.__annotations__ = {
+        "state": object,
+        "bucket": dist.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    return hook
 
 
 def build(

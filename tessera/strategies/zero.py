@@ -11,6 +11,7 @@ beside `engine.pt` (rank 0's, which names the shard folder), so a run saved on 4
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,23 @@ class ZeroEngine(Engine):
         )
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward; buckets are reduce-scattered as they fill, the end waits for the last."""
-        loss.backward()
+        """Backward (of the fp16-scaled loss); buckets are reduce-scattered as they fill, the end
+        waits for the last."""
+        self.scaled(loss).backward()
         self.comm_seconds = self.zero.reducer.exposed_comm_s
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate full gradients locally (stages 2/3 then hold whole gradient buckets, as
+        FSDP's `no_sync` does) until the next synced backward reduce-scatters their sum once."""
+        return self.zero.reducer.no_sync()
+
+    def local_gradients(self) -> list[torch.Tensor | None]:
+        """This rank's reduced gradient slices: what its sharded step reads."""
+        return list(self.zero.gradient_slices())
+
+    def discard_gradients(self) -> None:
+        """Forget the reduced slices and the module's gradients (a skipped fp16 step)."""
+        self.zero.zero_grad()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip by the global norm, summed over every rank's gradient shard."""
@@ -93,7 +108,7 @@ class ZeroEngine(Engine):
 
     def state_dict(self) -> dict[str, Any]:
         """The full model only (collective): the optimizer state stays in shards (`save`)."""
-        return {"model": full_state_dict(self.module)}
+        return self.precision_state({"model": full_state_dict(self.module)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Not possible: a ZeRO engine's optimizer state is sharded; restore with `load`."""
@@ -104,13 +119,15 @@ class ZeroEngine(Engine):
     def save_files(self, folder: Path) -> dict[str, Any]:
         """Collective: every rank writes its shard into `folder/zero`; returns what names them."""
         save_shard(Path(folder) / SHARD_ROOT, self.zero)
-        return {"zero_shards": SHARD_ROOT, "world_size": self.zero.world, "stage": self.stage}
+        names = {"zero_shards": SHARD_ROOT, "world_size": self.zero.world, "stage": self.stage}
+        return self.precision_state(names)
 
     def load_files(self, folder: Path, payload: dict[str, Any]) -> None:
         """Load the shards `payload` names (relative to `folder`), saved on any world size."""
         if "zero_shards" not in payload:
             raise ValueError(f"{folder} holds no ZeRO shards: it was not saved by a ZeRO engine")
         load_shards(self.zero, Path(folder) / payload["zero_shards"])
+        self.load_precision_state(payload)
 
     def close(self) -> None:
         """Finish a delayed step in flight; release an `offload="nvme"` optimizer's files."""

@@ -3,7 +3,8 @@
 The all-reduces of Megatron's f and g and the all-gathers of sequence and vocabulary shards go
 through `tessera.comm` with the cost model's choice ("auto": the shared-memory transport when
 the group is on one host, 2-7x gloo's bus bandwidth at the 1-16 MB these layers move; see
-BENCHMARKS.md, comm). Every wait has the job's deadline (TESSERA_TIMEOUT_S), and the bytes each
+BENCHMARKS.md, comm). Every wait has this rank's bound (`Context.timeout_s`, the
+collectives' default), and the bytes each
 rank contributes are counted in `STATS` (benchmarks read it).
 
 These collectives run on the main thread, inside forward and backward. If another engine keeps a

@@ -16,6 +16,7 @@ from tessera.train.config_build import build_config
 
 __all__ = [
     "STRATEGIES",
+    "Callback",
     "Engine",
     "ModelSettings",
     "TorchDDPEngine",
@@ -27,9 +28,12 @@ __all__ = [
     "register_strategy",
     "run_training",
     "save_checkpoint",
+    "StopTraining",
 ]
 
 _LAZY = {
+    "Callback": "tessera.train.callbacks",
+    "StopTraining": "tessera.train.callbacks",
     "Engine": "tessera.strategies.engine",
     "TorchDDPEngine": "tessera.strategies.torch_ddp",
     "latest_checkpoint": "tessera.checkpoint.series",

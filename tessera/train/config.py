@@ -7,15 +7,19 @@ Precedence: defaults < the YAML file (`--config`) < command-line flags.
 
 from __future__ import annotations
 
-import os
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tessera.errors import ConfigError
 from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
+from tessera.train.config_sources import (
+    job_world_size,
+    load_yaml,
+    read_tp_plan,
+    torchrun_world,
+)
 
 __all__ = [
     "ModelSettings",
@@ -26,7 +30,6 @@ __all__ = [
     "torchrun_world",
 ]
 
-OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("naive", "gpipe", "1f1b")
 OFFLOAD_MOMENTS = ("fp32", "bf16", "bf16-stochastic")  # tessera.zero.policy.MOMENT_STORAGE
 
@@ -67,13 +70,37 @@ class TrainConfig:
     )
     nproc: int = _option(
         2,
-        "Processes on this machine. Under tessera run / torchrun they are started already: "
-        "leave it out, or it must equal -n (--nproc-per-node).",
+        "Processes on this machine; auto: one per GPU (CUDA), else one per CPU core. Under "
+        "tessera run / torchrun they are started already: leave it out, or it must equal -n.",
     )
     steps: int = _option(450, "Total optimizer steps; a resumed run continues up to this number.")
     seed: int = _option(0, "Seed of the model's initialisation and of the data order.")
-    batch_size: int = _option(32, "Global batch in sequences per step, split over the ranks.")
-    optimizer: str = _option("adamw", "adamw, or sgd (momentum 0.9).")
+    batch_size: int = _option(
+        32,
+        "Global micro-batch in sequences, split over the ranks; one optimizer step takes "
+        "batch_size * grad_accum.",
+    )
+    grad_accum: int = _option(
+        1,
+        "Gradient accumulation: micro-batches per optimizer step, gradients reduced over ranks "
+        "once, after the last (--batch-size 8 --grad-accum 4 equals --batch-size 32).",
+    )
+    optimizer: str = _option(
+        "adamw",
+        "adamw (betas 0.9, 0.95), sgd (momentum 0.9), or PKG.MODULE:CLASS (a torch.optim."
+        "Optimizer subclass, given lr and, if it takes it, weight_decay).",
+    )
+    optimizer_args: str | None = _option(
+        None,
+        "JSON object of optimizer keyword arguments applied on top of lr and weight_decay, e.g. "
+        "'{\"betas\": [0.9, 0.99]}'.",
+    )
+    lr_schedule: str = _option(
+        "cosine",
+        "After warmup: cosine (to lr/10 over decay_steps), linear (to lr/10 over decay_steps), "
+        "constant, or PKG.MODULE:FN, FN(step) -> multiplier of lr (no warmup added; a function "
+        "of the 0-based step only, so resume stays exact).",
+    )
     lr: float = _option(3e-3, "Peak learning rate, reached after warmup_steps.")
     warmup_steps: int = _option(10, "Linear learning-rate warmup, in steps.")
     decay_steps: int = _option(
@@ -87,7 +114,14 @@ class TrainConfig:
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
     average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
     mixed_precision: str | None = _option(
-        None, "zero1-3: bf16 to compute and communicate, fp32 master weights and optimizer."
+        None,
+        "bf16 or fp16: compute under autocast (zero1-3 bf16: bf16 weights), gradients reduced in "
+        "it, fp32 master weights and optimizer state; fp16 with dynamic loss scaling (loss_scale "
+        "and skipped steps in metrics.jsonl). Every strategy but ps.",
+    )
+    loss_scale_init: float = _option(2.0**16, "fp16: the first loss scale.")
+    loss_scale_growth_interval: int = _option(
+        2000, "fp16: double the loss scale after this many steps without inf/nan."
     )
     offload: str | None = _option(
         None,
@@ -189,7 +223,19 @@ class TrainConfig:
     sample_tokens: int = _option(200, "Characters to generate at the end; 0 skips the sample.")
     timeout_s: float = _option(300.0, "Bound in seconds of every blocking wait between ranks.")
     out: str | None = _option(None, "Run folder (default runs/<timestamp>).")
-    progress: bool = _option(True, "Show a progress bar on rank 0.")
+    progress: bool = _option(
+        True, "Show progress on rank 0: a bar on a terminal, else a plain line every log_every."
+    )
+    eval_every: int = _option(
+        0,
+        "Evaluate the mean loss over eval_batches held-out batches every this many steps and at "
+        "the end (val_loss in metrics.jsonl); 0: never. Held out: the corpus's last tenth (the "
+        "demo never trains on it) or --eval-data.",
+    )
+    eval_batches: int = _option(4, "Held-out batches per evaluation: the same ones every time.")
+    log_with: str | None = _option(
+        None, "tensorboard: also write TensorBoard event files into the run folder."
+    )
     model: ModelSettings = field(
         default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
     )
@@ -205,6 +251,7 @@ class TrainConfig:
         for name in (
             "steps",
             "batch_size",
+            "grad_accum",
             "log_every",
             "corpus_bytes",
             "average_every",
@@ -213,6 +260,7 @@ class TrainConfig:
             "microbatches",
             "keep_checkpoints",
             "delayed_update_after",
+            "loss_scale_growth_interval",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -225,24 +273,25 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb"):
+        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb", "loss_scale_init"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
-        if self.mixed_precision not in (None, "bf16"):
+        if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError(
-                f"mixed_precision must be bf16 or unset, got {self.mixed_precision!r}"
+                f"mixed_precision must be bf16, fp16 or unset, got {self.mixed_precision!r}"
             )
-        if self.mixed_precision and not self.strategy.startswith("zero"):
-            raise ConfigError("mixed_precision needs strategy zero1, zero2 or zero3")
+        if self.mixed_precision and self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(f"mixed_precision does not apply to strategy {self.strategy}")
         self._check_memory_options()
         if self.zero not in (0, 1, 2):
             raise ConfigError(
                 f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"
             )
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"unknown optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}")
+        from tessera.train.optimizers import check_optimizer_options
+
+        check_optimizer_options(self)  # --optimizer(-args), --lr-schedule, --grad-accum
         if self.comm_algorithm != "auto":
             from tessera.comm import ALGORITHMS  # only then: the collectives are not light
 
@@ -252,9 +301,15 @@ class TrainConfig:
                     f"use auto or one of {ALGORITHMS}"
                 )
         self._check_workload_options()
+        self._check_eval_and_logging()
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
+
+    @property
+    def step_batch_size(self) -> int:
+        """Sequences (items) of one optimizer step over all ranks: batch_size * grad_accum."""
+        return self.batch_size * self.grad_accum
 
     def _check_workload_options(self) -> None:
         """--model and its companions: what goes with what, and the files they name exist.
@@ -298,6 +353,27 @@ class TrainConfig:
                     f"{self.strategy} does not"
                 )
             read_tp_plan(self.tp_plan)
+
+    def _check_eval_and_logging(self) -> None:
+        """--eval-every, --eval-batches and --log-with: values, held-out data, the package."""
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError(
+                f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 1, got "
+                f"{self.eval_every} and {self.eval_batches}"
+            )
+        if self.eval_every and self.model_factory is not None and self.eval_data is None:
+            raise ConfigError("--eval-every with --model needs --eval-data (the held-out set)")
+        if (self.eval_every or self.log_with) and self.strategy in OWN_ENTRY_POINTS:
+            raise ConfigError(
+                f"--eval-every and --log-with: strategy {self.strategy} has its own loop"
+            )
+        if self.log_with not in (None, "tensorboard"):
+            raise ConfigError(f"log_with must be tensorboard or unset, got {self.log_with!r}")
+        if self.log_with and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(
+                "--log-with tensorboard needs the tensorboard package: "
+                "pip install 'tessera[tensorboard]' (or pip install tensorboard)"
+            )
 
     def _check_memory_options(self) -> None:
         """Offload and activation checkpointing: where they apply, and nvme_dir up front."""
@@ -405,59 +481,7 @@ class TrainConfig:
             )
 
 
-TP_STYLES = ("column", "row", "embedding")
-
-
-def read_tp_plan(path: str | Path) -> dict[str, str]:
-    """The `--tp-plan` file: a JSON or YAML mapping {module-name pattern: column|row|embedding}."""
-    plan = load_yaml(path)  # JSON is YAML
-    for pattern, style in plan.items():
-        if not isinstance(pattern, str) or style not in TP_STYLES:
-            raise ConfigError(
-                f"--tp-plan {path}: {pattern!r}: {style!r} is not one of {', '.join(TP_STYLES)}"
-            )
-    return plan
-
-
 def _flag_name(name: str) -> str:
     """The command-line flag of config field `name`."""
     meta = TrainConfig.__dataclass_fields__[name].metadata
     return meta.get("flag", "--" + name.replace("_", "-"))
-
-
-def torchrun_world() -> tuple[int, int] | None:
-    """(WORLD_SIZE, LOCAL_WORLD_SIZE) in a worker of tessera run / torchrun, else None.
-
-    tessera's own launcher also sets WORLD_SIZE, but with TESSERA_INIT_FILE beside it: a config
-    built inside such a rank has the world it was launched with, nproc.
-    """
-    if "WORLD_SIZE" not in os.environ or "TESSERA_INIT_FILE" in os.environ:
-        return None
-    sizes = []
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        value = os.environ.get(name, os.environ["WORLD_SIZE"])
-        try:
-            sizes.append(int(value))
-        except ValueError as exc:
-            raise ConfigError(f"{name}={value!r} is not an integer") from exc
-    return sizes[0], sizes[1]
-
-
-def job_world_size(nproc: int) -> int:
-    """How many ranks the job will have: torchrun's WORLD_SIZE in one of its workers, else nproc."""
-    world = torchrun_world()
-    return nproc if world is None else world[0]
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into a dict, with a clear error for a missing or malformed one."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys to values")
-    return data

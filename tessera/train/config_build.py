@@ -7,6 +7,7 @@ combination, so a wrong type names its key instead of failing somewhere in a ran
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from tessera.errors import ConfigError
 from tessera.train.config import TrainConfig
 
-__all__ = ["build_config", "config_to_dict"]
+__all__ = ["AUTO_NPROC", "auto_nproc", "build_config", "config_to_dict"]
 
 
 def _type_matches(value: Any, annotation: Any) -> bool:
@@ -28,6 +29,29 @@ def _type_matches(value: Any, annotation: Any) -> bool:
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, annotation)
+
+
+AUTO_NPROC = "auto"
+"""`--nproc auto`: one rank per GPU where CUDA is available, else one per CPU core."""
+
+
+def auto_nproc(strategy: str | None) -> int:
+    """The ranks `--nproc auto` starts: 1 for `single`, else the GPUs (CUDA), else the cores."""
+    if strategy == "single":
+        return 1
+    import torch  # only here: validating a config does not import torch otherwise
+
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return os.cpu_count() or 1
+
+
+def _resolve_nproc(values: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """`nproc: auto` replaced by its number (returned too, for the error that names it)."""
+    if values.get("nproc") != AUTO_NPROC:
+        return values, None
+    count = auto_nproc(values.get("strategy", "ddp"))
+    return {**values, "nproc": count}, count
 
 
 def _build(cls: type, values: dict[str, Any], where: str) -> Any:
@@ -63,11 +87,21 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_config(*layers: dict[str, Any]) -> TrainConfig:
-    """Merge config layers (later ones win, nested `model:` merged key by key) and validate."""
+    """Merge config layers (later ones win, nested `model:` merged key by key) and validate.
+
+    `nproc: auto` (or `--nproc auto`) becomes a number here, before any check, so the config
+    (and config.yaml, which a resume reads) holds the world size the run had.
+    """
     merged: dict[str, Any] = {}
     for layer in layers:
         merged = _merge(merged, layer)
-    return _build(TrainConfig, merged, "")
+    merged, auto = _resolve_nproc(merged)
+    try:
+        return _build(TrainConfig, merged, "")
+    except ConfigError as error:
+        if auto is None:
+            raise
+        raise ConfigError(f"--nproc auto chose {auto} ranks: {error}") from None
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:

@@ -3,13 +3,13 @@
 The trainer's flat config (`--bucket-cap-mb`, `--offload`, ...) names each strategy's knobs; the
 strategies' policy dataclasses own their meaning and defaults. `policy_options` is the single
 place where one becomes the other, so `tessera train` and `tessera.setup` cannot drift apart.
-The learning-rate schedule is a torch `LambdaLR` over the engine's optimizer, a function of the
-step only, so a resumed run sets exactly the rate of the run that never stopped.
+The optimizer and the learning-rate schedule are `tessera.train.optimizers`'; the schedule is a
+torch `LambdaLR` over the engine's optimizer, a function of the step only, so a resumed run sets
+exactly the rate of the run that never stopped.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -17,33 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
+from tessera.strategies import setup
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine
-from tessera.strategies.setup import setup  # the function: the lazy package name can be the module
 from tessera.train.config import TrainConfig, read_tp_plan
+from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup, then constant or cosine to lr/10."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.decay_steps == 0:
-        return config.lr
-    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
-    low = config.lr / 10
-    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer the config names, over `params` (at the peak lr: the schedule scales it)."""
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
-    return torch.optim.AdamW(
-        params, lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay
-    )
 
 
 def policy_options(config: TrainConfig) -> dict[str, Any]:
@@ -67,11 +49,8 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
                 delayed_update=config.delayed_update,
                 delayed_update_after=config.delayed_update_after,
             )
-        return {
-            "bucket_cap_mb": config.bucket_cap_mb,
-            "mixed_precision": config.mixed_precision,
-            "offload": offload,
-        }
+        # (mixed precision goes to setup's `precision`, which gives ZeRO's policy its bf16)
+        return {"bucket_cap_mb": config.bucket_cap_mb, "offload": offload}
     split = [name.strip() for name in config.split.split(",")] if config.split else None
     plan = read_tp_plan(config.tp_plan) if config.tp_plan else None
     if strategy == "pipeline":
@@ -110,19 +89,27 @@ def build_engine(
         strategy=config.strategy,
         loss_fn=loss_fn,
         grad_clip=config.grad_clip,
+        grad_accum=config.grad_accum,
+        precision=config.mixed_precision or "fp32",
+        loss_scaler=_loss_scaler(config),
         ctx=ctx,
         **policy_options(config),
         **extra,
     )
 
 
-def _lr_factor(config: TrainConfig, step: int) -> float:
-    return lr_at(step, config) / config.lr
+def _loss_scaler(config: TrainConfig) -> DynamicLossScaler | None:
+    """fp16's loss scaler as the config sets it; None for any other precision."""
+    if config.mixed_precision != "fp16":
+        return None
+    return DynamicLossScaler(
+        config.loss_scale_init, growth_interval=config.loss_scale_growth_interval
+    )
 
 
 def lr_scheduler(engine: Engine, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """The config's schedule (`lr_at`) as a `LambdaLR` over `engine.optimizer`."""
-    return torch.optim.lr_scheduler.LambdaLR(engine.optimizer, partial(_lr_factor, config))
+    """The config's schedule (`lr_factor`) as a `LambdaLR` over `engine.optimizer`."""
+    return torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_factor(config))
 
 
 def restore_lr_scheduler(

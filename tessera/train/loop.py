@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ import torch.distributed as dist
 
 from tessera.checkpoint import series
 from tessera.checkpoint.files import load_checkpoint, save_checkpoint
-from tessera.comm.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context, init
+from tessera.runtime.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.strategies import Engine
 from tessera.train.build_model import build_model
+from tessera.train.callbacks import CallbackRunner
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
 from tessera.train.engine_setup import (
@@ -32,6 +34,7 @@ from tessera.train.engine_setup import (
     make_optimizer,
     restore_lr_scheduler,
 )
+from tessera.train.evaluation import Evaluator
 from tessera.train.faults import FaultInjector
 from tessera.train.metrics import (
     MetricsLog,
@@ -41,6 +44,8 @@ from tessera.train.metrics import (
     read_events,
     read_metrics,
 )
+from tessera.train.mfu import ModelFlops
+from tessera.train.reporting import Reporter
 from tessera.train.resume_rules import check_resume_config, check_resume_world
 from tessera.train.workload import Workload, build_workload
 from tessera.train.workload import corpus_batches as corpus_batches  # noqa: F401 - was here
@@ -148,22 +153,12 @@ def _restore(
     return step
 
 
-def _progress_bar(config: TrainConfig, ctx: Context, start: int) -> Any:
-    if not (ctx.is_main and config.progress):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(
-        total=config.steps,
-        initial=start,
-        desc=f"{config.strategy} x{ctx.world_size}",
-        unit="step",
-        dynamic_ncols=True,
-    )
-
-
-def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
+def train_worker(
+    config: TrainConfig, run_dir: str, resume: bool, callbacks: Sequence[Any] = ()
+) -> dict[str, Any] | None:
     """Train on this rank; rank 0 writes the run folder and returns the summary.
+
+    `callbacks` (`tessera.train.callbacks`) are called on rank 0; every rank gets them.
 
     If a collective times out (or anything fails), every rank writes its flight record to
     `run_dir/hang-rank-N.json` (`tessera.comm.flight_recorder`); a rank stopped by SIGTERM
@@ -173,7 +168,7 @@ def train_worker(config: TrainConfig, run_dir: str, resume: bool) -> dict[str, A
     if ctx.world_size > 1:  # a spawned rank: the signal handlers are this process's own
         install_signal_dump()
     with dump_on_failure(run_dir):
-        return _train(ctx, config, run_dir, resume)
+        return _train(ctx, config, run_dir, resume, callbacks)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -182,11 +177,14 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return tuple(value.to(device) for value in batch)
 
 
-def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dict[str, Any] | None:
+def _train(
+    ctx: Context, config: TrainConfig, run_dir: str, resume: bool, callbacks: Sequence[Any]
+) -> dict[str, Any] | None:
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
     model, init_fn = build_model(workload, config, ctx.device, announce=ctx.is_main)
+    model_flops = ModelFlops.for_run(model, ctx.device, ctx.world_size)  # for MFU, before splits
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
@@ -198,8 +196,19 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
     note_restart(log, start, ctx.world_size)  # a restarted run says so in metrics.jsonl
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
     extra = {**workload.identity, "config": config_to_dict(config)}
-    tokens_per_step = workload.tokens_per_step
-    bar = _progress_bar(config, ctx, start)
+    reporter = None
+    if ctx.is_main:
+        title = f"{config.strategy} x{ctx.world_size}"
+        reporter = Reporter(config, out, start, workload.unit, title)
+    watch = _Watchers(
+        log,
+        reporter,
+        Evaluator(config, workload, ctx, _to_device),
+        CallbackRunner(callbacks, ctx),
+        workload.tokens_per_step,
+        model_flops,
+    )
+    stopped_at: int | None = None
     wall_start = time.perf_counter()
     for step in range(start, config.steps):
         faults.at_step(step + 1)  # TESSERA_FAULT: off unless set
@@ -215,45 +224,101 @@ def _train(ctx: Context, config: TrainConfig, run_dir: str, resume: bool) -> dic
         scheduler.step()
         step_s = time.perf_counter() - began
         done = step + 1
-        if done % config.log_every == 0 or done == config.steps:
-            ranks = gather_rank_metrics(
-                {
-                    "loss": loss,
-                    "step_s": step_s,
-                    "comm_s": engine.comm_seconds,
-                    "peak_mem_mb": peak_memory_mb(ctx.device),
-                    "model_state_mb": _model_state_mb(engine),
-                },
-                ctx.device,
-            )
-            record = _record(done, ranks, tokens_per_step, lr)
-            if log is not None:
-                log.write(record)
-            if bar is not None:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if bar is not None:
-            bar.update(1)
-        if done == config.steps or (
-            config.checkpoint_every and done % config.checkpoint_every == 0
+        measured = {"loss": loss, "step_s": step_s, "comm_s": engine.comm_seconds}
+        stop = _observe(watch, engine, ctx, config, done, measured, lr)
+        if reporter is not None:
+            reporter.advance()
+        if (
+            stop
+            or done == config.steps
+            or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
             _save(engine, ctx, out, done, {**extra, "scheduler": scheduler.state_dict()})
-    if bar is not None:
-        bar.close()
-    weights = None  # the whole model, on every rank: only the demo's text sample needs it
-    if workload.sample is not None:
-        weights = engine.full_state_dict()  # collective for strategies that shard the model
+        if stop:  # a callback raised StopTraining on rank 0; every rank ends here
+            stopped_at = done
+            break
+    if reporter is not None:
+        reporter.close()
+    sample = _sample(engine, workload, ctx.is_main, out)
     engine.close()  # e.g. offload="nvme": its swap files go now, not at interpreter exit
     if not ctx.is_main:
         return None
-    sample = ""
-    if weights is not None:  # the demo GPT's text sample; a user's model has none
-        sample = workload.sample({name: t.detach().cpu() for name, t in weights.items()})
-        (out / "sample.txt").write_text(sample)
     summary = _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
+    if stopped_at is not None:
+        summary["steps_this_run"] = stopped_at - start
+    summary["stopped_at"] = stopped_at  # None: ran to --steps
+    summary["stop_reason"] = watch.callbacks.stop_reason
     summary["unit"] = workload.unit
+    summary["mfu_peak"] = model_flops.peak_source
     if workload.sample is None:
         summary["sample_note"] = "no sample.txt: it is generated for the demo GPT only"
     return summary
+
+
+def _sample(engine: Engine, workload: Workload, is_main: bool, out: Path) -> str:
+    """The demo GPT's text sample, written to sample.txt on rank 0; "" for a user's model.
+
+    Only the sample needs the whole model, gathered on every rank (collective for strategies
+    that shard it): a user's model is never gathered, so no rank of a zero3 run holds it."""
+    if workload.sample is None:
+        return ""
+    weights = engine.full_state_dict()
+    if not is_main:
+        return ""
+    sample = workload.sample({name: t.detach().cpu() for name, t in weights.items()})
+    (out / "sample.txt").write_text(sample)
+    return sample
+
+
+@dataclass
+class _Watchers:
+    """What watches the steps: metrics.jsonl and the progress display / TensorBoard (rank 0's,
+    else None), the evaluation, the callbacks."""
+
+    log: MetricsLog | None
+    reporter: Reporter | None
+    evaluator: Evaluator
+    callbacks: CallbackRunner
+    tokens_per_step: int
+    model_flops: ModelFlops
+    """For the MFU of each logged record (its peak is measured on rank 0 only, when first asked)."""
+
+
+def _observe(
+    watch: _Watchers,
+    engine: Engine,
+    ctx: Context,
+    config: TrainConfig,
+    done: int,
+    measured: dict[str, float],
+    lr: float,
+) -> bool:
+    """After step `done`: evaluate if due, gather the step's record and log it (every
+    log_every, at evaluations, at the end), call the callbacks; collective. True: stop now."""
+    evaluated = watch.evaluator.due(done)
+    val_loss = watch.evaluator.run(engine) if evaluated else None
+    logged = done % config.log_every == 0 or done == config.steps or evaluated
+    if not (logged or watch.callbacks.active):
+        return False
+    measured = {
+        **measured,
+        "peak_mem_mb": peak_memory_mb(ctx.device),
+        "model_state_mb": _model_state_mb(engine),
+    }
+    record = _record(done, gather_rank_metrics(measured, ctx.device), watch.tokens_per_step, lr)
+    if engine.loss_scaler is not None:  # fp16: the same on every rank (global check)
+        record["loss_scale"] = engine.loss_scale
+        record["skipped"] = engine.skipped_steps
+    if val_loss is not None:
+        record["val_loss"] = val_loss
+        watch.callbacks.eval_end(done, record)
+    watch.callbacks.step_end(done, record)
+    stop = watch.callbacks.should_stop()
+    if (logged or stop) and watch.log is not None and watch.reporter is not None:
+        record["mfu"] = watch.model_flops.mfu(record["tokens_per_s"])
+        watch.log.write(record)
+        watch.reporter.report(record)
+    return stop
 
 
 def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) -> dict[str, Any]:
@@ -290,6 +355,7 @@ def _summary(
     records = read_metrics(out / "metrics.jsonl")
     plot_loss(records, out / "loss.png", title=f"{config.strategy}, {ctx.world_size} ranks")
     this_run = [r for r in records if r["step"] > start] or records
+    evaluated = [r for r in records if "val_loss" in r]
     median = statistics.median
     return {
         "run_dir": str(out),
@@ -302,9 +368,11 @@ def _summary(
         "tokens_per_s": median(r["tokens_per_s"] for r in this_run),
         "step_s": median(r["step_s"] for r in this_run),
         "comm_s": median(r["comm_s"] for r in this_run),
+        "mfu": median(r.get("mfu", float("nan")) for r in this_run),
         "peak_mem_mb": this_run[-1]["peak_mem_mb"],
         "model_state_mb": this_run[-1].get("model_state_mb"),
         "wall_s": wall_s,
         "restarts": len(read_events(out / "metrics.jsonl", "restart")),
+        "val_loss": evaluated[-1]["val_loss"] if evaluated else None,
         "sample": sample,
     }

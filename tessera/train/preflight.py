@@ -19,6 +19,7 @@ from torch import nn
 from tessera.errors import ConfigError
 from tessera.strategies.batch import compute_loss, no_loss_message
 from tessera.train.config import TrainConfig
+from tessera.train.optimizers import check_optimizer_and_schedule
 from tessera.train.workload import Workload, build_workload
 
 __all__ = ["preflight_workload"]
@@ -55,7 +56,7 @@ def _forward_failed(config: TrainConfig, batch: Any, exc: Exception) -> ConfigEr
 
 
 def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig) -> None:
-    batch = workload.batches(0, 0, config.batch_size)  # one row of step 0's global batch
+    batch = workload.batches(0, 0, config.step_batch_size)  # one row of step 0's global batch
     model.eval()
     name = type(model).__name__
     try:
@@ -77,8 +78,8 @@ def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig)
 
 def _check_policy(config: TrainConfig) -> None:
     """The config's strategy options through the strategy's policy (one translation, one check)."""
+    from tessera.strategies.entry import make_policy
     from tessera.strategies.registry import OWN_ENTRY_POINTS
-    from tessera.strategies.setup import make_policy
     from tessera.train.engine_setup import policy_options
 
     if config.strategy in OWN_ENTRY_POINTS:
@@ -95,9 +96,11 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     Returns what it checked: the model's class and parameter count, the item kind, and the
     workload's `identity` (what its checkpoints record: a resume compares it up front).
     First, for every run, the strategy's options go through its policy's own checks (the same
-    translation `tessera.setup` gets), so a bad value stops here and not in every rank.
+    translation `tessera.setup` gets), and the optimizer and schedule are built and called once,
+    so a bad value stops here and not in every rank.
     """
     _check_policy(config)
+    check_optimizer_and_schedule(config)  # --optimizer(-args), --lr-schedule: built, called
     if config.model_factory is None:
         return None
     workload = build_workload(config)

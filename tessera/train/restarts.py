@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,8 +180,10 @@ def supervise(
     *,
     max_restarts: int = 0,
     min_nproc: int | None = None,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any] | None:
-    """Run the ranks, restarting them after failures; return rank 0's summary."""
+    """Run the ranks, restarting them after failures; return rank 0's summary. `callbacks` go
+    to every rank pickled (`tessera.train.callbacks`)."""
     from tessera.train.loop import train_worker
 
     check_restart_options(config, max_restarts, min_nproc)
@@ -195,6 +198,7 @@ def supervise(
                 run_config,
                 str(run_dir),
                 resume,
+                list(callbacks),
                 env=_rank_env(restart),
             )[0]
         except (RankFailedError, LaunchTimeout) as exc:

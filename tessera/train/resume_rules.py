@@ -28,6 +28,9 @@ RESUME_MAY_CHANGE = frozenset(
         "keep_checkpoints",
         "sample_tokens",
         "timeout_s",
+        "eval_every",  # evaluation and logging change no step
+        "eval_batches",
+        "log_with",
         "meta_init",  # the same weights either way (tessera.train.build_model); a resume loads them
     }
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tessera.checkpoint import series
 from tessera.errors import ConfigError
 from tessera.runtime.context import shutdown
 from tessera.strategies.registry import own_entry_point
+from tessera.train.callbacks import check_callbacks
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
 from tessera.train.faults import faults_from_env
@@ -103,15 +105,22 @@ def run_training(
     resume: bool = False,
     max_restarts: int = 0,
     min_nproc: int | None = None,
+    callbacks: Sequence[Any] = (),
 ) -> dict[str, Any] | None:
     """Train as `config` says; return rank 0's summary (None on other ranks under torchrun).
 
     `max_restarts`: after a rank fails, restart every rank from the newest checkpoint, up to this
     many times; `min_nproc`: restarts after a lost rank may use fewer ranks, down to this many
-    (see `tessera.train.restarts`).
+    (see `tessera.train.restarts`). `callbacks`: objects with `on_step_end(step, metrics)` and/or
+    `on_eval_end(step, metrics)`, called on rank 0; a hook stops training early by raising
+    `tessera.train.StopTraining` (see `tessera.train.callbacks`). Spawned ranks get them pickled.
     """
     check_restart_options(config, max_restarts, min_nproc)
+    spawned = not _under_torchrun() and (config.nproc > 1 or max_restarts > 0)
+    callbacks = check_callbacks(callbacks, spawned=spawned)
     entry = own_entry_point(config.strategy)
+    if entry is not None and callbacks:
+        raise ConfigError(f"callbacks are not supported by --strategy {config.strategy}")
     if entry is not None:  # servers and workers: the strategy runs the whole job (ps)
         if max_restarts or min_nproc is not None:
             raise ConfigError(
@@ -139,7 +148,7 @@ def run_training(
         if int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
             _write_workload(checked, run_dir)
-        return train_worker(config, str(run_dir), resume)
+        return train_worker(config, str(run_dir), resume, callbacks)
     run_dir = _choose_run_dir(config, resume)
     if resume:
         check_resume(config, run_dir)
@@ -150,10 +159,17 @@ def run_training(
     _write_workload(checked, run_dir)
     if config.nproc == 1 and max_restarts == 0:
         try:
-            return train_worker(config, str(run_dir), resume)
+            return train_worker(config, str(run_dir), resume, callbacks)
         finally:
             shutdown()
-    return supervise(config, run_dir, resume, max_restarts=max_restarts, min_nproc=min_nproc)
+    return supervise(
+        config,
+        run_dir,
+        resume,
+        max_restarts=max_restarts,
+        min_nproc=min_nproc,
+        callbacks=callbacks,
+    )
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -187,12 +203,17 @@ def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("loss (first -> last)", f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"),
         (f"{summary.get('unit', 'tokens')}/s (median)", f"{summary['tokens_per_s']:,.0f}"),
         ("step time (median)", f"{summary['step_s'] * 1e3:.1f} ms"),
+        ("MFU (median)", f"{summary.get('mfu', float('nan')):.1%} of {summary.get('mfu_peak')}"),
         ("exposed communication", f"{summary['comm_s'] * 1e3:.1f} ms ({comm_share:.0%})"),
         ("peak memory per rank", ", ".join(f"{m:.0f} MB" for m in summary["peak_mem_mb"])),
         ("restarts", str(summary.get("restarts", 0))),
         ("wall time", f"{summary['wall_s']:.1f} s"),
         ("run folder", summary["run_dir"]),
     ]
+    if summary.get("val_loss") is not None:
+        rows.insert(2, ("held-out loss (last evaluation)", f"{summary['val_loss']:.3f}"))
+    if summary.get("stopped_at") is not None:
+        rows.insert(1, ("stopped early", f"step {summary['stopped_at']}: {summary['stop_reason']}"))
     if summary.get("model_state_mb"):
         states = ", ".join(f"{m:.2f} MB" for m in summary["model_state_mb"])
         rows.insert(-2, ("model states per rank", states))

@@ -11,8 +11,10 @@
   `output["loss"]` (the Hugging Face convention).
 
 In both, the batch of a step is a pure function of (seed, step), so a resumed run draws what an
-uninterrupted one would; `identity` goes into every checkpoint, and a resume whose workload
-identifies differently is refused.
+uninterrupted one would; it is the whole optimizer step's batch, `batch_size * grad_accum` rows,
+drawn as one (the engine cuts it into the micro-batches), so accumulation changes no data.
+`identity` goes into every checkpoint, and a resume whose workload identifies differently is
+refused.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "build_workload",
     "corpus_batches",
     "gpt_sample",
+    "held_out_batches",
     "next_token_loss",
 ]
 
@@ -61,7 +64,8 @@ class Workload:
     batch_kind: str
     """"pair" or "dict": how the loop hands a batch to the engine."""
     tokens_per_step: int
-    """Tokens (samples, for data that is not token ids) in one global batch."""
+    """Tokens (samples, for data that is not token ids) in one optimizer step's global batch
+    (every micro-batch of it)."""
     unit: str
     """"tokens" or "samples": what `tokens_per_step` counts."""
     identity: dict[str, Any]
@@ -69,7 +73,10 @@ class Workload:
     sample: Callable[[dict[str, torch.Tensor]], str] | None = None
     """The demo GPT's end-of-run text sample from the trained weights; None for user models."""
     eval_data: Any = field(default=None)
-    """The `--eval-data` set, loaded and checked (evaluation itself is not run by the loop)."""
+    """The `--eval-data` set, loaded and checked."""
+    eval_batches: Callable[[int, int, int], Batch] | None = None
+    """`(i, rank, world_size) -> batch`: this rank's rows of held-out batch i (a pure function of
+    the seed: every evaluation sees the same batches); None when the run does not evaluate."""
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -77,15 +84,40 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+HELD_OUT = 0.1
+"""The demo's held-out share of the corpus (its end): never trained on, whether the run evaluates
+or not, so that a run with evaluation takes the very steps of one without."""
+
+
 def corpus_batches(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
-    """The demo's tokenizer and batch stream: the corpus the config names, cut into blocks; the
-    batch of a step is a pure function of (seed, step), which is what makes resume exact."""
+    """The demo's tokenizer and training batch stream: the corpus the config names less its
+    held-out end (`held_out_batches`), cut into blocks; the batch of a step is a pure function
+    of (seed, step), which is what makes resume exact."""
+    tokenizer, batches = _corpus(config)
+    return tokenizer, batches.split(HELD_OUT)[0]
+
+
+def held_out_batches(config: TrainConfig, corpus: LMBatches | None = None) -> LMBatches:
+    """The demo's evaluation batches: windows of the corpus's last `HELD_OUT` share, drawn with
+    seed + 1 (`LMBatches.split`); ConfigError if that share is shorter than one window.
+    `corpus`: the whole corpus's batches, if read already."""
+    batches = corpus if corpus is not None else _corpus(config)[1]
+    try:
+        return batches.split(HELD_OUT)[1]
+    except ValueError as exc:
+        raise ConfigError(
+            f"--eval-every: the corpus's held-out {HELD_OUT:.0%} is too short for one window of "
+            f"block_size {config.model.block_size} ({exc}); raise --corpus-bytes"
+        ) from None
+
+
+def _corpus(config: TrainConfig) -> tuple[CharTokenizer, LMBatches]:
     text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
     batches = LMBatches(
         tokenizer.encode_tensor(text),
         block_size=config.model.block_size,
-        global_batch_size=config.batch_size,
+        global_batch_size=config.step_batch_size,  # one batch per optimizer step (grad_accum)
         seed=config.seed,
     )
     return tokenizer, batches
@@ -116,17 +148,19 @@ def demo_model_config(config: TrainConfig, vocab_size: int) -> GPTConfig:
 
 
 def _demo(config: TrainConfig) -> Workload:
-    tokenizer, batches = corpus_batches(config)
+    tokenizer, corpus = _corpus(config)
+    batches = corpus.split(HELD_OUT)[0]  # as corpus_batches, without reading the corpus again
     model_config = demo_model_config(config, tokenizer.vocab_size)
     return Workload(
         model_fn=partial(GPT, model_config),
         batches=batches.batch,
         loss_fn=next_token_loss,
         batch_kind="pair",
-        tokens_per_step=config.batch_size * config.model.block_size,
+        tokens_per_step=config.step_batch_size * config.model.block_size,
         unit="tokens",
         identity={"tokenizer": tokenizer.to_dict()},  # the key older checkpoints hold
         sample=lambda weights: gpt_sample(weights, model_config, tokenizer, config),
+        eval_batches=held_out_batches(config, corpus).batch if config.eval_every else None,
     )
 
 
@@ -163,7 +197,7 @@ def _user(config: TrainConfig) -> Workload:
         )
     try:
         batches = DatasetBatches(
-            opened.dataset, global_batch_size=config.batch_size, seed=config.seed
+            opened.dataset, global_batch_size=config.step_batch_size, seed=config.seed
         )
     except ValueError as exc:
         raise ConfigError(f"--data {config.data}: {exc}") from None
@@ -182,6 +216,14 @@ def _user(config: TrainConfig) -> Workload:
                 f"--eval-data {config.eval_data} has {eval_kind} items, --data has {kind} items"
             )
         eval_data = eval_opened.dataset
+    eval_batches = None
+    if config.eval_every:  # (the config refused --eval-every without --eval-data)
+        try:
+            eval_batches = DatasetBatches(
+                eval_data, global_batch_size=config.batch_size, seed=config.seed + 1
+            ).batch
+        except ValueError as exc:
+            raise ConfigError(f"--eval-data {config.eval_data}: {exc}") from None
     per_item, unit = _tokens_per_item(sample)
     identity = {
         "workload": {
@@ -198,10 +240,11 @@ def _user(config: TrainConfig) -> Workload:
         batches=batches.batch,
         loss_fn=loss_fn,
         batch_kind=kind,
-        tokens_per_step=config.batch_size * per_item,
+        tokens_per_step=config.step_batch_size * per_item,
         unit=unit,
         identity=identity,
         eval_data=eval_data,
+        eval_batches=eval_batches,
     )
 
 

@@ -102,6 +102,9 @@ def initialize(
 
     The keywords are those of `ZeroPolicy` and `OffloadPolicy`, which `shard` (and with it
     `tessera.setup` and `tessera train`) takes: one translation for every path.
+
+    Why so many parameters: this is the functional front of those two policies, one keyword
+    per policy field with the policy's default; code that holds the policies calls `shard`.
     """
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")

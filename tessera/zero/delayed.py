@@ -11,7 +11,8 @@ stale); the paper shows that convergence is unharmed once the first steps, when 
 change fast, run without delay: `delayed_update_after` of them (default 40 here: the paper says
 "a few dozen"; tessera's own choice, not a figure from the paper).
 
-`ZeroOptimizer.step` drives this object; its rules keep the delayed step race free:
+`ZeroOptimizer` holds this object and calls it (`take_step`, `finish`, `wait`); its rules keep
+the delayed step race free:
 
 * the step reads its own copy of the gradient partition (`grads`, fp32, filled on the training
   thread at launch): the next backward writes the stage's gradient buffers meanwhile, so the
@@ -33,11 +34,15 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tessera.errors import CollectiveTimeout
+from tessera.runtime.wait import wait_or_raise
+
+if TYPE_CHECKING:
+    from tessera.zero.optimizer import ZeroOptimizer
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "DelayedUpdate", "check_delayed_update"]
 
@@ -123,18 +128,63 @@ class DelayedUpdate:
         future, self._future = self._future, None
         if future is None:
             return
-        try:
-            future.result(timeout=self._timeout_s)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                self._rank,
-                "the delayed (background) optimizer step",
-                self._timeout_s,
-                "the host optimizer step did not finish; it may be stuck or far too slow",
-            ) from None
+        wait_or_raise(
+            future,
+            "the delayed (background) optimizer step",
+            self._timeout_s,
+            self._rank,
+            "the host optimizer step did not finish; it may be stuck or far too slow",
+        )
 
     def grad_buffers(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
         """The step's gradient copies, one like each master (made at the first delayed step)."""
         if not self.grads:
             self.grads = [torch.zeros_like(master, dtype=torch.float32) for master in masters]
         return self.grads
+
+    def finish(self, zero: ZeroOptimizer) -> None:
+        """Wait for the step in flight and publish its result through `zero` (collective on
+        stages 1/2), on the training thread."""
+        self.wait()
+        if self.unpublished:
+            zero._publish()
+            self.unpublished = False
+
+    def take_step(self, zero: ZeroOptimizer) -> bool:
+        """Publish the step in flight, then launch this one in the background; False during
+        the warm-up (the step then runs in place, as without DPU). Every branch is taken alike
+        on every rank (the step count is the same everywhere)."""
+        self.finish(zero)
+        if not self.delaying:
+            self.steps += 1
+            return False
+        # The step's own copy of the gradient partition: the next backward (and zero_grad)
+        # write the stage's buffers while the step reads this one.
+        masters = [flat.master for flat in zero.flats]
+        for flat, grad in zip(zero.flats, self.grad_buffers(masters)):
+            grad.copy_(zero._gradient_slice(flat))
+            flat.master.grad = grad
+        self.steps += 1
+        # The step's own copy of the hyper-parameters, taken here on the training thread: a
+        # learning-rate scheduler sets the next step's lr in `param_groups` while this one runs.
+        groups = [dict(group) for group in zero.optimizer.param_groups]
+        self.launch(partial(_step_with_groups, zero.optimizer, groups, masters))
+        return True
+
+
+def _step_with_groups(optimizer: Any, groups: list[dict[str, Any]], masters: list) -> None:
+    """The background half of a delayed step: the inner optimizer on the masters only, with the
+    hyper-parameters `groups` held when it was launched.
+
+    It runs on a shallow twin of the inner optimizer whose `param_groups` are `groups`: the twin
+    shares the state (moments, step counts) and the parameters, so the step updates them as the
+    optimizer itself would, while the training thread may already set the next step's learning
+    rate in the optimizer's own groups."""
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    twin.__dict__.pop("step", None)  # an instance wrapper (lr schedulers) steps the original
+    twin.param_groups = groups
+    with torch.no_grad():
+        type(optimizer).step(twin)
+    for master in masters:
+        master.grad = None

@@ -20,11 +20,12 @@ counted twice; a storage freed by ZeRO-3 counts zero).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+
+from tessera.memory.storage import storage_bytes, storage_id
 
 __all__ = ["estimate_memory", "measure_memory", "storage_bytes"]
 
@@ -60,21 +61,6 @@ def estimate_memory(
     }
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
-    """Bytes of the distinct storages behind `tensors` not in `seen` (which it extends)."""
-    total = 0
-    for tensor in tensors:
-        if tensor is None:
-            continue
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if storage.nbytes() == 0 or key in seen:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
-
-
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [
         value
@@ -92,12 +78,12 @@ def measure_memory(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """
     if hasattr(optimizer, "memory_usage"):
         return optimizer.memory_usage()
-    seen: set[int] = set()
+    seen: set[tuple[str, int]] = set()
     params = list(model.parameters())
     buckets = getattr(model, "buckets", [])
     if buckets:  # DDP's buckets may be views of one shared-memory segment: count the views
         gradients = sum(bucket.nbytes for bucket in buckets)
-        seen.update(bucket.buffer.untyped_storage().data_ptr() for bucket in buckets)
+        seen.update(storage_id(bucket.buffer) for bucket in buckets)
     else:
         gradients = storage_bytes([p.grad for p in params], seen)
     counted = {

@@ -17,7 +17,9 @@ for compute and communication and the masters are fp32 copies (the paper's K = 1
 All collectives run on the group's one communication stream (`tessera.comm.stream`), shared with
 any other engine on the group, so every rank issues them in the same order.
 `delayed_update=True` runs the inner step in a background thread, overlapped with the next
-forward and backward (ZeRO-Offload's DPU, `tessera.zero.delayed`).
+forward and backward (ZeRO-Offload's DPU): a `DelayedUpdate` (`tessera.zero.delayed`) the
+optimizer holds. Where the fp32 masters live (in memory, or in the files of `offload="nvme"`) is
+another collaborator, `HeldMasters` or `SwappedMasters` (`tessera.zero.masters`).
 
 Transport: a reduce-scatter and an all-gather (the paper's Ψ elements each) through
 `tessera.comm` with the cost model's choice: on one host its shared-memory collectives
@@ -29,9 +31,7 @@ accumulation needs without a separate shard (see `stage1`).
 
 from __future__ import annotations
 
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -43,12 +43,13 @@ from tessera import comm
 from tessera.clip import clip_grad_norm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
+from tessera.data_parallel.ddp import broadcast_from_first
 from tessera.data_parallel.reducer import Reducer
-from tessera.errors import CollectiveTimeout
-from tessera.flat import flatten, unflatten_into
 from tessera.optim.cpu_adam import host_zeros
-from tessera.runtime.context import default_timeout_s
+from tessera.runtime.context import current_context
+from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
+from tessera.zero.masters import HeldMasters, SwappedMasters
 from tessera.zero.materialize import storageless
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
@@ -100,16 +101,9 @@ class ZeroOptimizer:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.timeout_s = default_timeout_s()
+        self.timeout_s = current_context().timeout_s
         self.mixed_precision = mixed_precision
-        # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
-        # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
-        check_delayed_update(delayed_update, delayed_update_after, offload="cpu")
-        if delayed_update and swap_masters:
-            raise ValueError(
-                "delayed_update cannot run with the masters in files (offload='nvme'): the "
-                "swapped step streams them through shared buffers on the training thread"
-            )
+        _check_collaborators(delayed_update, delayed_update_after, swap_masters)
         self.delayed: DelayedUpdate | None = None
         """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
         if delayed_update:
@@ -128,7 +122,7 @@ class ZeroOptimizer:
             t for t in [*module.parameters(), *module.buffers()] if t.untyped_storage().nbytes()
         ]
         if self.world > 1:  # (a one-rank group has nothing to copy; the flat copy costs a model)
-            stream.run(_broadcast_from_first, everything, group, what="parameter broadcast")
+            stream.run(broadcast_from_first, everything, group, what="parameter broadcast")
         # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
         # originals are freed as the flats fill (memory at set-up: about one model, not two).
         sources = {id(p): p.detach() for _, p in named}
@@ -153,20 +147,12 @@ class ZeroOptimizer:
         self.swapped_masters = swap_masters
         """The fp32 masters live in the inner optimizer's files (`offload="nvme"`): they have
         no storage here; the step publishes each updated chunk into `_publish_target`."""
+        self.masters: HeldMasters | SwappedMasters = (
+            SwappedMasters() if swap_masters else HeldMasters()
+        )
+        """Where the masters live: builds the flats and the inner optimizer, runs the step."""
         self.flats: list[FlatShard] = []
-        if swap_masters:  # the optimizer first: each master goes to its file as it is made
-            masters = [self._storageless_master(bucket) for bucket in self.reducer.buckets]
-            self.optimizer = make_optimizer(masters)
-            if not getattr(self.optimizer, "swap_params", False):
-                raise TypeError(
-                    f"swap_masters=True needs an optimizer that keeps its parameters in files "
-                    f"(NVMeAdam(swap_params=True)), got {type(self.optimizer).__name__}"
-                )
-            for bucket, master in zip(self.reducer.buckets, masters):
-                self.flats.append(self._make_flat(bucket, sources, master))
-        else:
-            self.flats = [self._make_flat(bucket, sources) for bucket in self.reducer.buckets]
-            self.optimizer = make_optimizer([flat.master for flat in self.flats])
+        self.flats, self.optimizer = self.masters.build(self, sources, make_optimizer)
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
             module.register_forward_hook(self._after_forward),
@@ -186,14 +172,6 @@ class ZeroOptimizer:
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int] | None]:
         """Trainable parameters in bucket order, and their units (stage 3 overrides)."""
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad], None
-
-    def _storageless_master(self, bucket: Bucket) -> nn.Parameter:
-        """A master of the right length with no memory behind it (its value goes to a file)."""
-        numel = sum(p.numel() for p in bucket.params)
-        lo, hi = shard_range(numel, self.world, self.rank)
-        master = torch.empty(hi - lo, dtype=torch.float32, device=bucket.params[0].device)
-        master.untyped_storage().resize_(0)
-        return nn.Parameter(master)
 
     def _make_flat(
         self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
@@ -227,7 +205,7 @@ class ZeroOptimizer:
             param.data = flat_param[start:end].view_as(param)
             del source
         if master is not None:
-            self.optimizer.write_param(master, master_full[lo:hi])
+            self.masters.write(master, master_full[lo:hi])  # only `SwappedMasters` passes one
         elif aliased:
             master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
         else:
@@ -265,8 +243,11 @@ class ZeroOptimizer:
         return [self._gradient_slice(flat) for flat in self.flats]
 
     def _publish(self) -> None:
-        """After the inner step: make the new slices visible as the module's parameters."""
-        raise NotImplementedError
+        """After the inner step: make the new slices visible as the module's parameters (stages
+        1/2: all-gather every flat buffer from the slices; stage 3 overrides)."""
+        for index, flat in enumerate(self.flats):
+            master = self._publish_source(flat)
+            self._collective(self._all_gather_into, flat.flat_param, master, item=index)
 
     def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
         """Where a swapped master's new value goes in the step (stages 1/2: the flat buffer's
@@ -275,9 +256,7 @@ class ZeroOptimizer:
 
     def _publish_source(self, flat: FlatShard) -> torch.Tensor:
         """The slice stages 1/2 all-gather after the step: the master, or its published copy."""
-        if self.swapped_masters:
-            return flat.flat_param[flat.lo : flat.hi].detach()
-        return flat.master.detach()
+        return self.masters.publish_source(flat)
 
     def visible_slice(self, flat: FlatShard) -> torch.Tensor:
         """This rank's slice of `flat` as forward sees it (stages 1/2: of the flat buffer)."""
@@ -294,34 +273,24 @@ class ZeroOptimizer:
 
     def master_value(self, flat: FlatShard) -> torch.Tensor:
         """This rank's fp32 master slice of `flat` (read back from disk if it is swapped)."""
-        if self.swapped_masters:
-            return self.optimizer.read_param(flat.master)
-        return flat.master.detach()
+        return self.masters.value(self, flat)
 
     @torch.no_grad()
     def set_master(self, flat: FlatShard, value: torch.Tensor) -> None:
         """Replace this rank's master slice of `flat` (a checkpoint load); `_publish` follows."""
-        if not self.swapped_masters:
-            flat.master.copy_(value)
-            return
-        self.optimizer.write_param(flat.master, value)
-        target = self._publish_target(flat)
-        if target is not None:
-            target.copy_(value)
+        self.masters.set(self, flat, value)
 
     # -- collectives on the group's communication stream -------------------------------------
     def _collective(self, fn: Any, *args: Any, item: int = -1) -> Any:
         """Run `fn(*args)` on the group's stream and wait for it (labelled with `item`)."""
         future = self.reducer.submit(fn, *args, item=item)
-        try:
-            return future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                dist.get_rank(),
-                f"ZeRO-{self.stage} {getattr(fn, '__name__', 'collective')}",
-                self.timeout_s,
-                "another rank has not reached the same step (or has failed)",
-            ) from None
+        return wait_or_raise(
+            future,
+            f"ZeRO-{self.stage} {getattr(fn, '__name__', 'collective')}",
+            self.timeout_s,
+            dist.get_rank(),
+            "another rank has not reached the same step (or has failed)",
+        )
 
     def _reduce_scatter_mean(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it)."""
@@ -383,46 +352,10 @@ class ZeroOptimizer:
         """
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
-        if self.delayed is not None and self._launch_delayed(self.delayed):
+        if self.delayed is not None and self.delayed.take_step(self):
             return  # in the background; published by the next step
-        if self.swapped_masters:  # gradients in their own dtype, converted chunk by chunk
-            self.optimizer.step(
-                grads=self.gradient_slices(),
-                publish=[self._publish_target(flat) for flat in self.flats],
-            )
-            self._publish()
-            return
-        for flat in self.flats:
-            grad = self._gradient_slice(flat)
-            flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
-        self.optimizer.step()
-        for flat in self.flats:
-            flat.master.grad = None
+        self.masters.step(self)
         self._publish()
-
-    def _launch_delayed(self, delayed: DelayedUpdate) -> bool:
-        """DPU (`tessera.zero.delayed`): publish the step in flight, then launch this one in
-        the background; False during the warm-up (the step runs in place, as without DPU).
-        Every branch is taken alike on every rank (the step count is the same everywhere)."""
-        delayed.wait()
-        if delayed.unpublished:  # the last step's result: all-gathered here, on this thread
-            self._publish()
-            delayed.unpublished = False
-        if not delayed.delaying:
-            delayed.steps += 1
-            return False
-        # The step's own copy of the gradient partition: the next backward (and zero_grad)
-        # write the stage's buffers while the step reads this one.
-        grads = delayed.grad_buffers([flat.master for flat in self.flats])
-        for flat, grad in zip(self.flats, grads):
-            grad.copy_(self._gradient_slice(flat))
-            flat.master.grad = grad
-        delayed.steps += 1
-        # The step's own copy of the hyper-parameters, taken here on the training thread: a
-        # learning-rate scheduler sets the next step's lr in `param_groups` while this one runs.
-        groups = [dict(group) for group in self.optimizer.param_groups]
-        delayed.launch(partial(self._inner_step, groups))
-        return True
 
     @torch.no_grad()
     def finish_step(self) -> None:
@@ -430,29 +363,8 @@ class ZeroOptimizer:
         the module's parameters show every step taken (before evaluating or exporting the
         module). The next step then starts from fresh parameters: called mid-training, it
         makes that one step not stale. Without DPU: nothing to do."""
-        if self.delayed is None:
-            return
-        self.delayed.wait()
-        if self.delayed.unpublished:
-            self._publish()
-            self.delayed.unpublished = False
-
-    def _inner_step(self, groups: list[dict[str, Any]]) -> None:
-        """The background half of a delayed step: the inner optimizer on the masters only,
-        with the hyper-parameters `groups` held when it was launched.
-
-        It runs on a shallow twin of the inner optimizer whose `param_groups` are `groups`:
-        the twin shares the state (moments, step counts) and the parameters, so the step
-        updates them as the optimizer itself would, while the training thread may already set
-        the next step's learning rate in the optimizer's own groups."""
-        twin = object.__new__(type(self.optimizer))
-        twin.__dict__.update(self.optimizer.__dict__)
-        twin.__dict__.pop("step", None)  # an instance wrapper (lr schedulers) steps the original
-        twin.param_groups = groups
-        with torch.no_grad():
-            type(self.optimizer).step(twin)
-        for flat in self.flats:
-            flat.master.grad = None
+        if self.delayed is not None:
+            self.delayed.finish(self)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of params, gradients and optimizer state held on this rank, from storages."""
@@ -522,6 +434,18 @@ class ZeroOptimizer:
             close()
 
 
+def _check_collaborators(delayed_update: bool, after: int, swap_masters: bool) -> None:
+    """Refuse a delayed update that cannot run, and one beside masters in files."""
+    # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
+    # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
+    check_delayed_update(delayed_update, after, offload="cpu")
+    if delayed_update and swap_masters:
+        raise ValueError(
+            "delayed_update cannot run with the masters in files (offload='nvme'): the "
+            "swapped step streams them through shared buffers on the training thread"
+        )
+
+
 def _to_bf16(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.to(torch.bfloat16)
@@ -559,16 +483,3 @@ def _check_same_model(module: nn.Module, group: dist.ProcessGroup | None) -> Non
                     f"{ours.get(name)} on group rank 0 and {other.get(name)} on group rank "
                     f"{group_rank}"
                 )
-
-
-@torch.no_grad()
-def _broadcast_from_first(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Copy group rank 0's values into `tensors`, one flat message per dtype."""
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for same in by_dtype.values():
-        flat = flatten(same)
-        comm.broadcast(flat, src, group=group)
-        unflatten_into(flat, same)

@@ -50,8 +50,3 @@ class ZeroStage1(ZeroOptimizer):
         if flat.grad_shard is not None:
             return flat.grad_shard
         return flat.bucket.buffer[flat.lo : flat.hi]
-
-    def _publish(self) -> None:
-        for index, flat in enumerate(self.flats):
-            master = self._publish_source(flat)
-            self._collective(self._all_gather_into, flat.flat_param, master, item=index)

@@ -31,8 +31,3 @@ class ZeroStage2(ZeroOptimizer):
         flat = self.flats[bucket.index]
         assert flat.bucket is bucket and flat.grad_shard is not None
         flat.grad_shard.add_(self._reduce_scatter_mean(bucket.buffer, flat.lo, flat.hi))
-
-    def _publish(self) -> None:
-        for index, flat in enumerate(self.flats):
-            master = self._publish_source(flat)
-            self._collective(self._all_gather_into, flat.flat_param, master, item=index)

@@ -14,6 +14,10 @@ hold for any `nn.Module`, however its forward calls its children:
   after a `torch.no_grad()` forward freed everything, in a second backward, or in a re-entrant
   one. The storage is resized in place (`resize_`), so the saved tensors keep their shape.
 
+The saved-tensor hooks, the prefetch order and the end-of-backward callback are the residency
+scheduler's (`tessera/memory/residency.py`), shared with `swap_idle`; this class decides what
+bringing a unit in means (an all-gather) and when a unit may go.
+
 Freeing is only a memory policy: a unit is freed when a module of another unit starts after it
 has finished (a module called twice within its unit stays gathered), at the end of the forward
 (except the root, which backward needs first), once every gradient of the unit has arrived in
@@ -34,7 +38,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
@@ -45,7 +48,8 @@ from torch import nn
 from tessera import comm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket, assign_buckets
-from tessera.errors import CollectiveTimeout
+from tessera.memory.residency import ResidencyScheduler, in_backward
+from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
 from tessera.zero.materialize import PendingInit, materialize_shards
 from tessera.zero.optimizer import FlatShard, ZeroOptimizer, _check_same_model
@@ -58,24 +62,6 @@ _ONE_BUCKET_MB = 2**40
 """Stage 3's bucket cap: one bucket per unit (and dtype), whatever its size."""
 
 
-class _SavedParameter:
-    """What the saved-tensor hook keeps for a tensor that lives in unit `unit`'s buffer."""
-
-    __slots__ = ("tensor", "unit")
-
-    def __init__(self, unit: int, tensor: torch.Tensor) -> None:
-        self.unit = unit
-        self.tensor = tensor
-
-
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    """Identity of a tensor's storage: the same for every view, kept across `resize_`."""
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
-        return None
-
-
 class ZeroStage3(ZeroOptimizer):
     """Optimizer states, gradients and parameters partitioned; units gathered on use.
 
@@ -86,6 +72,9 @@ class ZeroStage3(ZeroOptimizer):
     `swap_masters`: the fp32 masters are in the inner optimizer's files (`offload="nvme"`).
     `meta_init`: the model was built on the meta device (`tessera.zero.materialize`): each unit
     is initialised in turn and only this rank's slice of it is kept.
+
+    Why so many parameters: the base's keywords plus stage 3's own three (`units`,
+    `offload_params`, `meta_init`); `initialize`/`shard` make it from the policies.
     """
 
     stage = 3
@@ -120,13 +109,19 @@ class ZeroStage3(ZeroOptimizer):
             delayed_update=delayed_update, delayed_update_after=delayed_update_after,
             host_huge_pages=host_huge_pages,
         )  # fmt: skip
+        self._lock = threading.RLock()  # backward hooks may run on autograd's worker threads
+        self._residency = ResidencyScheduler(
+            len(self._units) + 1,  # the root unit 0, then `self._units`
+            bring_in=self._need,
+            prefetch=self._prefetch_behind,
+            end_of_backward=self._end_of_backward,
+            lock=self._lock,
+        )
         self._flats_of_unit: dict[int, list[FlatShard]] = {}
-        self._unit_of_storage: dict[int, int] = {}
         for flat in self.flats:
             unit = self._owner[id(flat.bucket.params[0])]
             self._flats_of_unit.setdefault(unit, []).append(flat)
-            self._unit_of_storage[_storage_key(flat.flat_param)] = unit
-        self._lock = threading.RLock()  # backward hooks may run on autograd's worker threads
+            self._residency.track(flat.flat_param, unit)
         self._gathered: dict[int, Future] = {}
         """Units gathered or being gathered (as decided; the gather may still be queued)."""
         self._active: dict[int, int] = {}
@@ -134,15 +129,8 @@ class ZeroStage3(ZeroOptimizer):
         self._idle: dict[int, None] = {}
         """Gathered units whose modules have all returned: freed when another unit starts."""
         self._calls: list[tuple[nn.Module, tuple[int, ...], Any]] = []
-        self._order: list[int] = []
-        """Units in the order of first use in the last forward with gradients (prefetch order)."""
-        self._position: dict[int, int] = {}
-        """`unit -> index in _order`."""
-        self._recording: list[int] = []
-        self._arrived: dict[int, set[int]] = {}
         self._finished: set[int] = set()
         """Units whose every gradient arrived in the running backward: not prefetched again."""
-        self._end_queued: set[int] = set()
         self._hook_modules()
 
     def _materialize(
@@ -269,12 +257,9 @@ class ZeroStage3(ZeroOptimizer):
             self._wait(future, f"all_gather of ZeRO-3 unit {unit}")
 
     def _wait(self, future: Future, what: str) -> None:
-        try:
-            future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise CollectiveTimeout(
-                dist.get_rank(), what, self.timeout_s, "another rank is not at this unit"
-            ) from None
+        wait_or_raise(
+            future, what, self.timeout_s, dist.get_rank(), "another rank is not at this unit"
+        )
 
     def _release(self, unit: int) -> None:
         """Free a unit's buffers now (after its gather, if one is still in flight)."""
@@ -294,17 +279,10 @@ class ZeroStage3(ZeroOptimizer):
                 if unit not in keep and self._active.get(unit, 0) == 0:
                     self._release(unit)
 
-    def _next_unit(self, unit: int) -> int | None:
-        if not self._order:  # first forward: module order
-            return unit + 1 if unit < len(self._units) else None
-        at = self._position.get(unit, -1)
-        return self._order[at + 1] if 0 <= at < len(self._order) - 1 else None
-
-    def _previous_unit(self, unit: int) -> int | None:
-        if not self._order:
-            return unit - 1 if unit > 0 else None
-        at = self._position.get(unit, 0)
-        return self._order[at - 1] if at > 0 else None
+    def _prefetch_behind(self, unit: int) -> None:
+        """Backward nears `unit` (the one before in order): gather it unless it is done."""
+        if unit not in self._finished:
+            self._request(unit)
 
     # -- forward: module hooks --------------------------------------------------------------
     def _enter(self, units: tuple[int, ...], module: nn.Module, args: tuple) -> None:
@@ -314,11 +292,11 @@ class ZeroStage3(ZeroOptimizer):
             # The outermost hooked forward packs saved parameters by unit. Not a forward run by
             # backward (activation checkpointing's recomputation): its tensors are used at once,
             # and a non-reentrant checkpoint must see them with its own hooks.
-            if not self._calls and torch._C._current_graph_task_id() == -1:
-                saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            if not self._calls and not in_backward():
+                saved_hooks = self._residency.saved_tensors_hooks()
                 saved_hooks.__enter__()
                 if module is self.module:
-                    self._recording = []
+                    self._residency.start_recording()
             self._calls.append((module, units, saved_hooks))
             starting = [unit for unit in units if self._active.get(unit, 0) == 0]
             for unit in units:
@@ -329,9 +307,9 @@ class ZeroStage3(ZeroOptimizer):
                     self._release(unit)
             for unit in starting:
                 self._need(unit)
-                if unit not in self._recording:
-                    self._recording.append(unit)
-                    self._request(self._next_unit(unit))
+                if self._residency.record(unit):
+                    for ahead in self._residency.ahead(unit, 1):
+                        self._request(ahead)
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         """After a module's forward (also when it raised): its units may be freed."""
@@ -348,53 +326,23 @@ class ZeroStage3(ZeroOptimizer):
             if module is self.module and not self._calls:
                 training = torch.is_grad_enabled()
                 if training:
-                    self._order = list(self._recording)
-                    self._position = {unit: at for at, unit in enumerate(self._order)}
+                    self._residency.adopt_recording()
                 # Backward starts with the root (head, final norm): keep it if one may follow.
                 self._release_unused(keep={0} if training else set())
 
-    # -- backward: saved tensors and gradients ----------------------------------------------
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        unit = self._unit_of_storage.get(_storage_key(tensor))
-        return tensor if unit is None else _SavedParameter(unit, tensor)
-
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _SavedParameter):
-            return packed
-        with self._lock:
-            self._queue_end_of_backward()
-            self._need(packed.unit)
-            previous = self._previous_unit(packed.unit)
-            if previous is not None and previous not in self._finished:
-                self._request(previous)
-        return packed.tensor
-
+    # -- backward: the saved tensors are the scheduler's; gradients arriving -------------------
     def _on_gradient_arrived(self, unit: int, param: torch.Tensor) -> None:
         """Free a unit once backward has produced every gradient of it."""
         with self._lock:
-            self._queue_end_of_backward()
-            arrived = self._arrived.setdefault(unit, set())
-            arrived.add(id(param))
-            if len(arrived) == self._size_of_unit[unit]:
-                self._arrived.pop(unit)
+            if self._residency.gradient_arrived(unit, param, self._size_of_unit[unit]):
                 self._finished.add(unit)
                 if self._active.get(unit, 0) == 0:
                     self._release(unit)
 
-    def _queue_end_of_backward(self) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != -1 and task not in self._end_queued:  # -1: not inside a backward
-            self._end_queued.add(task)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                partial(self._end_of_backward, task)
-            )
-
-    def _end_of_backward(self, task: int) -> None:
-        with self._lock:
-            self._end_queued.discard(task)
-            self._arrived.clear()
-            self._finished.clear()
-            self._release_unused()
+    def _end_of_backward(self) -> None:
+        """Backward is over (the scheduler's callback, under the lock): every unit goes."""
+        self._finished.clear()
+        self._release_unused()
 
     # -- the stage's gradient path and step ---------------------------------------------------
     def _reduce_bucket(self, bucket: Bucket) -> None:

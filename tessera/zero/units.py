@@ -22,6 +22,8 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from tessera.memory.blocks import find_blocks
+
 __all__ = ["UnitSpec", "find_units", "parameter_owners", "select_units"]
 
 UnitSpec = type[nn.Module] | str
@@ -29,19 +31,9 @@ UnitSpec = type[nn.Module] | str
 
 
 def find_units(module: nn.Module) -> list[nn.Module]:
-    """Children of `nn.ModuleList`/`nn.Sequential` containers that have parameters, outermost."""
-    units: list[nn.Module] = []
-
-    def visit(parent: nn.Module) -> None:
-        for child in parent.children():
-            container = isinstance(parent, (nn.ModuleList, nn.Sequential))
-            if container and any(p.requires_grad for p in child.parameters()):
-                units.append(child)
-            else:
-                visit(child)
-
-    visit(module)
-    return units
+    """Children of `nn.ModuleList`/`nn.Sequential` containers that have parameters, outermost
+    (`tessera.memory.blocks.find_blocks`; a container child is one unit, gathered whole)."""
+    return find_blocks(module, callable_only=False)
 
 
 def _matches(pattern: str, name: str) -> bool:

@@ -48,7 +48,7 @@ from tessera.comm.shm import atomics, files
 from tessera.comm.shm.segments import PAGE, Segment
 from tessera.errors import CollectiveTimeout, PeerLostError
 
-__all__ = ["Endpoint", "ring_available"]
+__all__ = ["DTYPES", "Endpoint", "ring_available"]
 
 # int64 words of a direction's control page; producer and consumer words on separate lines
 _HEAD, _PRODUCER_SLEEPING, _GENERATION, _SLOTS, _SLOT_BYTES = 0, 1, 2, 3, 4
@@ -61,7 +61,7 @@ _HEADER_WORDS = 16  # slot header: tag, dtype, ndim, nbytes, shape[MAX_DIMS], pa
 _HEADER = 8 * _HEADER_WORDS  # payload offset: 128 bytes, two cache lines
 MAX_DIMS = 8
 _MIN_SLOT = 64 << 10
-_DTYPES = (
+DTYPES = (
     torch.float32,
     torch.float64,
     torch.float16,
@@ -74,6 +74,8 @@ _DTYPES = (
     torch.bool,
     torch.complex64,
 )
+"""Element types a channel carries, each sent as its index here (the slot header's dtype word;
+`pipeline.messages` codes its stage boundaries' dtypes with the same table)."""
 
 
 def ring_available() -> bool:
@@ -223,10 +225,10 @@ class Endpoint:
     def send(self, tensor: torch.Tensor, tag: int) -> None:
         """Copy `tensor` into the next free slot and return (blocks only while the ring is
         full, at most `timeout_s`). Messages arrive in send order; `tag` names each."""
-        if tensor.dtype not in _DTYPES or tensor.dim() > MAX_DIMS:
+        if tensor.dtype not in DTYPES or tensor.dim() > MAX_DIMS:
             raise ValueError(
                 f"rank {self.me}: cannot send a {tensor.dtype} tensor of {tensor.dim()} dims to "
-                f"rank {self.peer} (dtypes {[str(d) for d in _DTYPES]}, at most {MAX_DIMS} dims)"
+                f"rank {self.peer} (dtypes {[str(d) for d in DTYPES]}, at most {MAX_DIMS} dims)"
             )
         what = f"send of tag {tag} to rank {self.peer}"
         words, out = self._words, self._out
@@ -241,7 +243,7 @@ class Endpoint:
             lambda: head - words.load(out + _TAIL) < self.slots, out + _PRODUCER_SLEEPING, what
         )
         slot = head % self.slots
-        header = [tag, _DTYPES.index(tensor.dtype), tensor.dim(), nbytes, *tensor.shape]
+        header = [tag, DTYPES.index(tensor.dtype), tensor.dim(), nbytes, *tensor.shape]
         header += [0] * (_HEADER_WORDS - len(header))
         with torch.no_grad():
             self._data.slot(slot, _HEADER_WORDS, torch.int64).copy_(torch.tensor(header))
@@ -307,7 +309,7 @@ class Endpoint:
         slot = tail % (data.raw.numel() // data.slot_bytes)
         header = data.slot(slot, _HEADER_WORDS, torch.int64).tolist()
         tag, dtype, ndim, nbytes = header[:4]
-        dtype, shape = _DTYPES[dtype], header[4 : 4 + ndim]
+        dtype, shape = DTYPES[dtype], header[4 : 4 + ndim]
         tensor = torch.empty(shape, dtype=dtype)
         tensor.copy_(data.slot(slot, nbytes // dtype.itemsize, dtype, _HEADER).view(shape))
         self._tail = tail + 1

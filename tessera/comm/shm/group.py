@@ -69,11 +69,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from tessera.comm import diagnostics, flight_recorder
+from tessera.comm import diagnostics
 from tessera.comm._ops import PAIRWISE, accumulate_dtype, combine, finish_mean
 from tessera.comm._p2p import GroupInfo
 from tessera.comm.shm import files, futex
 from tessera.comm.shm.segments import NAME_AT, NAME_MAX, PAGE, Segment, probe
+from tessera.runtime import flight_recorder
 
 __all__ = ["SPIN_S", "ShmGroup", "shm_group"]
 

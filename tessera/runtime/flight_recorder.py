@@ -11,9 +11,10 @@ collective times out, the rank writes `DIR/hang-rank-N.json`:
      "stacks": {"thread name": "formatted Python stack", ...}}
 
 Who writes it:
-- tessera's own collectives (every algorithm, shm, and "native" gloo through `tessera.comm`) at
-  their timeout: the error they raise is built here (`timeout_error`, `timeout_with_record`),
-  after the record is written, so the error can name the record's path;
+- tessera's own collectives (every algorithm, shm, and "native" gloo through `tessera.comm`,
+  which registers its history here: `record_collectives_from`) at their timeout: the error
+  they raise is built here (`timeout_error`, `timeout_with_record`), after the record is
+  written, so the error can name the record's path;
 - any rank on SIGTERM or SIGUSR1 (`install_signal_dump`; the launcher and torchrun send SIGTERM
   before SIGKILL), even one stuck inside a native wait (a gloo collective, a futex) that never
   gives the main thread back to Python: a watcher thread, woken through the signal module's
@@ -40,20 +41,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from tessera.comm.diagnostics import (
-    current_wait,
-    describe_label,
-    history,
-    missing_ranks,
-    post_progress,
-)
 from tessera.errors import CollectiveMismatch, CollectiveTimeout
+from tessera.runtime.progress import current_wait, missing_ranks, post_progress
 
 __all__ = [
     "DUMP_DIR_ENV",
@@ -96,21 +91,22 @@ def _rank() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+_collective_sources: list[Callable[[], list[dict[str, Any]]]] = []
+"""Functions returning the collectives this rank called (tessera.comm registers its history)."""
+
+
+def record_collectives_from(source: Callable[[], list[dict[str, Any]]]) -> None:
+    """Put what `source()` returns (one dict per collective, oldest first) into every record.
+
+    The recorder lives below the communication library and imports none of it: `tessera.comm`
+    registers its history here when it is imported.
+    """
+    if source not in _collective_sources:
+        _collective_sources.append(source)
+
+
 def _collectives() -> list[dict[str, Any]]:
-    return [
-        {
-            "seq": entry.seq,
-            "kind": entry.kind,
-            "algorithm": entry.algorithm,
-            "op": entry.op,
-            "shape": list(entry.shape),
-            "dtype": str(entry.dtype).removeprefix("torch."),
-            "group_ranks": list(entry.group_ranks),
-            "call_site": entry.call_site,
-            "issued_by": describe_label(entry.label) if entry.label else None,
-        }
-        for entry in history()
-    ]
+    return [row for source in _collective_sources for row in source()]
 
 
 def _stacks() -> dict[str, str]:

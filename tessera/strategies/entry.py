@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
-from tessera.strategies.batch import LossFn
+from tessera.strategies.batch import LossFn, check_grad_accum
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.precision import check_precision, route_to_policy
 from tessera.strategies.registry import (
     BUILTIN_STRATEGIES,
     STRATEGIES,
@@ -48,6 +50,9 @@ def setup(
     strategy: str = "ddp",
     loss_fn: LossFn | None = None,
     grad_clip: float = 0.0,
+    grad_accum: int = 1,
+    precision: str = "fp32",
+    loss_scaler: DynamicLossScaler | None = None,
     ctx: Context | None = None,
     **options: Any,
 ) -> Engine:
@@ -57,15 +62,28 @@ def setup(
     parameters: ZeRO builds it over this rank's shards). `loss_fn` follows the batch rule of
     `tessera.strategies.batch`: `loss_fn(output, targets)` for `(inputs, targets)` batches,
     `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`). `grad_clip` > 0
-    clips the global gradient norm in `engine.step()`. `options` are the fields of the strategy's
-    policy (e.g. `bucket_cap_mb=` for ddp, `offload="cpu"` for zero1-3). `ctx` defaults to
-    `tessera.init()`. Every rank calls `setup` with the same model (same initial weights).
+    clips the global gradient norm in `engine.step()`. `grad_accum` K > 1 accumulates: each
+    `train_step(batch)` cuts this rank's batch into K micro-batches and reduces the gradients
+    over ranks once, after the last (`Engine.train_step`); a strategy whose policy has
+    `microbatches` (`pipeline`, `hybrid`) accumulates over its micro-batches already and runs K
+    times as many instead. It applies to every strategy, so it is `setup`'s argument, not a
+    policy option. `options` are the fields of the strategy's policy (e.g. `bucket_cap_mb=` for
+    ddp, `offload="cpu"` for zero1-3). `ctx` defaults to `tessera.init()`. Every rank calls
+    `setup` with the same model (same initial weights).
+
+    `precision`: "fp32", "bf16" or "fp16" (autocast compute, fp32 master weights and optimizer
+    state, gradients reduced in the low dtype where the strategy communicates them; fp16 with
+    dynamic loss scaling by `loss_scaler`, default `DynamicLossScaler()`): see
+    `tessera.strategies.precision`.
 
     A model built on the meta device (`with torch.device("meta"): ...`) is taken by `zero3`
     (with or without offload; `init_fn=` as in `tessera.zero.materialize`): each rank
     materialises only its shard. tessera's other strategies refuse it.
     """
+    check_precision(precision, loss_scaler)
     policy = make_policy(strategy, options)
+    policy, precision = route_to_policy(policy, precision)
+    own_low_precision = getattr(policy, "mixed_precision", None) is not None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
@@ -80,12 +98,21 @@ def setup(
         refuse_meta(model, f"strategy {strategy!r}")
     if isinstance(grad_clip, bool) or not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
+    check_grad_accum(grad_accum)
+    names = {field.name for field in dataclasses.fields(policy)}
+    if grad_accum > 1 and "microbatches" in names:  # the pipeline's own accumulation, K-fold
+        policy = dataclasses.replace(policy, microbatches=policy.microbatches * grad_accum)
     if ctx is None:
         from tessera.runtime.context import init
 
         ctx = init()
     build = STRATEGIES[strategy]
-    return build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    engine.grad_accum = grad_accum
+
+    if precision != "fp32":
+        engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)
+    return engine
 
 
 def _any_meta(model: nn.Module) -> bool:

@@ -1,0 +1,129 @@
+"""Dynamic loss scaling for fp16 training: why, and the one rule every strategy applies.
+
+fp16 has 5 exponent bits: its smallest normal number is 2^-14 (subnormals reach 2^-24), and
+many gradients of a trained model are smaller than that, so in fp16 they flush to zero.
+Multiplying the loss by a scale S before backward multiplies every gradient by S (backward is
+linear in the loss) and lifts them into fp16's range; the step divides them by S again before
+clipping and the optimizer, so the update is the unscaled one. A scale too large overflows:
+some gradient becomes inf or nan. Then the step is skipped (no parameter, no optimizer state
+changes), and S is halved. After `growth_interval` clean steps in a row S doubles, probing for
+the largest scale that does not overflow (Micikevicius et al., "Mixed Precision Training",
+ICLR 2018; the defaults are `torch.amp.GradScaler`'s).
+
+Across ranks the decision must be one: under ZeRO, pipeline or tensor parallelism each rank
+holds different gradients, so an inf on one rank alone must skip the step on every rank, or the
+replicas/shards diverge. `unscale_and_check` takes an `all_reduce` that sums a one-element flag
+over the ranks that step together: one small collective per step.
+
+A skipped step is counted (`skipped`), and `state_dict` holds the scale, the clean-step count
+and that counter, so a resumed run scales exactly as the run that never stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["DynamicLossScaler"]
+
+AllReduceSum = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a tensor over the ranks that step together; returns the sum (in place or not)."""
+
+
+class DynamicLossScaler:
+    """The loss scale S of fp16 training: scale the loss, unscale and check the gradients.
+
+    `init_scale` 2^16, `growth_factor` 2, `backoff_factor` 0.5 and `growth_interval` 2000 are
+    `torch.amp.GradScaler`'s defaults. Powers of two keep scaling and unscaling exact (only the
+    exponent changes) as long as nothing overflows or becomes subnormal.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale)) or not (
+            init_scale > 0
+        ):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor!r}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if isinstance(growth_interval, bool) or not (
+            isinstance(growth_interval, int) and growth_interval >= 1
+        ):
+            raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+        self.scale = float(init_scale)
+        """The factor the next backward's loss is multiplied by."""
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+        """Steps without inf/nan since the last change of the scale."""
+        self.skipped = 0
+        """Steps skipped because a gradient was inf or nan (on any rank), over the run."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss * scale`: what backward runs on."""
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale_and_check(
+        self, grads: Iterable[torch.Tensor | None], all_reduce: AllReduceSum | None = None
+    ) -> bool:
+        """Divide `grads` by the scale in place; True if any gradient on any rank is inf/nan.
+
+        `all_reduce` sums the flag over the ranks that step together (None: this process
+        alone). Every such rank must call this, each with its own gradients. Then `update`.
+        """
+        inverse = 1.0 / self.scale
+        bad = torch.zeros(1, dtype=torch.float32)
+        for grad in grads:
+            if grad is None:
+                continue
+            if not bool(torch.isfinite(grad).all()):
+                bad.fill_(1.0)
+            grad.mul_(inverse)
+        if all_reduce is not None:
+            bad = all_reduce(bad)
+        return bool(bad.item() > 0)
+
+    def update(self, found_inf: bool) -> None:
+        """After a step's check: back off (and count the skip) on inf/nan, else maybe grow."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.skipped += 1
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that decides the next scales: for checkpoints (exact resume)."""
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "clean_steps": self.clean_steps,
+            "skipped": self.skipped,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+        self.scale = float(state["scale"])
+        self.growth_factor = float(state["growth_factor"])
+        self.backoff_factor = float(state["backoff_factor"])
+        self.growth_interval = int(state["growth_interval"])
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped = int(state["skipped"])

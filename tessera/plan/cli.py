@@ -1,0 +1,173 @@
+"""`tessera plan`: its flags, the model and cluster they describe, the table, `--json`, `--plot`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tessera.plan.cluster import PRESETS, Cluster, preset
+from tessera.plan.model import ModelSpec, from_module, parse_count
+from tessera.plan.search import PRECISIONS, Estimate, plan
+
+__all__ = ["add_plan_arguments", "model_from_args", "cluster_from_args", "run_plan"]
+
+_CLUSTER_FLAGS = {
+    "devices": "devices",
+    "per_node": "per_node",
+    "device_memory": "memory_bytes",
+    "peak_flops": "peak_flops",
+    "intra": "intra_bandwidth",
+    "inter": "inter_bandwidth",
+}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `tessera plan` (model, cluster, training, output)."""
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt (with --layers ... --vocab), or any --model the trainer accepts "
+        "(PKG.MODULE:FACTORY, hf:CLASS with --model-config): its parameters counted",
+    )
+    for flag, default in (("layers", 0), ("hidden", 0), ("heads", 0), ("seq", 2048), ("vocab", 0)):
+        model.add_argument(f"--{flag}", type=int, default=default)
+    model.add_argument("--params", help="parameter count only (7.5B): model states, no activations")
+    model.add_argument("--model-config", help="hf:CLASS: its config file (JSON/YAML)")
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument(
+        "--cluster", help=f"a preset: {', '.join([*PRESETS, 'this-machine'])} (flags override it)"
+    )
+    cluster.add_argument("--devices", type=int, help="devices in all (default: one node)")
+    cluster.add_argument("--per-node", type=int, help="devices per node")
+    cluster.add_argument("--device-memory", help="memory of one device, e.g. 80GB")
+    cluster.add_argument("--peak-flops", help="peak FLOP/s of one device, e.g. 312T")
+    cluster.add_argument("--intra", help="bandwidth inside a node per device, e.g. 300GB/s")
+    cluster.add_argument("--inter", help="bandwidth across nodes per device, e.g. 25GB/s")
+    train = parser.add_argument_group("training")
+    train.add_argument("--batch", type=int, default=512, help="global batch in sequences")
+    train.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
+    train.add_argument("--tokens", help="tokens to train on (300B): days per strategy")
+    train.add_argument("--achieved-flops", help="measured FLOP/s per device, replaces the peak")
+    train.add_argument("--recompute", choices=["both", "on", "off"], default="both")
+    train.add_argument("--precision", choices=list(PRECISIONS), default="mixed")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--plot", metavar="FILE.png", help="memory and time bars per strategy")
+    out.add_argument("--top", type=int, default=20, help="rows of the table and the plot")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The model the flags describe; ValueError naming the flag when they do not."""
+    if args.params is not None:
+        return ModelSpec(params=parse_count(args.params), seq=args.seq, name=f"{args.params}")
+    if args.model == "gpt":
+        if not (args.layers and args.hidden and args.heads and args.vocab):
+            raise ValueError(
+                "--model gpt needs --layers, --hidden, --heads and --vocab (or --params)"
+            )
+        return ModelSpec.gpt(
+            layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, vocab=args.vocab
+        )
+    from tessera.models.user import model_factory
+
+    module = model_factory(args.model, args.model_config)()
+    return from_module(module, seq=args.seq, name=args.model)
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    """The preset `--cluster` with the flags given over it, or a cluster from the flags alone."""
+    overrides: dict[str, Any] = {}
+    for flag, name in _CLUSTER_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        overrides[name] = value if isinstance(value, int) else parse_count(value, "--" + flag)
+    if args.cluster:
+        return preset(args.cluster, **overrides)
+    missing = [f"--{f.replace('_', '-')}" for f, n in _CLUSTER_FLAGS.items() if n not in overrides]
+    missing = [m for m in missing if m not in ("--per-node",)]
+    if missing:
+        raise ValueError(f"without --cluster, give {', '.join(missing)}")
+    overrides.setdefault("per_node", overrides["devices"])
+    return Cluster(**overrides)
+
+
+def report(model: ModelSpec, estimates: list[Estimate], rate: float) -> dict[str, Any]:
+    """The `--json` object: params, flops_per_iteration (of the best strategy, recomputation
+    included when it recomputes), and every strategy best first."""
+    best = estimates[0]
+    s = best.strategy
+    return {
+        "model": model.name,
+        "params": model.params,
+        "flops_per_iteration": best.compute_s * s.dp * s.tp * s.pp * rate,
+        "strategies": [e.to_json() for e in estimates],
+    }
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """`tessera plan`: predict, print (table or JSON), plot."""
+    model = model_from_args(args)
+    cluster = cluster_from_args(args)
+    recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+    achieved = parse_count(args.achieved_flops, "--achieved-flops") if args.achieved_flops else None
+    estimates = plan(
+        model,
+        cluster,
+        batch=args.batch,
+        microbatch=args.microbatch,
+        tokens=parse_count(args.tokens, "--tokens") if args.tokens else None,
+        achieved_flops=achieved,
+        recompute=recompute,
+        precision=args.precision,
+    )
+    if args.json:
+        print(json.dumps(report(model, estimates, achieved or cluster.peak_flops)))
+    else:
+        _print_table(model, cluster, estimates[: args.top])
+    if args.plot:
+        from tessera.plan.plot import plot_estimates
+
+        plot_estimates(
+            estimates[: args.top],
+            args.plot,
+            title=f"{model.name} on {cluster.name}",
+            memory_limit=cluster.memory_bytes,
+        )
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _print_table(model: ModelSpec, cluster: Cluster, estimates: list[Estimate]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gb = 1e9
+    table = Table(title=f"tessera plan: {model.name}, {model.params / 1e9:.3g}B parameters")
+    for column in (
+        "strategy", "params GB", "grads GB", "optim GB", "act GB", "total GB", "fits",
+        "compute s", "comm s", "bubble s", "step s", "tokens/s", "days",
+    ):  # fmt: skip
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for e in estimates:
+        table.add_row(
+            e.strategy.name,
+            f"{e.params / gb:.2f}",
+            f"{e.grads / gb:.2f}",
+            f"{e.optimizer / gb:.2f}",
+            f"{e.activations / gb:.2f}",
+            f"{e.memory_bytes / gb:.2f}",
+            "yes" if e.fits else "no",
+            f"{e.compute_s:.3g}",
+            f"{e.comm_s + e.offload_s:.3g}",
+            f"{e.bubble_s:.3g}",
+            f"{e.step_s:.3g}",
+            f"{e.tokens_per_s:,.0f}",
+            "" if e.days is None else f"{e.days:.1f}",
+        )
+    console = Console(width=200)
+    console.print(cluster.describe())
+    console.print(table)

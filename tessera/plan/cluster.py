@@ -1,0 +1,233 @@
+"""What the planner assumes about the machines: `Cluster`, its presets, and this machine measured.
+
+A cluster is devices grouped in nodes, each device with memory and a peak matmul rate, linked
+inside a node (NVLink) and across nodes (InfiniBand) by links of a bandwidth and a latency. The
+planner turns a link into `tessera.comm.cost.CostParams` (α = latency, β = 1/bandwidth) and asks
+the cost model for each collective, so the same alpha-beta-gamma formulas price a DGX and the
+processes of this machine.
+
+`this_machine()` measures instead of assuming: the matmul rate of one rank (a float32 `mm`, with
+the thread count a rank of `--nproc` ranks gets) and the cost model's constants fitted by
+`tessera.comm.calibrate` on two local ranks. Both are cached in a JSON file, so a run measures
+once per machine (`recalibrate=True` measures again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from tessera.comm.cost import CostParams
+
+__all__ = ["CACHE_FILE", "PRESETS", "Cluster", "matmul_rate", "preset", "this_machine"]
+
+CACHE_FILE = (
+    Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    / "tessera"
+    / ("this-machine.json")
+)
+"""Where `this_machine` keeps what it measured."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Cluster:
+    """Devices, their memory and speed, and the two kinds of links between them."""
+
+    name: str = "custom"
+    devices: int
+    per_node: int
+    memory_bytes: float
+    """Memory of one device (what must hold its model states and activations)."""
+    peak_flops: float
+    """Peak (dense 16-bit tensor core, or measured matmul) FLOP/s of one device."""
+    intra_bandwidth: float
+    """Bytes/s one device sends to another inside a node (one direction)."""
+    inter_bandwidth: float
+    """Bytes/s one device sends across nodes (its share of the node's network)."""
+    intra_latency: float = 5e-6
+    inter_latency: float = 1e-5
+    host_bandwidth: float = 25e9
+    """Bytes/s between a device and host memory (PCIe), for offload cpu."""
+    cpu_adam_bytes_per_s: float = 50e9
+    """Host memory bandwidth for CPU Adam: 28 bytes per parameter per step (FORMULAS.md)."""
+    nvme_bandwidth: float = 3e9
+    """Bytes/s to and from NVMe, for offload nvme."""
+    reduce_bytes_per_s: float = 1.5e12
+    """Bytes/s a device adds two vectors (γ = 1/this): its memory bandwidth."""
+    overlap: bool = True
+    """Communication can run beside compute (a GPU's copy engines and NICs); False where the
+    same cores do both (CPU ranks on a shared host): nothing is hidden."""
+    algorithms: tuple[str, ...] = ("native",)
+    """Collective algorithms the cost model may choose between (`comm.cost.choose`)."""
+    measured: dict[str, Any] = field(default_factory=dict)
+    """For `this-machine`: what was measured (and when)."""
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        for name in ("memory_bytes", "peak_flops", "intra_bandwidth", "inter_bandwidth"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.devices > self.per_node and self.devices % self.per_node:
+            raise ValueError(
+                f"--devices {self.devices} is not a whole number of nodes of "
+                f"--per-node {self.per_node}"
+            )
+
+    @property
+    def nodes(self) -> int:
+        """Whole nodes (one when the devices fill less than a node)."""
+        return max(1, self.devices // self.per_node)
+
+    def link(self, intra: bool) -> CostParams:
+        """The cost model's constants of one link kind (inside a node if `intra`)."""
+        base = CostParams(**self.measured["cost"]) if "cost" in self.measured else CostParams()
+        if "cost" in self.measured and intra:
+            return base  # this machine: one node, the fitted constants as they are
+        latency = self.intra_latency if intra else self.inter_latency
+        bandwidth = self.intra_bandwidth if intra else self.inter_bandwidth
+        return replace(
+            base,
+            alpha=latency,
+            alpha_native=latency,
+            beta=1.0 / bandwidth,
+            gamma=1.0 / self.reduce_bytes_per_s,
+        )
+
+    def describe(self) -> str:
+        """One line for the top of the plan's table."""
+        return (
+            f"{self.name}: {self.devices} devices, {self.per_node} per node, "
+            f"{self.memory_bytes / 1e9:.0f} GB, {self.peak_flops / 1e12:.3g} TFLOP/s, "
+            f"links {self.intra_bandwidth / 1e9:.3g} GB/s in a node, "
+            f"{self.inter_bandwidth / 1e9:.3g} GB/s across"
+        )
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # NVIDIA DGX A100 (the machines of Narayanan et al. 2021): 8 GPUs per node, 312 TFLOP/s
+    # bf16 dense, NVLink3 300 GB/s each way, 8 x 200 Gb/s HDR InfiniBand per node (25 GB/s per
+    # GPU), PCIe gen4 host links.
+    "a100-80g-dgx": dict(
+        per_node=8,
+        memory_bytes=80e9,
+        peak_flops=312e12,
+        intra_bandwidth=300e9,
+        inter_bandwidth=25e9,
+        host_bandwidth=25e9,
+        reduce_bytes_per_s=2.0e12,
+    ),
+    # NVIDIA DGX H100: 989 TFLOP/s bf16 dense, NVLink4 450 GB/s each way, 8 x 400 Gb/s NDR
+    # (50 GB/s per GPU), PCIe gen5.
+    "h100-80g-dgx": dict(
+        per_node=8,
+        memory_bytes=80e9,
+        peak_flops=989e12,
+        intra_bandwidth=450e9,
+        inter_bandwidth=50e9,
+        host_bandwidth=50e9,
+        reduce_bytes_per_s=3.35e12,
+    ),
+}
+"""Named clusters (`--cluster NAME`); `--devices` says how many devices (default: one node)."""
+
+
+def preset(name: str, devices: int | None = None, **overrides: Any) -> Cluster:
+    """The preset `name` with `devices` devices (default one node) and any field overridden."""
+    if name == "this-machine":
+        return replace(this_machine(ranks=devices or 2), **overrides)
+    if name not in PRESETS:
+        choices = ", ".join([*PRESETS, "this-machine"])
+        raise ValueError(f"unknown --cluster {name!r}; choose one of {choices}")
+    values = {**PRESETS[name], **overrides}
+    return Cluster(name=name, devices=devices or values["per_node"], **values)
+
+
+def matmul_rate(size: int = 512, seconds: float = 0.3) -> float:
+    """FLOP/s of a float32 (size x size) @ (size x size) on this process's threads (median)."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm-up
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / sorted(times)[len(times) // 2]
+
+
+def _calibrate_rank() -> dict[str, float]:
+    """One rank of the calibration: `comm.calibrate` on the default group (two local ranks)."""
+    import torch
+
+    from tessera.comm.calibrate import calibrate
+    from tessera.runtime.context import init
+
+    init()
+    torch.set_num_threads(1)
+    return asdict(calibrate(repeats=9))
+
+
+def _measure(ranks: int) -> dict[str, Any]:
+    import torch
+
+    from tessera.runtime.launch import launch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    try:
+        rate = matmul_rate()
+    finally:
+        torch.set_num_threads(threads)
+    cost = launch(_calibrate_rank, 2, timeout_s=120)[0]
+    return {"matmul_flops": rate, "cost": cost, "ranks": ranks, "measured_at": time.time()}
+
+
+def this_machine(
+    *, ranks: int = 2, cache: Path | None = None, recalibrate: bool = False
+) -> Cluster:
+    """This host as a cluster of `os.cpu_count()` CPU "devices" (one node), measured once.
+
+    peak_flops is the matmul rate of one rank of `ranks` sharing the cores (what the trainer's
+    ranks get: `runtime.context` gives each cores // ranks threads, at least one; more ranks than
+    cores take turns, so each gets cores / ranks of its thread's rate); the links are the cost
+    model fitted by `comm.calibrate` between two local ranks; memory is the host's RAM shared by
+    `ranks` ranks. Measured values are read from `cache` (default `CACHE_FILE`) when present.
+    """
+    path = cache or CACHE_FILE
+    measured: dict[str, Any] | None = None
+    if path.is_file() and not recalibrate:
+        measured = json.loads(path.read_text())
+        if measured.get("ranks") != ranks:
+            measured = None
+    if measured is None:
+        measured = _measure(ranks)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(measured, indent=1))
+    cores = os.cpu_count() or 1
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cost = measured["cost"]
+    return Cluster(
+        name="this-machine",
+        devices=ranks,
+        per_node=max(ranks, cores),
+        memory_bytes=ram / ranks,
+        peak_flops=measured["matmul_flops"] * min(1.0, cores / ranks),
+        intra_bandwidth=1.0 / cost["beta"],
+        inter_bandwidth=1.0 / cost["beta"],
+        intra_latency=cost["alpha_native"],
+        inter_latency=cost["alpha_native"],
+        host_bandwidth=1.0 / cost["mu"],
+        cpu_adam_bytes_per_s=1.0 / cost["mu"],
+        reduce_bytes_per_s=1.0 / cost["gamma"],
+        overlap=False,
+        algorithms=("native", "ring", "shm"),
+        measured=measured,
+    )

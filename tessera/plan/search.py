@@ -1,0 +1,339 @@
+"""Every strategy that applies to a model on a cluster, its memory per device and its step time.
+
+`plan(model, cluster, batch=B, microbatch=b)` enumerates data parallelism (ZeRO 0-3, offload cpu
+or nvme), tensor parallelism t (inside a node), pipeline parallelism p (m = B / (dp b)
+micro-batches, GPipe, 1F1B or interleaved: the last is planned only, tessera's pipeline runs
+naive, gpipe and 1f1b) and their mixes, with and without full activation recomputation, and
+returns an `Estimate` per strategy, best first: those that fit before those that do not, then by
+predicted step time.
+
+The step time is compute + exposed communication + bubble (+ offload traffic):
+* compute: the iteration's FLOPs (`formulas.flops_per_iteration`) over n devices at X FLOP/s
+  each (the cluster's peak, or the measured `achieved_flops`);
+* tensor parallelism: per layer and micro-batch 4 all-reduces of b s h 16-bit values (2 forward,
+  2 backward; 6 when recomputing), inside a node, all exposed (they sit between the matmuls);
+* pipeline: per micro-batch one activation send forward and one gradient send backward of
+  b s h / t values (scatter/gather, Narayanan et al. 2021 section 4.1), exposed;
+* data parallelism: the gradient all-reduce (ZeRO-1: reduce-scatter + all-gather; ZeRO-2 keeps
+  no full gradient, so each of the m accumulated micro-batches reduce-scatters; ZeRO-3 also
+  gathers the parameters for each micro-batch's forward and backward, 1.5x per micro-batch:
+  Rajbhandari et al. 2020 section 7) of this device's Ψ/(t p) parameters, across nodes when the
+  group spans them; without a pipeline it overlaps the backward pass (DDP's
+  buckets) and only what exceeds it is exposed; after a pipeline flush it is all exposed;
+* bubble: `formulas.bubble_fraction(p, m, v)` of the compute;
+* offload: the 4 bytes per parameter PCIe traffic of ZeRO-Offload and CPU Adam's 28 bytes per
+  parameter of host memory traffic; nvme also reads and writes the optimizer state.
+Each collective's time is `tessera.comm.cost.predict` with the cluster's link constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.comm.cost import choose, predict
+from tessera.plan.cluster import Cluster
+from tessera.plan.formulas import bubble_fraction, flops_per_iteration, model_state_bytes
+from tessera.plan.model import ModelSpec
+
+__all__ = ["PRECISIONS", "Estimate", "Strategy", "enumerate_strategies", "estimate", "plan"]
+
+PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+"""Bytes per parameter (parameter, gradient, optimizer state) for Adam: mixed precision (fp16/bf16
+copies, fp32 master + moments; ZeRO's K = 12) or plain fp32 (the parameters are the masters)."""
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to split the work: dp x tp x pp, ZeRO stage, offload, schedule, recomputation."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    offload: str | None = None
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: bool = False
+    chunks: int = 1
+    """Model chunks per device (v) of the interleaved schedule."""
+
+    @property
+    def name(self) -> str:
+        """What the table calls it (the trainer's strategy names where one matches)."""
+        if self.tp == 1 and self.pp == 1:
+            base = "ddp" if self.zero == 0 else f"zero{self.zero}"
+            base += f"+offload-{self.offload}" if self.offload else ""
+            base += f" dp={self.dp}" if self.dp > 1 else ""
+        elif self.dp == 1 and self.pp == 1:
+            base = f"tensor t={self.tp}"
+        elif self.dp == 1 and self.tp == 1:
+            base = f"pipeline p={self.pp}"
+        else:
+            base = f"hybrid dp={self.dp} tp={self.tp} pp={self.pp}"
+            base += f" zero{self.zero}" if self.zero else ""
+        if self.pp > 1:
+            v = f" v={self.chunks}" if self.schedule == "interleaved" else ""
+            base += f" {self.schedule}{v} m={self.microbatches}"
+        return base + (" +recompute" if self.recompute else "")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the planner predicts for one strategy (bytes per device, seconds per step)."""
+
+    strategy: Strategy
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    fits: bool
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    offload_s: float
+    tokens_per_s: float
+    days: float | None
+    host_bytes: float = 0.0
+    """Optimizer state offloaded to host memory (per device), not counted in memory_bytes."""
+
+    @property
+    def memory_bytes(self) -> float:
+        """Everything one device holds: model states and activations."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+    @property
+    def model_state_bytes(self) -> float:
+        """Parameters, gradients and optimizer state (what a run's model_state_mb measures)."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per optimizer step."""
+        return self.compute_s + self.comm_s + self.bubble_s + self.offload_s
+
+    def to_json(self) -> dict[str, Any]:
+        """The `--json` record of this strategy (the schema of issue 22)."""
+        s = self.strategy
+        return {
+            "name": s.name,
+            "dp": s.dp,
+            "tp": s.tp,
+            "pp": s.pp,
+            "zero": s.zero,
+            "offload": s.offload,
+            "microbatches": s.microbatches,
+            "schedule": s.schedule if s.pp > 1 else None,
+            "recompute": s.recompute,
+            "fits": self.fits,
+            "memory_bytes": self.memory_bytes,
+            "memory": {
+                "params": self.params,
+                "grads": self.grads,
+                "optimizer": self.optimizer,
+                "activations": self.activations,
+            },
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "bubble_s": self.bubble_s,
+            "offload_s": self.offload_s,
+            "tokens_per_s": self.tokens_per_s,
+            "days": self.days,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_strategies(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    batch: int,
+    microbatch: int,
+    recompute: tuple[bool, ...] = (False, True),
+) -> list[Strategy]:
+    """Every dp x tp x pp split of the cluster's devices that the batch and the model allow."""
+    n = cluster.devices
+    found: list[Strategy] = []
+    for tp in _divisors(n):
+        if tp > 1 and (tp > cluster.per_node or not model.is_transformer or model.heads % tp):
+            continue  # inside a node, splitting a transformer's heads evenly
+        for pp in _divisors(n // tp):
+            if pp > 1 and (not model.is_transformer or model.layers % pp):
+                continue  # whole layers per stage
+            dp = n // (tp * pp)
+            if batch % (dp * microbatch):
+                continue
+            m = batch // (dp * microbatch)
+            if pp > 1 and m < pp:
+                continue  # fewer micro-batches than stages leaves stages idle by construction
+            zeros = (0,) if dp == 1 else (0, 1, 2, 3) if pp == 1 else (0, 1, 2)
+            for zero in zeros:
+                offloads = (None, "cpu", "nvme") if zero and tp == pp == 1 else (None,)
+                for offload in offloads:
+                    for schedule in SCHEDULES if pp > 1 else ("1f1b",):
+                        chunks = 2 if schedule == "interleaved" else 1
+                        if chunks > 1 and (model.layers // pp) % chunks:
+                            continue
+                        for rc in recompute:
+                            found.append(
+                                Strategy(dp, tp, pp, zero, offload, m, schedule, rc, chunks)
+                            )
+    return found
+
+
+def _collective(cluster: Cluster, nbytes: float, world: int, kind: str, intra: bool) -> float:
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    params = cluster.link(intra)
+    algorithms = cluster.algorithms if kind == "all_reduce" else ("native",)
+    algorithm = choose(nbytes, world, params, candidates=algorithms, kind=kind)
+    return predict(algorithm, nbytes, world, params, kind=kind)
+
+
+def _memory(
+    s: Strategy, model: ModelSpec, cluster: Cluster, microbatch: int, precision: str
+) -> tuple[dict[str, float], float]:
+    param_b, grad_b, optim_b = PRECISIONS[precision]
+    shard = model.params / (s.tp * s.pp)
+    states = model_state_bytes(
+        round(shard), s.dp, s.zero, param_bytes=param_b, grad_bytes=grad_b, optimizer_bytes=optim_b
+    )
+    states = {k: float(v) for k, v in states.items()}
+    states["host"] = 0.0
+    if s.offload:  # the optimizer step runs on the host (CPU Adam), its state in host memory
+        states["host"], states["optimizer"] = states["optimizer"], 0.0
+    layers = model.layers / s.pp
+    in_flight = s.microbatches if s.schedule == "gpipe" else min(s.pp, s.microbatches)
+    kind = "full" if s.recompute else "none"
+    act = model.activation_bytes(microbatch, layers=layers, t=s.tp, recompute=kind) * in_flight
+    if s.recompute:  # the layer being recomputed holds its whole working set for a moment
+        act += model.activation_bytes(microbatch, layers=1, t=s.tp)
+    return states, act * param_b / 2  # Korthikanti's bytes are 16-bit: fp32 doubles them
+
+
+def estimate(
+    s: Strategy,
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    batch: int,
+    microbatch: int,
+    tokens: float | None = None,
+    achieved_flops: float | None = None,
+    precision: str = "mixed",
+) -> Estimate:
+    """Memory per device and step time of strategy `s` (see the module docstring)."""
+    states, act = _memory(s, model, cluster, microbatch, precision)
+    param_b, grad_b, optim_b = PRECISIONS[precision]
+    n = s.dp * s.tp * s.pp
+    flops_rate = achieved_flops or cluster.peak_flops
+    if model.is_transformer:
+        flops = flops_per_iteration(
+            batch, model.seq, model.layers, model.hidden, model.vocab, recompute=s.recompute
+        )
+    else:
+        flops = model.flops_per_token(recompute=s.recompute) * batch * model.seq
+    compute = flops / (n * flops_rate)
+    act_bytes = param_b * microbatch * model.seq * model.hidden  # one b x s x h activation
+    comm = 0.0
+    if s.tp > 1:
+        per_layer = 6 if s.recompute else 4
+        count = s.microbatches * (model.layers / s.pp) * per_layer
+        comm += count * _collective(cluster, act_bytes, s.tp, "all_reduce", intra=True)
+    if s.pp > 1:
+        intra = s.tp * s.pp <= cluster.per_node
+        link = cluster.link(intra)
+        one = link.alpha_native + act_bytes / s.tp * link.beta
+        comm += 2 * s.microbatches * s.chunks * one
+    shard = model.params / (s.tp * s.pp)
+    if s.dp > 1:
+        intra = s.dp * s.tp <= cluster.per_node
+        grads = shard * grad_b
+        gather = _collective(cluster, shard * param_b, s.dp, "all_gather", intra)
+        scatter = _collective(cluster, grads, s.dp, "reduce_scatter", intra)
+        m = s.microbatches if s.pp == 1 else 1  # a pipeline's micro-batches are not accumulation
+        if s.zero == 0:
+            dp_time = _collective(cluster, grads, s.dp, "all_reduce", intra)
+        elif s.zero == 1:
+            dp_time = scatter + gather
+        elif s.zero == 2:  # no full gradient is kept: each accumulated micro-batch reduce-scatters
+            dp_time = m * scatter + gather
+        else:  # and each micro-batch gathers the parameters for its forward and its backward
+            dp_time = m * (scatter + 2 * gather)
+        if s.pp == 1 and cluster.overlap:  # beside the backward (ZeRO-3's gathers: forward too)
+            window = compute if s.zero == 3 else compute * (0.75 if s.recompute else 2 / 3)
+            dp_time = max(0.0, dp_time - window)
+        comm += dp_time
+    offload = 0.0
+    if s.offload:
+        part = shard / s.dp
+        offload = part * (param_b + grad_b) / cluster.host_bandwidth
+        offload += part * 28 / cluster.cpu_adam_bytes_per_s
+        if s.offload == "nvme":
+            offload += 2 * part * optim_b / cluster.nvme_bandwidth
+    bubble = bubble_fraction(s.pp, s.microbatches, s.chunks) * compute
+    step = compute + comm + bubble + offload
+    tokens_per_s = batch * model.seq / step
+    total = states["params"] + states["gradients"] + states["optimizer"] + act
+    return Estimate(
+        strategy=s,
+        params=states["params"],
+        grads=states["gradients"],
+        optimizer=states["optimizer"],
+        activations=act,
+        fits=total <= cluster.memory_bytes,
+        compute_s=compute,
+        comm_s=comm,
+        bubble_s=bubble,
+        offload_s=offload,
+        host_bytes=states["host"],
+        tokens_per_s=tokens_per_s,
+        days=tokens / tokens_per_s / 86400 if tokens else None,
+    )
+
+
+def plan(
+    model: ModelSpec,
+    cluster: Cluster,
+    *,
+    batch: int,
+    microbatch: int = 1,
+    tokens: float | None = None,
+    achieved_flops: float | None = None,
+    recompute: tuple[bool, ...] = (False, True),
+    precision: str = "mixed",
+) -> list[Estimate]:
+    """Every applicable strategy's estimate, best first (fitting ones by step time, then the rest
+    by memory). ValueError if the batch splits no way over the devices."""
+    if batch < 1 or microbatch < 1:
+        raise ValueError(f"--batch and --microbatch must be at least 1 ({batch}, {microbatch})")
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}")
+    strategies = enumerate_strategies(
+        model, cluster, batch=batch, microbatch=microbatch, recompute=recompute
+    )
+    if not strategies:
+        raise ValueError(
+            f"--batch {batch} with --microbatch {microbatch} splits over no data-parallel degree "
+            f"of {cluster.devices} devices: make the batch a multiple of microbatch x dp"
+        )
+    found = [
+        estimate(
+            s,
+            model,
+            cluster,
+            batch=batch,
+            microbatch=microbatch,
+            tokens=tokens,
+            achieved_flops=achieved_flops,
+            precision=precision,
+        )
+        for s in strategies
+    ]
+    return sorted(found, key=lambda e: (not e.fits, e.step_s if e.fits else e.memory_bytes))

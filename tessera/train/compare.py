@@ -1,0 +1,217 @@
+"""`tessera compare`: run each strategy here for a few steps and hold the planner to its numbers.
+
+For the demo GPT (or a `--model` with its `--data`), every strategy that applies to `--nproc N`
+ranks runs `--steps K` steps through the trainer (`run_training`, a run folder each), and its
+measured median step time (the first steps left out: warm-up) and model-state bytes per rank
+are set against what `tessera.plan` predicts for the same split on this machine as
+`tessera plan --cluster this-machine` measured it (matmul rate and the calibrated cost model).
+Model states are compared as the mean over ranks (the planner splits Ψ evenly over stages;
+a pipeline's stages hold unequal shares, but their sum is the model's) and the largest rank.
+The runs are fp32 with AdamW: 4 + 4 + 8 bytes per parameter (`plan.search.PRECISIONS`). What a
+run measures is what a rank holds at the end of a step: the pipeline, tensor and hybrid engines
+have freed their gradients by then (`zero_grad(set_to_none=True)`), so their prediction is compared
+without gradients; offloaded optimizer state lives in this host's memory, which is the "device"
+here, so it is compared with it. ddp does not measure its model states (n/a).
+
+The machine is measured again at the start (`this_machine(recalibrate=True)`): its load changes
+from minute to minute, and a prediction calibrated under another load says little.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.plan.cluster import this_machine
+from tessera.plan.model import from_module
+from tessera.plan.search import Strategy, estimate
+from tessera.train.config_build import build_config
+from tessera.train.metrics import read_metrics
+from tessera.train.run import run_training
+
+__all__ = ["Comparison", "compare_runs", "runs_for"]
+
+GRADIENTS_FREED = ("pipeline", "tensor", "hybrid")
+"""Engines whose gradients are gone when a step's model states are measured (see above)."""
+
+
+def runs_for(
+    nproc: int, microbatches: int, *, model_parallel: bool = True
+) -> list[tuple[str, dict[str, Any], Strategy]]:
+    """The (label, config layer, planner strategy) of each strategy that runs on `nproc` ranks.
+
+    `model_parallel=False` (a `--model` of the user's, which the pipeline and tensor strategies
+    split only with --split / --tp-plan): the data-parallel strategies only.
+    """
+    n, m = nproc, microbatches
+    runs: list[tuple[str, dict[str, Any], Strategy]] = [
+        ("ddp", {"strategy": "ddp"}, Strategy(dp=n)),
+        ("zero1", {"strategy": "zero1"}, Strategy(dp=n, zero=1)),
+        ("zero2", {"strategy": "zero2"}, Strategy(dp=n, zero=2)),
+        ("zero3", {"strategy": "zero3"}, Strategy(dp=n, zero=3)),
+        (
+            "zero2 offload cpu",
+            {"strategy": "zero2", "offload": "cpu"},
+            Strategy(dp=n, zero=2, offload="cpu"),
+        ),
+    ]
+    if not model_parallel:
+        return runs
+    for schedule in ("gpipe", "1f1b"):
+        runs.append(
+            (
+                f"pipeline {schedule}",
+                {"strategy": "pipeline", "schedule": schedule, "microbatches": m},
+                Strategy(dp=1, pp=n, microbatches=m, schedule=schedule),
+            )
+        )
+    runs.append(("tensor", {"strategy": "tensor"}, Strategy(dp=1, tp=n)))
+    if n >= 4 and n % 2 == 0:
+        runs.append(
+            (
+                f"hybrid dp={n // 2} pp=2",
+                {"strategy": "hybrid", "dp": n // 2, "tp": 1, "pp": 2, "microbatches": m},
+                Strategy(dp=n // 2, pp=2, microbatches=m),
+            )
+        )
+    return runs
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One strategy: measured against predicted."""
+
+    label: str
+    measured_step_s: float
+    predicted_step_s: float
+    measured_state_bytes: float
+    """Mean over ranks."""
+    max_state_bytes: float
+    predicted_state_bytes: float
+
+    @property
+    def step_error(self) -> float:
+        """(predicted - measured) / measured."""
+        return self.predicted_step_s / self.measured_step_s - 1
+
+    @property
+    def state_error(self) -> float:
+        """(predicted - measured) / measured, model states per rank (mean over ranks)."""
+        return self.predicted_state_bytes / self.measured_state_bytes - 1
+
+
+def _measure(records: list[dict[str, Any]], skip: int) -> tuple[float, float, float]:
+    kept = records[skip:] or records
+    step = statistics.median(r["step_s"] for r in kept)
+    states = [mb * 2**20 for mb in kept[-1].get("model_state_mb", [])]
+    if not states:
+        return step, float("nan"), float("nan")
+    return step, statistics.fmean(states), max(states)
+
+
+def compare_runs(
+    base: dict[str, Any],
+    *,
+    nproc: int,
+    steps: int,
+    out: Path,
+    skip: int = 2,
+    only: list[str] | None = None,
+    recalibrate: bool = True,
+) -> list[Comparison]:
+    """Run each applicable strategy (`only`: the labels to keep) and compare it with the plan.
+
+    `base` is a config layer (model shape, batch size, `--model` and `--data`, ...) under each
+    strategy's own layer; every run logs each step and writes no checkpoint in between.
+    """
+    from tessera.train.workload import build_workload
+
+    microbatches = int(base.get("microbatches", 4))
+    common = {**base, "nproc": nproc, "steps": steps, "log_every": 1, "progress": False}
+    common.update(checkpoint_every=0, sample_tokens=0)
+    config = build_config(common)
+    model = from_module(build_workload(config).model_fn(), seq=None)
+    cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
+    batch = config.batch_size
+    results = []
+    user_model = base.get("model_factory") is not None
+    for label, layer, strategy in runs_for(nproc, microbatches, model_parallel=not user_model):
+        if only and label not in only:
+            continue
+        folder = out / label.replace(" ", "-").replace("=", "")
+        run_training(build_config(common, layer, {"out": str(folder)}))
+        step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
+        micro = batch // (strategy.dp * strategy.microbatches)
+        plan = estimate(strategy, model, cluster, batch=batch, microbatch=micro, precision="fp32")
+        states = plan.model_state_bytes + plan.host_bytes
+        if layer["strategy"] in GRADIENTS_FREED:
+            states -= plan.grads
+        results.append(Comparison(label, step, plan.step_s, mean_states, max_states, states))
+    (out / "compare.json").write_text(
+        json.dumps([r.__dict__ for r in results], indent=1, default=str)
+    )
+    return results
+
+
+def markdown(results: list[Comparison], nproc: int) -> str:
+    """The table of BENCHMARKS.md: measured, predicted, errors, and the worst of each."""
+    lines = [
+        "| strategy | ranks | step ms measured | predicted | error | model states MB/rank "
+        "(mean, max) | predicted | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.label} | {nproc} | {r.measured_step_s * 1e3:.1f} | "
+            f"{r.predicted_step_s * 1e3:.1f} | {r.step_error:+.0%} | "
+            f"{_mb(r.measured_state_bytes)}, {_mb(r.max_state_bytes)} | "
+            f"{_mb(r.predicted_state_bytes)} | {_pct(r.state_error)} |"
+        )
+    worst_step = max(results, key=lambda r: abs(r.step_error))
+    measured = [r for r in results if r.measured_state_bytes == r.measured_state_bytes]
+    worst_state = max(measured or results, key=lambda r: abs(r.state_error))
+    lines.append("")
+    lines.append(
+        f"Worst step-time error {worst_step.step_error:+.0%} ({worst_step.label}); worst "
+        f"model-state error {worst_state.state_error:+.1%} ({worst_state.label})."
+    )
+    return "\n".join(lines)
+
+
+def _mb(value: float) -> str:
+    return "n/a" if value != value else f"{value / 2**20:.2f}"
+
+
+def _pct(value: float) -> str:
+    return "n/a" if value != value else f"{value:+.1%}"
+
+
+def plot(results: list[Comparison], path: Path, title: str) -> Path:
+    """Measured and predicted step time and model states per strategy, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [r.label for r in results]
+    x = range(len(results))
+    fig, (time_ax, mem_ax) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, measured, predicted, unit in (
+        (time_ax, [r.measured_step_s * 1e3 for r in results],
+         [r.predicted_step_s * 1e3 for r in results], "step time (ms)"),
+        (mem_ax, [r.measured_state_bytes / 2**20 for r in results],
+         [r.predicted_state_bytes / 2**20 for r in results], "model states per rank (MB)"),
+    ):  # fmt: skip
+        ax.bar([i - 0.2 for i in x], measured, width=0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], predicted, width=0.4, label="predicted")
+        ax.set_xticks(list(x), labels, rotation=30, ha="right", fontsize="small")
+        ax.set_ylabel(unit)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

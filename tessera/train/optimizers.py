@@ -1,0 +1,171 @@
+"""The trainer's optimizer and learning-rate schedule: `--optimizer`, `--optimizer-args`,
+`--lr-schedule`, and the checks of `--grad-accum` that go with them.
+
+`--optimizer` is `adamw`, `sgd` or a user's `PKG.MODULE:CLASS` (any `torch.optim.Optimizer`
+subclass, imported like `--model`'s factory: `tessera.data.imports`); it is built with `lr` and,
+where its signature takes it, `weight_decay`, then `--optimizer-args` (a JSON object) on top.
+`--lr-schedule` is `cosine`, `linear` or `constant` after a linear warmup, or a user's
+`PKG.MODULE:FN` whose `FN(step)` is the multiplier of `--lr` at the 0-based step. Every schedule
+is a function of the step only: a resumed run sets exactly the rate of the run that never
+stopped. Under ZeRO the optimizer is built over the flat shards whatever its class (`offload`
+turns AdamW/Adam into `CPUAdam`); any element-wise `torch.optim` class trains through that path.
+
+Everything here that can be refused is refused before a rank starts: the spelling in the config
+(`check_optimizer_options`), the import and one construction on a dummy parameter and one call
+of the schedule in preflight (`check_optimizer_and_schedule`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from collections.abc import Callable
+from functools import partial
+from numbers import Real
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tessera.data.imports import is_reference, load_reference
+from tessera.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tessera.train.config import TrainConfig
+
+__all__ = [
+    "LR_SCHEDULES",
+    "OPTIMIZERS",
+    "check_optimizer_and_schedule",
+    "check_optimizer_options",
+    "lr_at",
+    "lr_factor",
+    "make_optimizer",
+    "optimizer_spec",
+    "parse_optimizer_args",
+]
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def parse_optimizer_args(text: str | None) -> dict[str, Any]:
+    """`--optimizer-args` as keyword arguments (JSON lists become tuples, as `betas` is)."""
+    if text is None:
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--optimizer-args {text!r} is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(
+            f"--optimizer-args must be a JSON object, e.g. '{{\"betas\": [0.9, 0.99]}}', "
+            f"got {text!r}"
+        )
+    return {key: tuple(v) if isinstance(v, list) else v for key, v in values.items()}
+
+
+def check_optimizer_options(config: TrainConfig) -> None:
+    """The spelling of the optimizer and schedule flags, and where `grad_accum` applies."""
+    if config.optimizer not in OPTIMIZERS and not is_reference(config.optimizer):
+        raise ConfigError(
+            f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS} or give "
+            "PKG.MODULE:CLASS"
+        )
+    parse_optimizer_args(config.optimizer_args)
+    if config.lr_schedule not in LR_SCHEDULES and not is_reference(config.lr_schedule):
+        raise ConfigError(
+            f"unknown lr_schedule {config.lr_schedule!r}; choose one of {LR_SCHEDULES} or give "
+            "PKG.MODULE:FN"
+        )
+    if config.grad_accum > 1 and config.strategy == "ps":
+        raise ConfigError(
+            "grad_accum accumulates inside a tessera.setup engine; ps workers push every "
+            "gradient to the servers: use grad_accum 1"
+        )
+
+
+def _takes(cls: type, name: str) -> bool:
+    parameters = inspect.signature(cls.__init__).parameters
+    return name in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+
+
+def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class the config names and its keyword arguments (without params)."""
+    if config.optimizer == "adamw":
+        cls: Any = torch.optim.AdamW
+        kwargs: dict[str, Any] = {"betas": (0.9, 0.95), "weight_decay": config.weight_decay}
+    elif config.optimizer == "sgd":
+        cls, kwargs = torch.optim.SGD, {"momentum": 0.9}  # no weight decay: as before
+    else:
+        cls = load_reference(config.optimizer, what="--optimizer")
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ConfigError(
+                f"--optimizer {config.optimizer!r} is not a torch.optim.Optimizer subclass"
+            )
+        kwargs = {"weight_decay": config.weight_decay} if _takes(cls, "weight_decay") else {}
+    return cls, {"lr": config.lr, **kwargs, **parse_optimizer_args(config.optimizer_args)}
+
+
+def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
+    """The optimizer the config names, over `params` (at the peak lr: the schedule scales it)."""
+    cls, kwargs = optimizer_spec(config)
+    return cls(params, **kwargs)
+
+
+def _builtin_factor(config: TrainConfig, step: int) -> float:
+    """Linear warmup to 1, then cosine or linear to 1/10 over decay_steps (0: constant)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant" or config.decay_steps == 0:
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
+    if config.lr_schedule == "linear":
+        return 1.0 - 0.9 * progress
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+
+def lr_factor(config: TrainConfig) -> Callable[[int], float]:
+    """`step -> multiplier of config.lr`: the built-in schedule, or the user's function."""
+    if config.lr_schedule in LR_SCHEDULES:
+        return partial(_builtin_factor, config)
+    return load_reference(config.lr_schedule, what="--lr-schedule")
+
+
+def lr_at(step: int, config: TrainConfig) -> float:
+    """Learning rate of 0-based `step`."""
+    return config.lr * float(lr_factor(config)(step))
+
+
+def check_optimizer_and_schedule(config: TrainConfig) -> None:
+    """Import what the flags name, build the optimizer on a dummy parameter, call the schedule
+    at step 0: an unknown keyword or a bad value costs one message before any rank starts."""
+    try:
+        make_optimizer(config, [nn.Parameter(torch.zeros(1))])
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        given = f" with --optimizer-args {config.optimizer_args}" if config.optimizer_args else ""
+        cls = optimizer_spec(config)[0]
+        takes = [
+            n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "params")
+        ]
+        raise ConfigError(
+            f"--optimizer {config.optimizer}{given}: {exc} "
+            f"({cls.__name__} takes {', '.join(takes)})"
+        ) from None
+    factor = lr_factor(config)
+    try:
+        value = factor(0)
+    except Exception as exc:
+        raise ConfigError(
+            f"--lr-schedule {config.lr_schedule}: FN(0) raised {type(exc).__name__}: {exc}"
+        ) from exc
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ConfigError(
+            f"--lr-schedule {config.lr_schedule}: FN(step) must return a finite number (the "
+            f"multiplier of --lr), FN(0) returned {value!r}"
+        )

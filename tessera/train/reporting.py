@@ -1,0 +1,88 @@
+"""What rank 0 shows and logs besides metrics.jsonl: progress, and TensorBoard event files.
+
+Progress (`--progress`, on by default): on a terminal, tqdm's bar; when stdout is not a
+terminal (a log file, a pipe, a job scheduler's capture) one plain line per logged step
+(`--log-every`) and per evaluation instead, since a bar's redraws would fill the file with
+carriage returns. `--log-with tensorboard` writes the records as TensorBoard scalars into the
+run folder beside metrics.jsonl, through `torch.utils.tensorboard`; a resumed run purges the
+steps past its checkpoint from the older event files, as metrics.jsonl drops them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from tessera.train.config import TrainConfig
+
+__all__ = ["SCALARS", "Reporter", "plain_line"]
+
+SCALARS = ("loss", "val_loss", "lr", "tokens_per_s", "step_s", "comm_s")
+"""Record fields written as TensorBoard scalars under their own names (memory: see `_memory`)."""
+
+
+def plain_line(record: dict[str, Any], steps: int, unit: str) -> str:
+    """One step's progress as one line of text."""
+    text = f"step {record['step']}/{steps} loss {record['loss']:.4f}"
+    if "val_loss" in record:
+        text += f" val_loss {record['val_loss']:.4f}"
+    return text + f" lr {record['lr']:.3g} {unit}/s {record['tokens_per_s']:,.0f}"
+
+
+def _memory(record: dict[str, Any]) -> dict[str, float]:
+    """The largest rank's peak memory and model states, in MB (as the summary shows them)."""
+    found = {"peak_mem_mb": max(record["peak_mem_mb"])}
+    if record.get("model_state_mb"):
+        found["model_state_mb"] = max(record["model_state_mb"])
+    return found
+
+
+class Reporter:
+    """Rank 0's progress display and TensorBoard writer for one run (`close` when done)."""
+
+    def __init__(
+        self, config: TrainConfig, run_dir: Path, start: int, unit: str, title: str
+    ) -> None:
+        self.steps, self.unit = config.steps, unit
+        self.bar: Any = None
+        self.plain = config.progress and not sys.stdout.isatty()
+        if config.progress and not self.plain:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=config.steps, initial=start, desc=title, unit="step", dynamic_ncols=True
+            )
+        self.writer: Any = None
+        if config.log_with == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: events at or past it in earlier files are dropped (a resumed run
+            # logs those steps again), as MetricsLog drops their lines
+            self.writer = SummaryWriter(str(run_dir), purge_step=start + 1 if start else None)
+
+    def advance(self) -> None:
+        """One step done."""
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, record: dict[str, Any]) -> None:
+        """A record written to metrics.jsonl: show it and log it."""
+        if self.bar is not None:
+            shown = {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            if "val_loss" in record:
+                shown["val_loss"] = f"{record['val_loss']:.3f}"
+            self.bar.set_postfix(shown)
+        if self.plain:
+            print(plain_line(record, self.steps, self.unit), flush=True)
+        if self.writer is not None:
+            values = {name: record[name] for name in SCALARS if name in record}
+            for name, value in {**values, **_memory(record)}.items():
+                self.writer.add_scalar(name, value, record["step"])
+
+    def close(self) -> None:
+        """Close the bar; flush and close the event file."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,236 @@
+"""`tessera plan` and the planner's pieces: the CLI's JSON and plot, models, clusters, bad input.
+
+In-process and cheap: the command runs through `tessera.cli.main` (no subprocess), the cluster
+`this-machine` is read from a cache file written here (measuring it spawns ranks:
+`tessera plan --cluster this-machine` does that once per machine, outside the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tessera.cli import main
+from tessera.models import GPT, GPTConfig
+from tessera.plan import (
+    PRESETS,
+    Cluster,
+    Estimate,
+    ModelSpec,
+    Strategy,
+    estimate,
+    from_module,
+    parse_count,
+    plan,
+    preset,
+    this_machine,
+)
+from tessera.plan.formulas import gpt_params
+from tessera.zero import estimate_memory
+
+GPT3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--seq", "2048", "--vocab", "51200"]
+
+
+def test_plan_json_schema_best_first_and_fits_consistent(capsys):
+    code = main(["plan", *GPT3, "--cluster", "a100-80g-dgx", "--devices", "64",
+                 "--batch", "256", "--tokens", "300B", "--json"])  # fmt: skip
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == pytest.approx(gpt_params(96, 12288, 51200, 2048))
+    assert data["flops_per_iteration"] > 0
+    rows = data["strategies"]
+    keys = {"name", "dp", "tp", "pp", "zero", "offload", "microbatches", "fits", "memory_bytes",
+            "step_s", "tokens_per_s", "days"}  # fmt: skip
+    assert all(keys <= set(row) for row in rows)
+    assert {row["dp"] * row["tp"] * row["pp"] for row in rows} == {64}
+    for row in rows:  # fits is the memory against the device's, the parts add up
+        assert row["fits"] == (row["memory_bytes"] <= 80e9)
+        assert sum(row["memory"].values()) == pytest.approx(row["memory_bytes"])
+        assert row["days"] == pytest.approx(300e9 / row["tokens_per_s"] / 86400)
+        assert row["tokens_per_s"] == pytest.approx(256 * 2048 / row["step_s"])
+    fitting = [row for row in rows if row["fits"]]
+    assert fitting and rows[: len(fitting)] == fitting  # fitting ones first
+    times = [row["step_s"] for row in fitting]
+    assert times == sorted(times)  # best first
+    assert any(row["pp"] > 1 and row["tp"] > 1 for row in rows)  # the mixes are there
+    assert not rows[-1]["fits"]  # 175B on plain data parallelism: 2.8 TB per device
+
+
+def test_plan_plot_and_table(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code = main(["plan", "--params", "1.5B", "--devices", "4", "--device-memory", "16GB",
+                 "--peak-flops", "100T", "--intra", "100GB/s", "--inter", "10GB/s",
+                 "--batch", "8", "--plot", str(png), "--top", "6"])  # fmt: skip
+    assert code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "zero3 dp=4" in out and "tessera plan" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--layers", "4"], "--hidden"),
+        (["--params", "1B", "--devices", "4"], "--device-memory"),
+        (["--params", "1B", "--cluster", "tpu-pod"], "--cluster"),
+        (["--params", "lots", "--cluster", "a100-80g-dgx"], "--params"),
+        (["--params", "1B", "--cluster", "a100-80g-dgx", "--batch", "3"], "--batch"),
+    ],
+)
+def test_plan_bad_input_names_the_flag(argv, flag, capsys):
+    assert main(["plan", *argv]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_estimate_memory_is_zero_and_korthikanti():
+    model = ModelSpec.gpt(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200)
+    cluster = preset("a100-80g-dgx", 8)
+    e = estimate(Strategy(dp=8, zero=3), model, cluster, batch=8, microbatch=1)
+    assert isinstance(e, Estimate)
+    zero = estimate_memory(round(model.params), 8, 3)
+    assert (e.params, e.grads, e.optimizer) == (
+        zero["params"],
+        zero["gradients"],
+        zero["optimizer"],
+    )
+    assert e.activations == 2048 * 2304 * (34 + 5 * 24 * 2048 / 2304) * 24
+    # offload: the optimizer state leaves the device and its traffic is priced
+    off = estimate(Strategy(dp=8, zero=2, offload="cpu"), model, cluster, batch=8, microbatch=1)
+    assert off.optimizer == 0 and off.offload_s > 0
+    # a pipeline keeps min(p, m) micro-batches in flight under 1F1B, m under GPipe
+    one = estimate(Strategy(dp=1, pp=4, microbatches=8), model, cluster, batch=8, microbatch=1)
+    gpipe = estimate(
+        Strategy(dp=1, pp=4, microbatches=8, schedule="gpipe"),
+        model,
+        cluster,
+        batch=8,
+        microbatch=1,
+    )
+    assert gpipe.activations == 2 * one.activations
+    assert one.bubble_s == pytest.approx(3 / 8 * one.compute_s)
+
+
+def test_models_counted_and_parsed():
+    config = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    gpt = from_module(GPT(config))
+    assert (gpt.layers, gpt.hidden, gpt.heads, gpt.seq, gpt.vocab) == (2, 32, 2, 32, 65)
+    assert gpt.params == sum(p.numel() for p in GPT(config).parameters())
+    mlp = from_module(nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 1)), seq=1)
+    assert mlp.params == 10 * 20 + 20 + 20 + 1 and not mlp.is_transformer
+    assert mlp.flops_per_token() == 6 * mlp.params  # documented: 6 x params per token
+    assert [parse_count(x) for x in ("7.5B", "312T", "80GB", "600GB/s", 12)] == [
+        7.5e9, 312e12, 80e9, 600e9, 12.0
+    ]  # fmt: skip
+    # a bare parameter count plans model states only: no tensor or pipeline split
+    found = plan(ModelSpec(params=1e9), preset("h100-80g-dgx"), batch=8)
+    assert {(e.strategy.tp, e.strategy.pp) for e in found} == {(1, 1)}
+    assert all(e.activations == 0 for e in found)
+
+
+def test_presets_and_this_machine_from_its_cache(tmp_path):
+    assert set(PRESETS) == {"a100-80g-dgx", "h100-80g-dgx"}
+    dgx = preset("a100-80g-dgx", 16)
+    assert (dgx.nodes, dgx.peak_flops, dgx.memory_bytes) == (2, 312e12, 80e9)
+    with pytest.raises(ValueError, match="whole number of nodes"):
+        Cluster(devices=12, per_node=8, memory_bytes=1, peak_flops=1, intra_bandwidth=1,
+                inter_bandwidth=1)  # fmt: skip
+    cost = {"alpha": 1e-4, "beta": 1e-9, "gamma": 2e-10, "mu": 1e-10, "sigma": 3e-5,
+            "alpha_native": 5e-5, "cores": 2}  # fmt: skip
+    cache = Path(tmp_path / "machine.json")
+    cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 2}))
+    here = this_machine(cache=cache)
+    assert here.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 2) and here.devices == 2
+    crowded = cache.with_name("four.json")  # 4 ranks on this host's cores take turns
+    crowded.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 4}))
+    four = this_machine(cache=crowded, ranks=4)
+    assert four.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 4) and four.devices == 4
+    assert here.link(intra=True).alpha == 1e-4  # the fitted constants, as fitted
+    assert here.intra_bandwidth == pytest.approx(1e9)
+
+
+def test_train_reports_mfu_from_equation_3(tmp_path, monkeypatch):
+    """One in-process rank: metrics.jsonl and the summary carry MFU = tokens/s x FLOPs/token /
+    peak, FLOPs per token written here from Narayanan et al. eq. (3) without recomputation."""
+    from tessera.train import build_config, latest_checkpoint, load_checkpoint, run_training
+    from tessera.train import mfu as mfu_module
+    from tessera.train.metrics import read_metrics
+
+    monkeypatch.setattr(mfu_module, "device_peak_flops", lambda device, world: (1e9, "test"))
+    model = {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32}
+    config = build_config(
+        {
+            "model": model,
+            "batch_size": 4,
+            "corpus_bytes": 20_000,
+            "sample_tokens": 0,
+            "progress": False,
+            "steps": 2,
+            "log_every": 1,
+            "strategy": "single",
+            "nproc": 1,
+            "out": str(tmp_path / "run"),
+        }  # fmt: skip
+    )
+    summary = run_training(config)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    weights = load_checkpoint(latest_checkpoint(tmp_path / "run"))["engine"]["model"]
+    V = next(w.shape[0] for k, w in weights.items() if k.endswith("wte.weight"))
+    s, h, l = 32, 32, 1  # noqa: E741
+    per_token = 72 * s * l * h**2 * (1 + s / (6 * h) + V / (12 * h * l)) / s
+    assert len(records) == 2
+    for record in records:
+        assert record["mfu"] == pytest.approx(record["tokens_per_s"] * per_token / 1e9)
+    assert summary["mfu"] == pytest.approx(statistics.median(r["mfu"] for r in records))
+    assert summary["mfu_peak"] == "test"
+
+
+def test_mfu_of_a_user_model_is_six_flops_per_parameter_per_token():
+    from tessera.train.mfu import ModelFlops
+
+    model = nn.Linear(10, 10)
+    flops = ModelFlops(6.0 * 110, torch.device("cpu"), 2, peak=(1e3, "test"))
+    assert ModelFlops.for_run(model, torch.device("cpu"), 2).flops_per_token == 6 * 110
+    assert flops.mfu(tokens_per_s=10) == pytest.approx(10 * 660 / 2e3)
+
+
+def test_readme_plan_example_predicts_about_34_days(capsys):
+    """The README's GPT-3 command: its best strategy trains 300B tokens in about Narayanan et
+    al.'s 34 days (compute alone is 8TP/(nX); communication and bubble add a little)."""
+    from test_readme_commands import PLAN_COMMAND, readme
+
+    argv = readme(PLAN_COMMAND)[3:]  # after `python -m tessera`
+    assert main([*argv, "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["strategies"][0]
+    assert best["fits"] and best["recompute"]
+    assert 34 <= best["days"] <= 34 * 1.25
+
+
+def test_compare_pairs_each_trainer_strategy_with_the_planners_and_reports_the_worst():
+    """`tessera compare` (a benchmark: no run here): its runs and its table's errors."""
+    from tessera.train.compare import Comparison, markdown, runs_for
+
+    runs = runs_for(4, microbatches=4)
+    labels = [label for label, _, _ in runs]
+    assert labels[:5] == ["ddp", "zero1", "zero2", "zero3", "zero2 offload cpu"]
+    assert {"pipeline gpipe", "pipeline 1f1b", "tensor", "hybrid dp=2 pp=2"} <= set(labels)
+    for _, layer, strategy in runs:  # the planner's split is the trainer's
+        assert strategy.dp * strategy.tp * strategy.pp == 4
+        if layer["strategy"] == "pipeline":
+            assert (strategy.schedule, strategy.microbatches) == (layer["schedule"], 4)
+    assert "hybrid dp=1 pp=2" not in [label for label, _, _ in runs_for(2, 4)]
+    user = [s.tp * s.pp for _, _, s in runs_for(2, 4, model_parallel=False)]
+    assert user == [1] * 5  # a user's model without --split / --tp-plan: data parallel only
+    results = [
+        Comparison("a", 0.2, 0.25, 100.0, 110.0, 100.0),
+        Comparison("b", 0.4, 0.3, float("nan"), float("nan"), 50.0),
+    ]
+    assert results[0].step_error == pytest.approx(0.25)
+    table = markdown(results, 4)
+    assert "Worst step-time error -25% (b)" in table
+    assert "worst model-state error +0.0% (a)" in table and "n/a" in table
