@@ -210,8 +210,8 @@ def _run_and_gather(jobs: list[tuple[str, TrainConfig]]) -> dict[str, dict[str, 
     build_engine = loop_module.build_engine
     for name, config in jobs:
 
-        def capture(*args: Any) -> Any:
-            engine = build_engine(*args)
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            engine = build_engine(*args, **kwargs)
             built.append(engine)
             return engine
 

@@ -72,6 +72,8 @@ class Reducer:
         engine_kind: str = "DataParallel",
     ) -> None:
         kwargs = {"allocate": allocate} if allocate is not None else {}
+        if release_buffers:  # allocated at the first gradient: set-up never holds them all
+            kwargs["allocate"] = _no_buffer
         self.buckets = assign_buckets(named_params, cap_bytes, **kwargs, units=units)
         self._allocate = allocate
         self.release_buffers = release_buffers
@@ -282,3 +284,8 @@ def _drain(futures: Sequence[Future], timeout_s: float) -> None:
             future.result(timeout=timeout_s)
         except BaseException:  # noqa: BLE001, S110 - already reported by the failing wait
             pass
+
+
+def _no_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty stand-in for a bucket buffer that `_ensure_buffer` allocates when it is needed."""
+    return torch.empty(0, dtype=dtype, device=device)

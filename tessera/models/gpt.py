@@ -6,6 +6,12 @@ MLP with residuals, learned position embeddings, and an output head tied to the 
 with the projections that write into the residual stream scaled by 1/sqrt(2 * n_layer) so the
 residual's variance does not grow with depth.
 
+The initialisation is one function of one module, `GPT.init_module`, applied to every module in
+`modules()` order, and construction itself draws no random numbers (torch.nn's default inits run
+on a forked generator and are overwritten). So a GPT built on the meta device and initialised
+module by module (ZeRO-3 with `init_fn=model.init_module`, `tessera.zero.materialize`) gets the
+same weights as one built whole, on the same seed.
+
 The blocks live in ``self.blocks`` (an ``nn.ModuleList``) and the forward pass is split into
 :meth:`GPT.embed`, the blocks and :meth:`GPT.head`, so pipeline parallelism can cut the model
 between blocks and ZeRO-3/FSDP can wrap each block on its own.
@@ -61,7 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         # One matmul for query, key and value of all heads at once.
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        # Writes into the residual stream: gets the scaled GPT-2 init (see GPT._init_weights).
+        # Writes into the residual stream: gets the scaled GPT-2 init (see GPT.init_module).
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.proj_dropout = nn.Dropout(config.dropout)
 
@@ -118,29 +124,35 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
-        self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        with torch.random.fork_rng():  # the layers' default inits draw nothing from the seed
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embedding
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)  # position embedding
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: one matrix both embeds tokens and scores them; saves vocab * n_embd
         # parameters and helps small models. parameters() yields it once.
         self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)
-        for block in self.blocks:
-            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+        for module in self.modules():
+            self.init_module(module)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_module(self, module: nn.Module) -> None:
+        """GPT-2's init of `module`'s own tensors: N(0, 0.02), residual projections scaled down
+        by 1/sqrt(2 * n_layer), zero biases, unit LayerNorms; the head keeps the embedding's
+        matrix (tied). A no-op on a meta-device module."""
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module is not self.lm_head:  # tied: the embedding initialises it
+                std = 0.02
+                if any(module is b.attn.proj or module is b.mlp.proj for b in self.blocks):
+                    std = 0.02 / math.sqrt(2 * self.config.n_layer)
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids ``(B, T)`` -> residual stream ``(B, T, C)`` (first pipeline stage)."""

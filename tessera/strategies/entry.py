@@ -18,7 +18,12 @@ from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, check_grad_accum
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import check_precision, route_to_policy
-from tessera.strategies.registry import STRATEGIES, policy_class, strategy_names
+from tessera.strategies.registry import (
+    BUILTIN_STRATEGIES,
+    STRATEGIES,
+    policy_class,
+    strategy_names,
+)
 
 __all__ = ["make_policy", "setup"]
 
@@ -70,6 +75,10 @@ def setup(
     state, gradients reduced in the low dtype where the strategy communicates them; fp16 with
     dynamic loss scaling by `loss_scaler`, default `DynamicLossScaler()`): see
     `tessera.strategies.precision`.
+
+    A model built on the meta device (`with torch.device("meta"): ...`) is taken by `zero3`
+    (with or without offload; `init_fn=` as in `tessera.zero.materialize`): each rank
+    materialises only its shard. tessera's other strategies refuse it.
     """
     check_precision(precision, loss_scaler)
     policy = make_policy(strategy, options)
@@ -83,6 +92,10 @@ def setup(
             "lambda params: torch.optim.AdamW(params, lr=1e-3)), not an optimizer: the strategy "
             "chooses the parameters it steps"
         )
+    if strategy in BUILTIN_STRATEGIES and strategy != "zero3" and _any_meta(model):
+        from tessera.zero.materialize import refuse_meta
+
+        refuse_meta(model, f"strategy {strategy!r}")
     if isinstance(grad_clip, bool) or not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
     check_grad_accum(grad_accum)
@@ -100,3 +113,8 @@ def setup(
     if precision != "fp32":
         engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)
     return engine
+
+
+def _any_meta(model: nn.Module) -> bool:
+    """`tessera.zero.materialize.has_meta`, without importing ZeRO for every strategy."""
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])

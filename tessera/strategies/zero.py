@@ -57,7 +57,7 @@ class ZeroEngine(Engine):
     ) -> None:
         policy = policy if policy is not None else ZeroPolicy()
         self.stage = stage
-        self.zero = shard(module, optimizer_factory, stage=stage, policy=policy)
+        self.zero = shard(module, optimizer_factory, stage=stage, policy=policy, device=ctx.device)
         """The ZeRO optimizer (`ZeroStage1/2/3`): reduce-scatter, sharded step, all-gather."""
         super().__init__(
             module,

@@ -146,6 +146,11 @@ class TrainConfig:
     delayed_update_after: int = _option(
         40, "delayed_update: steps run without delay first (the paper's 'few dozen')."
     )
+    meta_init: bool = _option(
+        True,
+        "zero3: build the model on the meta device, each rank materialising only its shard "
+        "(through the model's init_module or each module's reset_parameters); off: build it whole.",
+    )
     activation_checkpointing: bool = _option(
         False,
         "Recompute each GPT block's activations in backward (single, ddp, torch-ddp, local-sgd, "

@@ -10,6 +10,7 @@ exactly the rate of the run that never stopped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -71,8 +72,17 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
     return {}  # single, torch-ddp and users' strategies take no trainer knob
 
 
-def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Context) -> Engine:
-    """`tessera.setup` of `model` as `config` says (strategy, optimizer, clipping, knobs)."""
+def build_engine(
+    config: TrainConfig,
+    model: nn.Module,
+    loss_fn: LossFn,
+    ctx: Context,
+    *,
+    init_fn: Callable[[nn.Module], None] | None = None,
+) -> Engine:
+    """`tessera.setup` of `model` as `config` says (strategy, optimizer, clipping, knobs);
+    `init_fn` initialises a meta-device model under zero3 (`tessera.train.build_model`)."""
+    extra = {"init_fn": init_fn} if init_fn is not None else {}
     return setup(
         model,
         partial(make_optimizer, config),
@@ -84,6 +94,7 @@ def build_engine(config: TrainConfig, model: nn.Module, loss_fn: LossFn, ctx: Co
         loss_scaler=_loss_scaler(config),
         ctx=ctx,
         **policy_options(config),
+        **extra,
     )
 
 

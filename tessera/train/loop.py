@@ -23,6 +23,7 @@ from tessera.errors import CheckpointError
 from tessera.runtime.context import Context, init
 from tessera.runtime.flight_recorder import dump_on_failure, install_signal_dump, reached
 from tessera.strategies import Engine
+from tessera.train.build_model import build_model
 from tessera.train.callbacks import CallbackRunner
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
@@ -182,14 +183,13 @@ def _train(
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
-    torch.manual_seed(config.seed)
-    model = workload.model_fn().to(ctx.device)
+    model, init_fn = build_model(workload, config, ctx.device, announce=ctx.is_main)
     model_flops = ModelFlops.for_run(model, ctx.device, ctx.world_size)  # for MFU, before splits
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
         checkpoint_activations(model)
-    engine = build_engine(config, model, workload.loss_fn, ctx)
+    engine = build_engine(config, model, workload.loss_fn, ctx, init_fn=init_fn)
     scheduler = lr_scheduler(engine, config)  # a function of the step: resume stays exact
     start = _restore(engine, scheduler, ctx, out, workload, config) if resume else 0
     log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
@@ -239,15 +239,10 @@ def _train(
             break
     if reporter is not None:
         reporter.close()
-    weights = engine.full_state_dict()  # collective for strategies that shard the model
+    sample = _sample(engine, workload, ctx.is_main, out)
     engine.close()  # e.g. offload="nvme": its swap files go now, not at interpreter exit
     if not ctx.is_main:
         return None
-    weights = {name: tensor.detach().cpu() for name, tensor in weights.items()}
-    sample = ""
-    if workload.sample is not None:  # the demo GPT's text sample; a user's model has none
-        sample = workload.sample(weights)
-        (out / "sample.txt").write_text(sample)
     summary = _summary(out, config, ctx, sample, time.perf_counter() - wall_start, start)
     if stopped_at is not None:
         summary["steps_this_run"] = stopped_at - start
@@ -258,6 +253,21 @@ def _train(
     if workload.sample is None:
         summary["sample_note"] = "no sample.txt: it is generated for the demo GPT only"
     return summary
+
+
+def _sample(engine: Engine, workload: Workload, is_main: bool, out: Path) -> str:
+    """The demo GPT's text sample, written to sample.txt on rank 0; "" for a user's model.
+
+    Only the sample needs the whole model, gathered on every rank (collective for strategies
+    that shard it): a user's model is never gathered, so no rank of a zero3 run holds it."""
+    if workload.sample is None:
+        return ""
+    weights = engine.full_state_dict()
+    if not is_main:
+        return ""
+    sample = workload.sample({name: t.detach().cpu() for name, t in weights.items()})
+    (out / "sample.txt").write_text(sample)
+    return sample
 
 
 @dataclass

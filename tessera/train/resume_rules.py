@@ -31,6 +31,7 @@ RESUME_MAY_CHANGE = frozenset(
         "eval_every",  # evaluation and logging change no step
         "eval_batches",
         "log_with",
+        "meta_init",  # the same weights either way (tessera.train.build_model); a resume loads them
     }
 )
 """Config keys a resumed run may set differently: none changes what a step computes."""

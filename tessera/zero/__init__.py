@@ -3,7 +3,8 @@
 Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
 (SC 2020). `initialize` wraps a plain model and optimizer class; the result is driven like plain
 PyTorch and trains exactly like one process on the whole batch. Stages 1 and 2 communicate like
-DDP (2Ψ elements per step), stage 3 1.5x that (3Ψ).
+DDP (2Ψ elements per step), stage 3 1.5x that (3Ψ). Stage 3 also takes a model built on the
+meta device and materialises only each rank's shard (`tessera.zero.materialize`).
 """
 
 from tessera.zero.api import STAGES, full_state_dict, initialize, shard

@@ -18,6 +18,7 @@ from tessera.data_parallel.ddp import DataParallel
 from tessera.optim.cpu_adam import CPUAdam
 from tessera.optim.offload import ADAM_OPTIONS, host_optimizer
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
+from tessera.zero.materialize import InitFn, prepare_meta, refuse_meta
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.policy import OffloadPolicy, ZeroPolicy
 from tessera.zero.stage1 import ZeroStage1
@@ -64,6 +65,8 @@ def initialize(
     delayed_update: bool = False,
     delayed_update_after: int = DEFAULT_WARMUP_STEPS,
     bucket_cap_mb: float = 25.0,
+    init_fn: InitFn | None = None,
+    device: torch.device | str | None = None,
     **optimizer_kwargs: Any,
 ) -> tuple[nn.Module, Any]:
     """Shard `model`'s training state over `group` with ZeRO `stage` (0 = plain DDP).
@@ -77,6 +80,12 @@ def initialize(
     `fully_shard`: module classes and/or dotted name patterns (`"blocks.*"`); by default every
     child of an `nn.ModuleList`/`nn.Sequential` with parameters (`tessera.zero.units`).
     `bucket_cap_mb` (stages 0-2) is the gradient bucket size.
+
+    Stage 3 takes a model built on the meta device (`with torch.device("meta"): model = ...`):
+    each rank materialises on `device` (default: the group's, cuda under nccl, else cpu) one unit
+    at a time through `init_fn(module)` or each module's `reset_parameters()`, and keeps only its
+    shard, so no rank holds the whole model (`tessera.zero.materialize`, which says when the
+    values equal the model built whole). The other stages refuse a meta-device model.
 
     `offload="cpu"` (ZeRO-Offload, stages 1-3) runs the step on the host with
     `tessera.optim.CPUAdam` (`optimizer_class` AdamW, Adam or CPUAdam; `tessera.optim.offload`).
@@ -106,6 +115,9 @@ def initialize(
     if offload is None and (nvme_dir is not None or offload_params):
         raise ValueError("nvme_dir and offload_params go with offload='nvme', not offload=None")
     if stage == 0:
+        refuse_meta(model, "ZeRO stage 0 (plain DDP)")
+        if init_fn is not None:
+            raise ValueError("init_fn initialises a meta-device model under ZeRO stage 3 only")
         if mixed_precision is not None:
             raise ValueError("mixed_precision needs stage 1, 2 or 3 (stage 0 is plain DDP)")
         if offload is not None:
@@ -131,9 +143,12 @@ def initialize(
         mixed_precision=mixed_precision,
         units=units,
         offload=offload_policy,
+        init_fn=init_fn,
     )
     make_optimizer = partial(optimizer_class, **optimizer_kwargs)
-    return model, shard(model, make_optimizer, stage=stage, policy=policy, group=group)
+    return model, shard(
+        model, make_optimizer, stage=stage, policy=policy, group=group, device=device
+    )
 
 
 def shard(
@@ -143,8 +158,12 @@ def shard(
     stage: int,
     policy: ZeroPolicy | None = None,
     group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> ZeroOptimizer:
     """Shard `model` with ZeRO `stage` (1-3) as `policy` says; return the ZeRO optimizer.
+
+    Stage 3 materialises a meta-device `model` on `device` (default: the group's), one unit at a
+    time (`tessera.zero.materialize`); stages 1 and 2 refuse one.
 
     `make_optimizer(params)` builds the user's optimizer; it is called on this rank's master
     shards only. Under `policy.offload` it is read once, on a one-element probe, for its class
@@ -158,6 +177,14 @@ def shard(
     if policy.units is not None and stage != 3:
         raise ValueError(f"units= chooses ZeRO-3's gather units; stage {stage} gathers nothing")
     extra: dict[str, Any] = {}
+    if stage == 3:
+        pending = prepare_meta(model, device or _group_device(group), policy.init_fn)
+        if pending is not None:
+            extra["meta_init"] = pending
+    else:
+        refuse_meta(model, f"ZeRO stage {stage}")
+        if policy.init_fn is not None:
+            raise ValueError("init_fn initialises a meta-device model under ZeRO stage 3 only")
     if stage < 3:
         extra["bucket_cap_mb"] = policy.bucket_cap_mb
     if policy.units is not None:
@@ -183,6 +210,13 @@ def shard(
     )
     model._tessera_zero = optimizer  # full_state_dict(model) finds the shards here
     return optimizer
+
+
+def _group_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a meta-device model is materialised by default: the current GPU under nccl."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _host_factory(

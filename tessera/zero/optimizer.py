@@ -50,6 +50,7 @@ from tessera.runtime.context import current_context
 from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
 from tessera.zero.masters import HeldMasters, SwappedMasters
+from tessera.zero.materialize import storageless
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
 
@@ -117,7 +118,9 @@ class ZeroOptimizer:
         stream.run(_check_same_model, module, group, what=f"ZeRO-{self.stage} model check")
         self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
         """Every rank of the group on this host: stage 1 then all-reduces gradients in place."""
-        everything = list(module.parameters()) + list(module.buffers())
+        everything = [  # not a meta-device model's parameters: no memory, sent unit by unit
+            t for t in [*module.parameters(), *module.buffers()] if t.untyped_storage().nbytes()
+        ]
         if self.world > 1:  # (a one-rank group has nothing to copy; the flat copy costs a model)
             stream.run(broadcast_from_first, everything, group, what="parameter broadcast")
         # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
@@ -125,7 +128,7 @@ class ZeroOptimizer:
         sources = {id(p): p.detach() for _, p in named}
         if mixed_precision == "bf16":
             for _, param in named:  # filled from `sources` by _make_flat: untouched until then
-                param.data = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device)
+                param.data = storageless(param.shape, torch.bfloat16, param.device)
         world = self.world
         self.reducer = Reducer(
             named,

@@ -7,7 +7,7 @@ huge pages of `offload="cpu"`, for one, were once set by `initialize` and not by
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,9 @@ class ZeroPolicy:
     """Stage 3: module classes and/or name patterns gathered as one (default: every block)."""
     offload: OffloadPolicy | str | None = None
     """Offload of the optimizer step and state, or None."""
+    init_fn: Callable[[Any], None] | None = None
+    """Stage 3, a model built on the meta device: `init_fn(module)` initialises each module's own
+    tensors (default: the module's `reset_parameters()`); see `tessera.zero.materialize`."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_cap_mb, bool) or not self.bucket_cap_mb > 0:
@@ -95,6 +98,8 @@ class ZeroPolicy:
             raise ValueError(
                 f"mixed_precision must be None or 'bf16', got {self.mixed_precision!r}"
             )
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise ValueError(f"init_fn must be a function of one module, got {self.init_fn!r}")
         if isinstance(self.offload, str):
             object.__setattr__(self, "offload", OffloadPolicy(device=self.offload))
         elif self.offload is not None and not isinstance(self.offload, OffloadPolicy):

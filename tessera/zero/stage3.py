@@ -45,14 +45,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.data_parallel.bucket import Bucket
+from tessera import comm
+from tessera.comm.stream import stream_for
+from tessera.data_parallel.bucket import Bucket, assign_buckets
 from tessera.memory.residency import ResidencyScheduler, in_backward
 from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
-from tessera.zero.optimizer import FlatShard, ZeroOptimizer
+from tessera.zero.materialize import PendingInit, materialize_shards
+from tessera.zero.optimizer import FlatShard, ZeroOptimizer, _check_same_model
+from tessera.zero.partition import padded_numel, shard_range
 from tessera.zero.units import UnitSpec, find_units, parameter_owners, select_units
 
 __all__ = ["ZeroStage3", "find_units"]
+
+_ONE_BUCKET_MB = 2**40
+"""Stage 3's bucket cap: one bucket per unit (and dtype), whatever its size."""
 
 
 class ZeroStage3(ZeroOptimizer):
@@ -63,9 +70,11 @@ class ZeroStage3(ZeroOptimizer):
     `offload_params`: this rank's parameter partition is the inner optimizer's (an `NVMeAdam`
     with `swap_params=True`): no copy is kept in memory, each gather reads it from disk.
     `swap_masters`: the fp32 masters are in the inner optimizer's files (`offload="nvme"`).
+    `meta_init`: the model was built on the meta device (`tessera.zero.materialize`): each unit
+    is initialised in turn and only this rank's slice of it is kept.
 
-    Why so many parameters: the base's keywords plus stage 3's own two (`units`,
-    `offload_params`); `initialize`/`shard` make it from the policies.
+    Why so many parameters: the base's keywords plus stage 3's own three (`units`,
+    `offload_params`, `meta_init`); `initialize`/`shard` make it from the policies.
     """
 
     stage = 3
@@ -84,14 +93,19 @@ class ZeroStage3(ZeroOptimizer):
         delayed_update: bool = False,
         delayed_update_after: int = DEFAULT_WARMUP_STEPS,
         host_huge_pages: bool = False,
+        meta_init: PendingInit | None = None,
     ) -> None:
         self._units = select_units(module, units)
         self._offload_params = offload_params
         self._shards: list[torch.Tensor] = []
+        self._initial: dict[int, tuple[list[str], torch.Tensor]] | None = None
+        """A meta-device model's first values: per bucket, its names and this rank's slice."""
+        if meta_init is not None:
+            self._initial = self._materialize(module, meta_init, group)
         # One bucket per unit, whatever its size: the cap never splits one.
         super().__init__(
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
-            bucket_cap_mb=2**40, swap_masters=swap_masters or offload_params,
+            bucket_cap_mb=_ONE_BUCKET_MB, swap_masters=swap_masters or offload_params,
             delayed_update=delayed_update, delayed_update_after=delayed_update_after,
             host_huge_pages=host_huge_pages,
         )  # fmt: skip
@@ -119,11 +133,50 @@ class ZeroStage3(ZeroOptimizer):
         """Units whose every gradient arrived in the running backward: not prefetched again."""
         self._hook_modules()
 
+    def _materialize(
+        self, module: nn.Module, pending: PendingInit, group: dist.ProcessGroup | None
+    ) -> dict[int, tuple[list[str], torch.Tensor]]:
+        """Initialise a meta-device model unit by unit; this rank's slice of each bucket."""
+        self.module = module
+        named, units = self._ordered_parameters()
+        cap = int(_ONE_BUCKET_MB * 2**20)  # the buckets the base's reducer will make
+        buckets = assign_buckets(named, cap, allocate=_no_buffer, units=units)
+        stream = stream_for(group)
+        stream.run(_check_same_model, module, group, what="ZeRO-3 model check")
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+
+        def broadcast(flat: torch.Tensor) -> None:
+            stream.run(partial(comm.broadcast, group=group), flat, src, what="initial values")
+
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        slices = materialize_shards(
+            module, pending, buckets, self._owner, world=world, rank=rank, broadcast=broadcast
+        )
+        return {b.index: (list(b.names), slices[b.index]) for b in buckets}
+
+    def _initial_sources(self, bucket: Bucket) -> dict[int, torch.Tensor]:
+        """A meta-device model's values for `_make_flat`: right in this rank's slice (all the
+        stage keeps), zero elsewhere; one unit of memory, freed once the flat is made."""
+        assert self._initial is not None
+        names, part = self._initial.pop(bucket.index)
+        if names != bucket.names:
+            raise RuntimeError(f"ZeRO-3 bucket {bucket.index} holds {bucket.names}, not {names}")
+        numel = bucket.offsets[-1]
+        lo, hi = shard_range(numel, self.world, self.rank)
+        flat = torch.zeros(padded_numel(numel, self.world), dtype=part.dtype, device=part.device)
+        flat[lo:hi] = part
+        return {
+            id(param): flat[bucket.offsets[i] : bucket.offsets[i + 1]].view(param.shape)
+            for i, param in enumerate(bucket.params)
+        }
+
     def _make_flat(
         self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
     ) -> FlatShard:
         """The base's flat, then this rank's shard kept and the full buffer freed at once (so
         set-up never holds the whole model twice)."""
+        if self._initial is not None:
+            sources = self._initial_sources(bucket)
         flat = super()._make_flat(bucket, sources, master)
         # Under DPU the gathers read a copy: the background step writes the master meanwhile.
         if (self.mixed_precision is None and self.delayed is None) or self._offload_params:
@@ -323,3 +376,7 @@ class ZeroStage3(ZeroOptimizer):
 
     def _parameter_shards(self) -> list[torch.Tensor]:
         return list(self._shards)
+
+
+def _no_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)  # layouts only: no gradient buffer
