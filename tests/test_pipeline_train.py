@@ -42,8 +42,11 @@ def _oracle(dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], int]:
     Returns the final state and how many steps clipping acted (the test needs it to act)."""
     text = load_corpus("stdlib", max_bytes=TINY["corpus_bytes"])
     tokenizer = CharTokenizer.from_text(text)
+    tokens = tokenizer.encode_tensor(text)
     batches = LMBatches(
-        tokenizer.encode_tensor(text), block_size=32, global_batch_size=TINY["batch_size"]
+        tokens[: int(tokens.numel() * 0.9)],  # the trainer holds out the corpus's last tenth
+        block_size=32,
+        global_batch_size=TINY["batch_size"],
     )
     torch.manual_seed(0)  # the trainer's seed: the same initial weights
     model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **TINY["model"])).to(dtype)

@@ -192,22 +192,9 @@ def _train(
     engine = build_engine(config, model, workload.loss_fn, ctx, init_fn=init_fn)
     scheduler = lr_scheduler(engine, config)  # a function of the step: resume stays exact
     start = _restore(engine, scheduler, ctx, out, workload, config) if resume else 0
-    log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
-    note_restart(log, start, ctx.world_size)  # a restarted run says so in metrics.jsonl
+    watch = _Watchers.start(config, workload, ctx, out, start, callbacks, model_flops)
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
     extra = {**workload.identity, "config": config_to_dict(config)}
-    reporter = None
-    if ctx.is_main:
-        title = f"{config.strategy} x{ctx.world_size}"
-        reporter = Reporter(config, out, start, workload.unit, title)
-    watch = _Watchers(
-        log,
-        reporter,
-        Evaluator(config, workload, ctx, _to_device),
-        CallbackRunner(callbacks, ctx),
-        workload.tokens_per_step,
-        model_flops,
-    )
     stopped_at: int | None = None
     wall_start = time.perf_counter()
     for step in range(start, config.steps):
@@ -226,8 +213,8 @@ def _train(
         done = step + 1
         measured = {"loss": loss, "step_s": step_s, "comm_s": engine.comm_seconds}
         stop = _observe(watch, engine, ctx, config, done, measured, lr)
-        if reporter is not None:
-            reporter.advance()
+        if watch.reporter is not None:
+            watch.reporter.advance()
         if (
             stop
             or done == config.steps
@@ -237,8 +224,8 @@ def _train(
         if stop:  # a callback raised StopTraining on rank 0; every rank ends here
             stopped_at = done
             break
-    if reporter is not None:
-        reporter.close()
+    if watch.reporter is not None:
+        watch.reporter.close()
     sample = _sample(engine, workload, ctx.is_main, out)
     engine.close()  # e.g. offload="nvme": its swap files go now, not at interpreter exit
     if not ctx.is_main:
@@ -282,6 +269,29 @@ class _Watchers:
     tokens_per_step: int
     model_flops: ModelFlops
     """For the MFU of each logged record (its peak is measured on rank 0 only, when first asked)."""
+
+    @classmethod
+    def start(
+        cls,
+        config: TrainConfig,
+        workload: Workload,
+        ctx: Context,
+        out: Path,
+        start: int,
+        callbacks: Sequence[Any],
+        model_flops: ModelFlops,
+    ) -> _Watchers:
+        """The watchers of a run that starts after step `start` (metrics.jsonl continues there,
+        and says so where the run restarted)."""
+        log = MetricsLog(out / "metrics.jsonl", resume_from_step=start) if ctx.is_main else None
+        note_restart(log, start, ctx.world_size)
+        reporter = None
+        if ctx.is_main:
+            title = f"{config.strategy} x{ctx.world_size}"
+            reporter = Reporter(config, out, start, workload.unit, title)
+        evaluator = Evaluator(config, workload, ctx, _to_device)
+        runner = CallbackRunner(callbacks, ctx)
+        return cls(log, reporter, evaluator, runner, workload.tokens_per_step, model_flops)
 
 
 def _observe(
