@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/tessera train
 
-# two tests at a time (pytest-xdist): see the dev extra in pyproject.toml for why
+# three tests at a time (pytest-xdist): see the dev extra in pyproject.toml for why
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist worksteal
+	$(BIN)/python -m pytest -q -n 3 --dist worksteal
 
 # benchmarks/federated.py with Flower beside tessera: its own venv (Flower pins older packages)
 $(FL_VENV)/.installed: pyproject.toml constraints.txt
