@@ -234,3 +234,31 @@ def test_compare_pairs_each_trainer_strategy_with_the_planners_and_reports_the_w
     table = markdown(results, 4)
     assert "Worst step-time error -25% (b)" in table
     assert "worst model-state error +0.0% (a)" in table and "n/a" in table
+
+
+def test_compare_prices_compute_at_the_rate_a_rank_achieves_with_the_planners_flops():
+    """`tessera compare` measures the rate of a rank's own step (no communication) and counts
+    its FLOPs as the planner does, so a one-rank, communication-free plan takes the measured
+    time: what the comparison then tests is the planner's communication and bubbles."""
+    from tessera.plan.cluster import PRESETS, Cluster
+    from tessera.plan.model import from_module
+    from tessera.plan.search import Strategy, estimate
+    from tessera.train.compare import achieved_rate, iteration_flops
+    from tessera.train.config_build import build_config
+    from tessera.train.workload import build_workload
+
+    config = {
+        "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
+        "batch_size": 8,
+        "corpus_bytes": 50_000,
+        "nproc": 1,
+    }
+    model = from_module(build_workload(build_config(config)).model_fn(), seq=None)
+    cluster = Cluster(name="one", devices=1, **PRESETS["a100-80g-dgx"])
+    plan = estimate(
+        Strategy(dp=1), model, cluster, batch=8, microbatch=8, achieved_flops=1e9, precision="fp32"
+    )
+    assert plan.compute_s == pytest.approx(iteration_flops(model, 8) / 1e9, rel=1e-12)
+    assert plan.step_s == pytest.approx(plan.compute_s, rel=1e-12)
+    rate = achieved_rate(config, model, 1, repeats=2)  # one rank: its step on the whole batch
+    assert 1e6 < rate < 1e13, rate  # FLOP/s a CPU core reaches on a real step

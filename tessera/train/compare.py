@@ -14,25 +14,33 @@ without gradients; offloaded optimizer state lives in this host's memory, which 
 here, so it is compared with it. ddp does not measure its model states (n/a).
 
 The machine is measured again at the start (`this_machine(recalibrate=True)`): its load changes
-from minute to minute, and a prediction calibrated under another load says little.
+from minute to minute, and a prediction calibrated under another load says little. Compute is
+priced at the rate a rank achieves on this model with the other ranks computing beside it
+(`achieved_rate`: every one of the N ranks times its forward, backward and AdamW step on its
+share of the batch, with no communication), as the planner's `--achieved-flops` takes the
+140 TFLOP/s Megatron-LM measured: a peak matmul rate overstates what a small model's step
+reaches (here by about 2x), and the comparison is then about what the planner adds to compute:
+communication and pipeline bubbles.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tessera.plan.cluster import this_machine
-from tessera.plan.model import from_module
+from tessera.plan.formulas import flops_per_iteration
+from tessera.plan.model import ModelSpec, from_module
 from tessera.plan.search import Strategy, estimate
 from tessera.train.config_build import build_config
 from tessera.train.metrics import read_metrics
 from tessera.train.run import run_training
 
-__all__ = ["Comparison", "compare_runs", "runs_for"]
+__all__ = ["Comparison", "achieved_rate", "compare_runs", "runs_for"]
 
 GRADIENTS_FREED = ("pipeline", "tensor", "hybrid")
 """Engines whose gradients are gone when a step's model states are measured (see above)."""
@@ -112,6 +120,50 @@ def _measure(records: list[dict[str, Any]], skip: int) -> tuple[float, float, fl
     return step, statistics.fmean(states), max(states)
 
 
+def iteration_flops(model: ModelSpec, rows: int) -> float:
+    """FLOPs of one step on `rows` sequences, as the planner counts them (no recomputation)."""
+    if model.is_transformer:
+        return flops_per_iteration(
+            rows, model.seq, model.layers, model.hidden, model.vocab, recompute=False
+        )
+    return model.flops_per_token() * rows * model.seq
+
+
+def _time_local_steps(config: dict[str, Any], repeats: int) -> tuple[int, float]:
+    """On one rank of `achieved_rate`'s launch: (rows, median seconds) of this rank's forward,
+    backward and AdamW step on its share of step 0's batch, with no communication."""
+    import torch
+
+    from tessera.pipeline.microbatch import batch_rows
+    from tessera.runtime.context import init
+    from tessera.strategies.batch import compute_loss
+    from tessera.train.workload import build_workload
+
+    ctx = init()  # the threads the trainer gives a rank: cores // ranks
+    workload = build_workload(build_config(config))
+    torch.manual_seed(0)
+    module = workload.model_fn()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    batch = workload.batches(0, ctx.rank, ctx.world_size)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        began = time.perf_counter()
+        compute_loss(module, batch, workload.loss_fn).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - began)
+    return batch_rows(batch), statistics.median(times[1:])
+
+
+def achieved_rate(config: dict[str, Any], model: ModelSpec, nproc: int, repeats: int = 5) -> float:
+    """FLOP/s one of `nproc` local ranks achieves on the model while the others compute too
+    (each on its rows of the global batch, no communication): the mean over ranks."""
+    from tessera.runtime.launch import launch
+
+    measured = launch(_time_local_steps, nproc, config, repeats)
+    return statistics.fmean(iteration_flops(model, rows) / seconds for rows, seconds in measured)
+
+
 def compare_runs(
     base: dict[str, Any],
     *,
@@ -135,6 +187,7 @@ def compare_runs(
     config = build_config(common)
     model = from_module(build_workload(config).model_fn(), seq=None)
     cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
+    rate = achieved_rate(common, model, nproc)
     batch = config.batch_size
     results = []
     user_model = base.get("model_factory") is not None
@@ -145,7 +198,15 @@ def compare_runs(
         run_training(build_config(common, layer, {"out": str(folder)}))
         step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
         micro = batch // (strategy.dp * strategy.microbatches)
-        plan = estimate(strategy, model, cluster, batch=batch, microbatch=micro, precision="fp32")
+        plan = estimate(
+            strategy,
+            model,
+            cluster,
+            batch=batch,
+            microbatch=micro,
+            achieved_flops=rate,
+            precision="fp32",
+        )
         states = plan.model_state_bytes + plan.host_bytes
         if layer["strategy"] in GRADIENTS_FREED:
             states -= plan.grads
