@@ -6,7 +6,8 @@ What each precision means, whatever the strategy:
 - The parameters the optimizer steps (the master weights) and its state stay fp32.
 - Gradients are communicated in the low dtype where the strategy communicates them: ddp casts
   each bucket for its all-reduce (`tessera.data_parallel.compression.cast_hook`), torch-ddp
-  registers torch's `fp16/bf16_compress_hook`, zero1-3 in bf16 keep bf16 weights and gradients
+  registers a comm hook that all-reduces each bucket in the low dtype (torch's own bf16 hook
+  refuses gloo), zero1-3 in bf16 keep bf16 weights and gradients
   (ZeRO's own `mixed_precision="bf16"`: the reduce-scatter and all-gather move bf16), a pipeline
   sends its activations and their gradients between stages in the dtype autocast produced, and
   hybrid averages a stage's gradients over its dp group in the low dtype (tessera's DDP buckets).

@@ -51,8 +51,9 @@ class TorchDDPEngine(Engine):
         self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
     ) -> None:
         """As `Engine.use_precision`; bf16/fp16 also register a comm hook, so DDP all-reduces
-        each bucket in that dtype (before the first backward: DDP's rule). The hook is torch's
-        `fp16_compress_hook` for any dtype (torch's own bf16 hook refuses gloo)."""
+        each bucket in that dtype (before the first backward: DDP's rule). The hook is our own
+        `_compress_hook`, the shape of torch's `fp16_compress_hook` for either dtype (torch's
+        own bf16 hook refuses gloo)."""
         super().use_precision(precision, loss_scaler, autocast=autocast)
         if precision in DTYPES:
             self.ddp.register_comm_hook(None, _compress_hook(DTYPES[precision]))
