@@ -279,6 +279,7 @@ def _compare(args: argparse.Namespace) -> int:
         out=out,
         only=only,
         recalibrate=not args.cached_calibration,
+        repeats=args.repeats,
     )
     table = markdown(results, args.nproc)
     (out / "compare.md").write_text(table + "\n")
@@ -377,6 +378,12 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--data", help="the --model's data, as for tessera train")
     compare.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     compare.add_argument("--steps", type=int, default=8, help="steps per strategy (default 8)")
+    compare.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the list this many times, round-robin, and compare medians (default 1)",
+    )
     compare.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
     compare.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")
     compare.add_argument("--strategies", help="comma-separated labels to run (default: all)")

@@ -129,39 +129,62 @@ def iteration_flops(model: ModelSpec, rows: int) -> float:
     return model.flops_per_token() * rows * model.seq
 
 
-def _time_local_steps(config: dict[str, Any], repeats: int) -> tuple[int, float]:
-    """On one rank of `achieved_rate`'s launch: (rows, median seconds) of this rank's forward,
-    backward and AdamW step on its share of step 0's batch, with no communication."""
+def _time_local_steps(config: dict[str, Any], repeats: int, rows: int) -> tuple[int, list[float]]:
+    """On one rank of `achieved_rate`'s launch: (rows per rank, seconds of each repeat) of this
+    rank's share of an iteration's compute with no communication: its rows of step 0's batch,
+    cut into passes of `rows` rows (forward and backward each, gradients accumulating), then
+    the clip to `grad_clip` and the AdamW step, as the trainer's step does. Every repeat starts
+    on a barrier (outside the timed part), so repeat k of every rank ran at the same time."""
     import torch
+    import torch.distributed as dist
 
-    from tessera.pipeline.microbatch import batch_rows
+    from tessera.pipeline.microbatch import batch_rows, microbatch_sizes, split_rows
     from tessera.runtime.context import init
     from tessera.strategies.batch import compute_loss
     from tessera.train.workload import build_workload
 
     ctx = init()  # the threads the trainer gives a rank: cores // ranks
-    workload = build_workload(build_config(config))
+    train_config = build_config(config)
+    workload = build_workload(train_config)
     torch.manual_seed(0)
     module = workload.model_fn()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     batch = workload.batches(0, ctx.rank, ctx.world_size)
+    share = batch_rows(batch)
+    passes = split_rows(batch, microbatch_sizes(share, max(1, share // max(1, min(rows, share)))))
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
+        if ctx.world_size > 1:
+            dist.barrier()
         began = time.perf_counter()
-        compute_loss(module, batch, workload.loss_fn).backward()
+        for piece in passes:
+            compute_loss(module, piece, workload.loss_fn).backward()
+        if train_config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), train_config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
-    return batch_rows(batch), statistics.median(times[1:])
+    return share, times[1:]
 
 
-def achieved_rate(config: dict[str, Any], model: ModelSpec, nproc: int, repeats: int = 5) -> float:
-    """FLOP/s one of `nproc` local ranks achieves on the model while the others compute too
-    (each on its rows of the global batch, no communication): the mean over ranks."""
+def achieved_rate(
+    config: dict[str, Any],
+    model: ModelSpec,
+    nproc: int,
+    repeats: int = 7,
+    rows: int | None = None,
+) -> float:
+    """FLOP/s of one of `nproc` local ranks on the model while the others compute too (each on
+    its rows of the global batch, in passes of `rows` rows: a strategy's micro-batch; default
+    one pass, no communication), taken as a synchronous step takes it: from the slowest rank of
+    each repeat (the median over repeats)."""
     from tessera.runtime.launch import launch
 
-    measured = launch(_time_local_steps, nproc, config, repeats)
-    return statistics.fmean(iteration_flops(model, rows) / seconds for rows, seconds in measured)
+    per_pass = rows or 1 << 30
+    measured = launch(_time_local_steps, nproc, config, repeats, per_pass)
+    share = measured[0][0]
+    slowest = [max(times) for times in zip(*(times for _, times in measured), strict=True)]
+    return iteration_flops(model, share) / statistics.median(slowest)
 
 
 def compare_runs(
@@ -173,11 +196,16 @@ def compare_runs(
     skip: int = 2,
     only: list[str] | None = None,
     recalibrate: bool = True,
+    repeats: int = 1,
 ) -> list[Comparison]:
     """Run each applicable strategy (`only`: the labels to keep) and compare it with the plan.
 
     `base` is a config layer (model shape, batch size, `--model` and `--data`, ...) under each
-    strategy's own layer; every run logs each step and writes no checkpoint in between.
+    strategy's own layer; every run logs each step and writes no checkpoint in between. Each
+    strategy's compute is priced at the rate `achieved_rate` measures just before its run, at
+    its micro-batch (the machine's load drifts from minute to minute). `repeats` > 1 runs the
+    whole list that many times, round-robin (a slow minute then falls on every strategy, not on
+    one), and compares the medians of the measured and of the predicted step times.
     """
     from tessera.train.workload import build_workload
 
@@ -187,34 +215,63 @@ def compare_runs(
     config = build_config(common)
     model = from_module(build_workload(config).model_fn(), seq=None)
     cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
-    rate = achieved_rate(common, model, nproc)
-    batch = config.batch_size
-    results = []
     user_model = base.get("model_factory") is not None
-    for label, layer, strategy in runs_for(nproc, microbatches, model_parallel=not user_model):
-        if only and label not in only:
-            continue
-        folder = out / label.replace(" ", "-").replace("=", "")
-        run_training(build_config(common, layer, {"out": str(folder)}))
-        step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
-        micro = batch // (strategy.dp * strategy.microbatches)
-        plan = estimate(
-            strategy,
-            model,
-            cluster,
-            batch=batch,
-            microbatch=micro,
-            achieved_flops=rate,
-            precision="fp32",
-        )
-        states = plan.model_state_bytes + plan.host_bytes
-        if layer["strategy"] in GRADIENTS_FREED:
-            states -= plan.grads
-        results.append(Comparison(label, step, plan.step_s, mean_states, max_states, states))
+    chosen = [
+        run
+        for run in runs_for(nproc, microbatches, model_parallel=not user_model)
+        if not only or run[0] in only
+    ]
+    rounds: dict[str, list[Comparison]] = {label: [] for label, _, _ in chosen}
+    for repeat in range(repeats):
+        for label, layer, strategy in chosen:
+            folder = out / label.replace(" ", "-").replace("=", "")
+            folder = folder / f"repeat-{repeat + 1}" if repeats > 1 else folder
+            one = _compare_one(label, common, layer, strategy, model, cluster, folder, skip)
+            rounds[label].append(one)
+    results = [_median_of(label, found) for label, found in rounds.items()]
     (out / "compare.json").write_text(
         json.dumps([r.__dict__ for r in results], indent=1, default=str)
     )
     return results
+
+
+def _compare_one(
+    label: str,
+    common: dict[str, Any],
+    layer: dict[str, Any],
+    strategy: Strategy,
+    model: ModelSpec,
+    cluster: Any,
+    folder: Path,
+    skip: int,
+) -> Comparison:
+    """One strategy's run against its prediction, compute priced at the rate of its micro-batch
+    measured just before it."""
+    batch = int(common.get("batch_size", build_config(common).batch_size))
+    micro = batch // (strategy.dp * strategy.microbatches)
+    rate = achieved_rate(common, model, int(common["nproc"]), rows=micro)
+    run_training(build_config(common, layer, {"out": str(folder)}))
+    step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
+    plan = estimate(
+        strategy, model, cluster, batch=batch, microbatch=micro, achieved_flops=rate,
+        precision="fp32",
+    )  # fmt: skip
+    states = plan.model_state_bytes + plan.host_bytes
+    if layer["strategy"] in GRADIENTS_FREED:
+        states -= plan.grads
+    return Comparison(label, step, plan.step_s, mean_states, max_states, states)
+
+
+def _median_of(label: str, found: list[Comparison]) -> Comparison:
+    """The medians of a strategy's repeats (model states do not vary between them)."""
+    return Comparison(
+        label,
+        statistics.median(c.measured_step_s for c in found),
+        statistics.median(c.predicted_step_s for c in found),
+        found[0].measured_state_bytes,
+        found[0].max_state_bytes,
+        found[0].predicted_state_bytes,
+    )
 
 
 def markdown(results: list[Comparison], nproc: int) -> str:
