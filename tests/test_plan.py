@@ -7,6 +7,7 @@ In-process and cheap: the command runs through `tessera.cli.main` (no subprocess
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -262,3 +263,98 @@ def test_compare_prices_compute_at_the_rate_a_rank_achieves_with_the_planners_fl
     assert plan.step_s == pytest.approx(plan.compute_s, rel=1e-12)
     rate = achieved_rate(config, model, 1, repeats=2)  # one rank: its step on the whole batch
     assert 1e6 < rate < 1e13, rate  # FLOP/s a CPU core reaches on a real step
+
+
+def test_achieved_rate_takes_the_slowest_rank_of_each_repeat():
+    """A synchronous step lasts as long as its slowest rank: repeat by repeat, not rank by rank
+    (the mean of each rank's median would be 1.0 here, the step takes 5.0 twice of three)."""
+    from tessera.train.compare import slowest_median
+
+    assert slowest_median([[1.0, 5.0, 1.0], [5.0, 1.0, 1.0]]) == 5.0
+    assert slowest_median([[2.0, 3.0, 4.0]]) == 3.0
+    with pytest.raises(ValueError):  # ranks that timed different numbers of repeats
+        slowest_median([[1.0, 2.0], [1.0]])
+
+
+def test_compare_repeats_round_robin_and_reports_the_medians(tmp_path, monkeypatch):
+    """`compare_runs(repeats=2)`: each strategy runs twice (a folder per repeat), and the table
+    holds the median of the runs' measured step times (two: their mean) and of the predictions;
+    model states are measured at the end of a step and match ZeRO-2's split."""
+    import tessera.plan.cluster as cluster_module
+    from tessera.train.compare import compare_runs
+    from tessera.train.metrics import read_metrics
+
+    cost = {"alpha": 1e-4, "beta": 1e-9, "gamma": 2e-10, "mu": 1e-10, "sigma": 3e-5,
+            "alpha_native": 5e-5, "cores": 2}  # fmt: skip
+    cache = tmp_path / "machine.json"
+    cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 2}))
+    monkeypatch.setattr(cluster_module, "CACHE_FILE", cache)
+    base = {
+        "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
+        "batch_size": 8,
+        "corpus_bytes": 50_000,
+    }
+    results = compare_runs(
+        base, nproc=2, steps=3, out=tmp_path, skip=1, only=["zero2"], recalibrate=False,
+        repeats=2,
+    )  # fmt: skip
+    assert [r.label for r in results] == ["zero2"]
+    folder = tmp_path / "zero2"
+    runs = [read_metrics(folder / run / "metrics.jsonl") for run in ("repeat-1", "repeat-2")]
+    medians = [statistics.median(r["step_s"] for r in records[1:]) for records in runs]
+    assert results[0].measured_step_s == pytest.approx(statistics.fmean(medians), rel=1e-12)
+    assert results[0].predicted_step_s > 0
+    assert abs(results[0].state_error) < 0.01, results[0]
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved[0]["label"] == "zero2"
+    assert saved[0]["measured_step_s"] == results[0].measured_step_s
+
+
+def test_bubble_on_shared_cores_lends_an_idle_stages_core():
+    """Processes on shared cores: a waiting stage's core goes to the busy ones. Written out here:
+    p = 4 stages, m = 4, 2 cores: the 7 slots of a sweep have 1,2,3,4,3,2,1 stages busy, each
+    slot max(1, k/2) times slower than alone (1,1,1.5,2,1.5,1,1: 9), against 4 slots at the
+    all-busy rate (2 each: 8): 9/8 = 1 + 0.125. With a core per stage it is (p - 1)/m."""
+    from tessera.plan.formulas import bubble_fraction_on_shared_cores as shared
+
+    assert shared(4, 4, replicas=1, cores=2) == pytest.approx(0.125)
+    # two pipelines of 2 stages on 2 cores: slots of 2,4,4,4,2 busy ranks, 1,2,2,2,1 = 8 = 4 x 2
+    assert shared(2, 4, replicas=2, cores=2) == pytest.approx(0.0)
+    for p, m, replicas in ((2, 4, 1), (4, 16, 2), (8, 8, 1)):
+        assert shared(p, m, replicas, cores=p * replicas) == pytest.approx((p - 1) / m)
+    with pytest.raises(ValueError, match="at least 1"):
+        shared(4, 4, replicas=1, cores=0)
+    # the planner uses it where the cluster says its devices share cores, and only there
+    model = ModelSpec.gpt(layers=4, hidden=128, heads=4, seq=128, vocab=65)
+    dedicated = Cluster(name="four", devices=4, per_node=4, memory_bytes=1e9, peak_flops=1e10,
+                        intra_bandwidth=1e9, inter_bandwidth=1e9)  # fmt: skip
+    crowded = dataclasses.replace(dedicated, shared_cores=2)
+    pipeline = Strategy(dp=1, pp=4, microbatches=4, schedule="gpipe")
+    alone = estimate(pipeline, model, dedicated, batch=32, microbatch=8)
+    shared_run = estimate(pipeline, model, crowded, batch=32, microbatch=8)
+    assert alone.bubble_s == pytest.approx(0.75 * alone.compute_s)
+    assert shared_run.bubble_s == pytest.approx(0.125 * shared_run.compute_s)
+    data_parallel = estimate(Strategy(dp=4), model, crowded, batch=32, microbatch=8)
+    assert data_parallel.bubble_s == 0
+
+
+def test_tensor_parallel_ranks_hold_norms_row_biases_and_positions_whole():
+    """Counted here from tessera's GPT module by name: what Megatron keeps whole on every tensor
+    rank (layer norms, the biases of the row-parallel projections, the position embedding);
+    the planner splits the rest over t."""
+    config = GPTConfig(vocab_size=96, block_size=64, n_layer=3, n_embd=48, n_head=4)
+    module = GPT(config)
+    whole = sum(
+        p.numel()
+        for name, p in module.named_parameters()
+        if ".ln_" in name or name.startswith("ln_f") or name.endswith("proj.bias") or "wpe" in name
+    )
+    spec = from_module(module)
+    assert spec.tensor_replicated_params() == whole
+    cluster = Cluster(name="two", devices=2, per_node=2, memory_bytes=1e9, peak_flops=1e10,
+                      intra_bandwidth=1e9, inter_bandwidth=1e9)  # fmt: skip
+    tp = estimate(Strategy(dp=1, tp=2), spec, cluster, batch=4, microbatch=4, precision="fp32")
+    assert tp.params == pytest.approx(4 * ((spec.params - whole) / 2 + whole))
+    dp = estimate(Strategy(dp=2), spec, cluster, batch=4, microbatch=2, precision="fp32")
+    assert dp.params == 4 * spec.params
+    assert ModelSpec(params=1e6).tensor_replicated_params() == 0

@@ -61,6 +61,10 @@ class Cluster:
     overlap: bool = True
     """Communication can run beside compute (a GPU's copy engines and NICs); False where the
     same cores do both (CPU ranks on a shared host): nothing is hidden."""
+    shared_cores: int | None = None
+    """The devices are processes sharing this many cores (`this-machine`), one thread each:
+    a pipeline stage that waits gives its core to the others
+    (`formulas.bubble_fraction_on_shared_cores`). None: each device computes on its own."""
     algorithms: tuple[str, ...] = ("native",)
     """Collective algorithms the cost model may choose between (`comm.cost.choose`)."""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -239,6 +243,7 @@ def this_machine(
         cpu_adam_bytes_per_s=1.0 / cost["mu"],
         reduce_bytes_per_s=1.0 / cost["gamma"],
         overlap=False,
+        shared_cores=cores,
         algorithms=("native", "ring", "shm"),
         measured=measured,
     )

@@ -15,6 +15,7 @@ __all__ = [
     "RECOMPUTE",
     "activation_bytes_per_layer",
     "bubble_fraction",
+    "bubble_fraction_on_shared_cores",
     "flops_per_iteration",
     "flops_per_token",
     "gpt_params",
@@ -155,6 +156,31 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p, m and v must be at least 1, got p={p}, m={m}, v={v}")
     return (p - 1) / (v * m)
+
+
+def bubble_fraction_on_shared_cores(p: int, m: int, replicas: int, cores: int) -> float:
+    """The bubble of `replicas` pipelines of p stages and m micro-batches whose p x replicas
+    processes share `cores` cores (one thread each), over the compute time at the rate they
+    reach when all of them compute at once.
+
+    Why: on dedicated devices a stage that waits leaves its device idle, and the bubble is
+    (p - 1)/m (`bubble_fraction`). Processes on shared cores give their core to the others while
+    they wait (tessera's pipeline links sleep in poll(), they do not spin): in a slot of the
+    schedule where only k stages of each pipeline compute, they run max(1, k x replicas / cores)
+    times slower than alone, not the max(1, p x replicas / cores) of the all-busy rate. Slot j
+    of a sweep (j = 1 .. m + p - 1; GPipe's forward or backward, and 1F1B's ramps, alike) has
+    k_j = min(j, p, m, m + p - j) stages busy; summed over the slots, against m slots at the
+    all-busy rate. With cores >= p x replicas this is (p - 1)/m, as it should be.
+    """
+    if min(p, m, replicas, cores) < 1:
+        raise ValueError(
+            f"p, m, replicas and cores must be at least 1 ({p}, {m}, {replicas}, {cores})"
+        )
+    all_busy = max(1.0, p * replicas / cores)
+    slots = sum(
+        max(1.0, min(j, p, m, m + p - j) * replicas / cores) / all_busy for j in range(1, m + p)
+    )
+    return slots / m - 1
 
 
 def training_days(

@@ -79,6 +79,17 @@ class ModelSpec:
             )
         return (8.0 if recompute else 6.0) * self.params
 
+    def tensor_replicated_params(self) -> float:
+        """Parameters every tensor-parallel rank holds whole, as Megatron-LM splits a GPT
+        (Shoeybi et al. 2019, section 3): the layer norms (two per layer and the final one,
+        weight and bias), the row-parallel layers' biases (added once, after the all-reduce:
+        two per layer) and the position embedding; the word embedding is split over the
+        vocabulary. 0 for a bare parameter count (it is split evenly)."""
+        if not self.is_transformer:
+            return 0.0
+        h = self.hidden
+        return float(self.layers * (4 * h + 2 * h) + 2 * h + self.seq * h)
+
     def activation_bytes(
         self, b: int, *, layers: float, t: int = 1, recompute: str = "none"
     ) -> float:

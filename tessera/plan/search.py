@@ -20,7 +20,9 @@ The step time is compute + exposed communication + bubble (+ offload traffic):
   Rajbhandari et al. 2020 section 7) of this device's Ψ/(t p) parameters, across nodes when the
   group spans them; without a pipeline it overlaps the backward pass (DDP's
   buckets) and only what exceeds it is exposed; after a pipeline flush it is all exposed;
-* bubble: `formulas.bubble_fraction(p, m, v)` of the compute;
+* bubble: `formulas.bubble_fraction(p, m, v)` of the compute; on a cluster whose devices are
+  processes sharing fewer cores (`Cluster.shared_cores`, this machine), a waiting stage lends
+  its core to the busy ones and the bubble is `formulas.bubble_fraction_on_shared_cores`;
 * offload: the 4 bytes per parameter PCIe traffic of ZeRO-Offload and CPU Adam's 28 bytes per
   parameter of host memory traffic; nvme also reads and writes the optimizer state.
 Each collective's time is `tessera.comm.cost.predict` with the cluster's link constants.
@@ -33,7 +35,12 @@ from typing import Any
 
 from tessera.comm.cost import choose, predict
 from tessera.plan.cluster import Cluster
-from tessera.plan.formulas import bubble_fraction, flops_per_iteration, model_state_bytes
+from tessera.plan.formulas import (
+    bubble_fraction,
+    bubble_fraction_on_shared_cores,
+    flops_per_iteration,
+    model_state_bytes,
+)
 from tessera.plan.model import ModelSpec
 
 __all__ = ["PRECISIONS", "Estimate", "Strategy", "enumerate_strategies", "estimate", "plan"]
@@ -196,11 +203,18 @@ def _collective(cluster: Cluster, nbytes: float, world: int, kind: str, intra: b
     return predict(algorithm, nbytes, world, params, kind=kind)
 
 
+def _device_params(s: Strategy, model: ModelSpec) -> float:
+    """Parameters of one device before ZeRO: Ψ over the stages, split over the tensor-parallel
+    ranks but for what each of them holds whole (`ModelSpec.tensor_replicated_params`)."""
+    whole = model.tensor_replicated_params() if s.tp > 1 else 0.0
+    return (model.params - whole) / (s.tp * s.pp) + whole / s.pp
+
+
 def _memory(
     s: Strategy, model: ModelSpec, cluster: Cluster, microbatch: int, precision: str
 ) -> tuple[dict[str, float], float]:
     param_b, grad_b, optim_b = PRECISIONS[precision]
-    shard = model.params / (s.tp * s.pp)
+    shard = _device_params(s, model)
     states = model_state_bytes(
         round(shard), s.dp, s.zero, param_bytes=param_b, grad_bytes=grad_b, optimizer_bytes=optim_b
     )
@@ -215,6 +229,16 @@ def _memory(
     if s.recompute:  # the layer being recomputed holds its whole working set for a moment
         act += model.activation_bytes(microbatch, layers=1, t=s.tp)
     return states, act * param_b / 2  # Korthikanti's bytes are 16-bit: fp32 doubles them
+
+
+def _bubble(s: Strategy, cluster: Cluster) -> float:
+    """The bubble over compute: (p - 1)/(v m) on devices of their own, less where the devices
+    share cores and an idle stage lends its core to the busy ones (not planned for the
+    interleaved schedule, which tessera does not run)."""
+    shared = cluster.shared_cores
+    if s.pp == 1 or shared is None or s.chunks > 1 or s.dp * s.tp * s.pp <= shared:
+        return bubble_fraction(s.pp, s.microbatches, s.chunks)
+    return bubble_fraction_on_shared_cores(s.pp, s.microbatches, s.dp * s.tp, shared)
 
 
 def estimate(
@@ -251,7 +275,7 @@ def estimate(
         link = cluster.link(intra)
         one = link.alpha_native + act_bytes / s.tp * link.beta
         comm += 2 * s.microbatches * s.chunks * one
-    shard = model.params / (s.tp * s.pp)
+    shard = _device_params(s, model)
     if s.dp > 1:
         intra = s.dp * s.tp <= cluster.per_node
         grads = shard * grad_b
@@ -277,7 +301,7 @@ def estimate(
         offload += part * 28 / cluster.cpu_adam_bytes_per_s
         if s.offload == "nvme":
             offload += 2 * part * optim_b / cluster.nvme_bandwidth
-    bubble = bubble_fraction(s.pp, s.microbatches, s.chunks) * compute
+    bubble = _bubble(s, cluster) * compute
     step = compute + comm + bubble + offload
     tokens_per_s = batch * model.seq / step
     total = states["params"] + states["gradients"] + states["optimizer"] + act

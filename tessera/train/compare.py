@@ -15,12 +15,16 @@ here, so it is compared with it. ddp does not measure its model states (n/a).
 
 The machine is measured again at the start (`this_machine(recalibrate=True)`): its load changes
 from minute to minute, and a prediction calibrated under another load says little. Compute is
-priced at the rate a rank achieves on this model with the other ranks computing beside it
-(`achieved_rate`: every one of the N ranks times its forward, backward and AdamW step on its
-share of the batch, with no communication), as the planner's `--achieved-flops` takes the
-140 TFLOP/s Megatron-LM measured: a peak matmul rate overstates what a small model's step
-reaches (here by about 2x), and the comparison is then about what the planner adds to compute:
-communication and pipeline bubbles.
+priced at the rate a rank achieves on its share of the iteration with the other ranks computing
+beside it (`achieved_rate`), as the planner's `--achieved-flops` takes the 140 TFLOP/s
+Megatron-LM measured: a peak matmul rate overstates what a small model's step reaches (here by
+about 2x). The rate is measured just before each strategy's run, at what that strategy computes
+per pass (the whole batch share, a pipeline's micro-batch, or a tensor-parallel rank's shards),
+from the slowest rank of each synchronised repeat (a synchronous step waits for it; the trainer's
+`step_s` is the slowest rank's too). What the comparison then tests is what the planner adds to
+compute: communication, pipeline bubbles (on shared cores, `bubble_fraction_on_shared_cores`)
+and offload traffic. `repeats` runs the list round-robin several times and compares medians: two
+runs of one strategy a minute apart differ by 10-20% on this machine.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,12 +134,20 @@ def iteration_flops(model: ModelSpec, rows: int) -> float:
     return model.flops_per_token() * rows * model.seq
 
 
-def _time_local_steps(config: dict[str, Any], repeats: int, rows: int) -> tuple[int, list[float]]:
+def _time_local_steps(
+    config: dict[str, Any], repeats: int, rows: int, tensor_parallel: bool
+) -> tuple[int, list[float]]:
     """On one rank of `achieved_rate`'s launch: (rows per rank, seconds of each repeat) of this
-    rank's share of an iteration's compute with no communication: its rows of step 0's batch,
-    cut into passes of `rows` rows (forward and backward each, gradients accumulating), then
-    the clip to `grad_clip` and the AdamW step, as the trainer's step does. Every repeat starts
-    on a barrier (outside the timed part), so repeat k of every rank ran at the same time."""
+    rank's share of an iteration's compute with no communication, as the trainer's step runs it
+    (forward, backward, the clip to `grad_clip`, the AdamW step).
+
+    Data parallel and pipeline shares: the whole model on this rank's rows of step 0's batch, in
+    passes of `rows` rows (a pipeline's micro-batch; gradients accumulate). Tensor parallel: the
+    tensor engine itself on the gathered batch, its layers' collectives replaced by local
+    stand-ins of the same shapes, so the rank computes its shards of every matrix and the parts
+    tensor parallelism repeats on every rank (embeddings, layer norms, residuals). Every repeat
+    starts on a barrier (outside the timed part): repeat k of every rank ran at the same time.
+    """
     import torch
     import torch.distributed as dist
 
@@ -148,23 +161,54 @@ def _time_local_steps(config: dict[str, Any], repeats: int, rows: int) -> tuple[
     workload = build_workload(train_config)
     torch.manual_seed(0)
     module = workload.model_fn()
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
     batch = workload.batches(0, ctx.rank, ctx.world_size)
     share = batch_rows(batch)
-    passes = split_rows(batch, microbatch_sizes(share, max(1, share // max(1, min(rows, share)))))
+    if tensor_parallel:
+        step = _tensor_share_without_collectives(config, module, workload.loss_fn, batch, ctx)
+    else:
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+        passes = split_rows(batch, microbatch_sizes(share, max(1, share // min(rows, share))))
+
+        def step() -> None:
+            for piece in passes:
+                compute_loss(module, piece, workload.loss_fn).backward()
+            if train_config.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), train_config.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         if ctx.world_size > 1:
             dist.barrier()
         began = time.perf_counter()
-        for piece in passes:
-            compute_loss(module, piece, workload.loss_fn).backward()
-        if train_config.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), train_config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step()
         times.append(time.perf_counter() - began)
     return share, times[1:]
+
+
+def _tensor_share_without_collectives(
+    config: dict[str, Any], module: Any, loss_fn: Any, batch: Any, ctx: Any
+) -> Callable[[], None]:
+    """The tensor engine's step on this rank with its layers' all-reduces and all-gathers made
+    local (this process only: a measuring rank, whose results nobody uses)."""
+    import torch
+    import torch.distributed as dist
+
+    from tessera.tensor_parallel import _comm as tensor_comm
+    from tessera.train.engine_setup import build_engine
+
+    tensor_comm._all_reduce = lambda tensor, op, group: tensor
+    tensor_comm._all_gather_along = lambda tensor, group, dim: torch.cat(
+        [tensor] * dist.get_world_size(group), dim=dim
+    )
+    engine = build_engine(build_config(config, {"strategy": "tensor"}), module, loss_fn, ctx)
+
+    def step() -> None:
+        engine.train_step(batch)
+        engine.step()
+
+    return step
 
 
 def achieved_rate(
@@ -173,18 +217,25 @@ def achieved_rate(
     nproc: int,
     repeats: int = 7,
     rows: int | None = None,
+    tensor_parallel: bool = False,
 ) -> float:
-    """FLOP/s of one of `nproc` local ranks on the model while the others compute too (each on
-    its rows of the global batch, in passes of `rows` rows: a strategy's micro-batch; default
-    one pass, no communication), taken as a synchronous step takes it: from the slowest rank of
-    each repeat (the median over repeats)."""
+    """FLOP/s of one of `nproc` local ranks on its share of an iteration while the others
+    compute theirs beside it, with no communication (`_time_local_steps`): each on its rows of
+    the global batch in passes of `rows` rows (a strategy's micro-batch; default one pass), or
+    (`tensor_parallel`) its shards of the tensor-parallel model. Taken as a synchronous step
+    takes it: from the slowest rank of each repeat (the median over repeats)."""
     from tessera.runtime.launch import launch
 
     per_pass = rows or 1 << 30
-    measured = launch(_time_local_steps, nproc, config, repeats, per_pass)
+    measured = launch(_time_local_steps, nproc, config, repeats, per_pass, tensor_parallel)
     share = measured[0][0]
-    slowest = [max(times) for times in zip(*(times for _, times in measured), strict=True)]
-    return iteration_flops(model, share) / statistics.median(slowest)
+    return iteration_flops(model, share) / slowest_median([times for _, times in measured])
+
+
+def slowest_median(per_rank: list[list[float]]) -> float:
+    """The median over repeats of the slowest rank's time in each (repeat k of every rank ran
+    together): what a synchronous step takes, not the mean rank's time."""
+    return statistics.median(max(times) for times in zip(*per_rank, strict=True))
 
 
 def compare_runs(
@@ -249,7 +300,8 @@ def _compare_one(
     measured just before it."""
     batch = int(common.get("batch_size", build_config(common).batch_size))
     micro = batch // (strategy.dp * strategy.microbatches)
-    rate = achieved_rate(common, model, int(common["nproc"]), rows=micro)
+    tensor = layer["strategy"] == "tensor"
+    rate = achieved_rate(common, model, int(common["nproc"]), rows=micro, tensor_parallel=tensor)
     run_training(build_config(common, layer, {"out": str(folder)}))
     step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
     plan = estimate(
