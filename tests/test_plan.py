@@ -358,3 +358,13 @@ def test_tensor_parallel_ranks_hold_norms_row_biases_and_positions_whole():
     dp = estimate(Strategy(dp=2), spec, cluster, batch=4, microbatch=2, precision="fp32")
     assert dp.params == 4 * spec.params
     assert ModelSpec(params=1e6).tensor_replicated_params() == 0
+
+
+def test_tensor_groups_tile_a_node():
+    """96 heads and 24 devices allow t = 3 and 6 by divisibility alone, but a group of 6 on
+    8-device nodes would straddle two of them (its all-reduces crossing InfiniBand)."""
+    from tessera.plan.search import enumerate_strategies
+
+    model = ModelSpec.gpt(layers=24, hidden=3072, heads=96, seq=2048, vocab=51200)
+    found = enumerate_strategies(model, preset("a100-80g-dgx", 24), batch=48, microbatch=1)
+    assert {s.tp for s in found} == {1, 2, 4, 8}

@@ -146,17 +146,28 @@ def test_bubble_and_activation_closed_forms():
         activation_bytes_per_layer(s, b, h, a, recompute="some")
 
 
-# Rows whose Megatron configuration the planner prices more than 10% slower than its best: it
-# prefers a smaller t (the tensor-parallel all-reduces it counts as fully exposed; it does not
-# model the lower matmul efficiency of the narrower splits it would choose). BENCHMARKS.md says so.
-MEGATRON_SLOWER = {7.5, 18.4, 39.1}
+# Rows whose Megatron configuration the planner prices more than 10% slower than its best: for
+# 18.4B it prefers t = 2 with an interleaved 4-stage pipeline (10.7% faster), counting t = 8's
+# 7,680 tensor-parallel all-reduces per step as fully exposed. BENCHMARKS.md says so.
+MEGATRON_SLOWER = {18.4}
 
 
 def test_megatron_choice_is_feasible_and_near_the_planners_best():
-    """Each Table 1 row on DGX A100s, full recomputation, no ZeRO (Megatron-LM's space), b = 1."""
-    for billions, a, h, l, t, p, gpus, batch, _ in MEGATRON_TABLE_1:  # noqa: E741
+    """Each Table 1 row on DGX A100s, full recomputation, no ZeRO (Megatron-LM's space), b = 1,
+    compute at the row's own measured teraFLOP/s (`--achieved-flops`, as the paper's time
+    estimates take it: a peak rate makes communication look 2.3x larger against compute than
+    it was), and the data-parallel all-reduce after the backward pass, not beside it: Megatron-
+    LM's DDP of 2021 all-reduced its contiguous gradient buffer once the backward pass was over
+    (the overlap came later), so the cluster is planned with `overlap=False`."""
+    for billions, a, h, l, t, p, gpus, batch, teraflops in MEGATRON_TABLE_1:  # noqa: E741
         model = ModelSpec.gpt(layers=l, hidden=h, heads=a, seq=S, vocab=V)
-        found = plan(model, preset("a100-80g-dgx", gpus), batch=batch, recompute=(True,))
+        found = plan(
+            model,
+            preset("a100-80g-dgx", gpus, overlap=False),
+            batch=batch,
+            recompute=(True,),
+            achieved_flops=teraflops * 1e12,
+        )
         space = [e for e in found if e.strategy.zero == 0]
         chosen = next(
             e

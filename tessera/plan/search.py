@@ -168,8 +168,8 @@ def enumerate_strategies(
     n = cluster.devices
     found: list[Strategy] = []
     for tp in _divisors(n):
-        if tp > 1 and (tp > cluster.per_node or not model.is_transformer or model.heads % tp):
-            continue  # inside a node, splitting a transformer's heads evenly
+        if tp > 1 and (cluster.per_node % tp or not model.is_transformer or model.heads % tp):
+            continue  # groups that tile a node, splitting a transformer's heads evenly
         for pp in _divisors(n // tp):
             if pp > 1 and (not model.is_transformer or model.layers % pp):
                 continue  # whole layers per stage
