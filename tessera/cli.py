@@ -272,15 +272,18 @@ def _compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     only = [s.strip() for s in args.strategies.split(",")] if args.strategies else None
-    results = compare_runs(
-        base,
-        nproc=args.nproc,
-        steps=args.steps,
-        out=out,
-        only=only,
-        recalibrate=not args.cached_calibration,
-        repeats=args.repeats,
-    )
+    try:
+        results = compare_runs(
+            base,
+            nproc=args.nproc,
+            steps=args.steps,
+            out=out,
+            only=only,
+            recalibrate=not args.cached_calibration,
+            repeats=args.repeats,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     table = markdown(results, args.nproc)
     (out / "compare.md").write_text(table + "\n")
     print(table)
@@ -377,12 +380,13 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument("--model", help="PKG.MODULE:FACTORY or hf:CLASS (default: demo GPT)")
     compare.add_argument("--data", help="the --model's data, as for tessera train")
     compare.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
-    compare.add_argument("--steps", type=int, default=8, help="steps per strategy (default 8)")
+    compare.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
     compare.add_argument(
         "--repeats",
         type=int,
-        default=1,
-        help="run the list this many times, round-robin, and compare medians (default 1)",
+        default=3,
+        help="run the list this many times, round-robin, and compare medians (default 3: one "
+        "run of a strategy can be 10-20%% off the next on a shared machine)",
     )
     compare.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
     compare.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")

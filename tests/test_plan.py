@@ -368,3 +368,16 @@ def test_tensor_groups_tile_a_node():
     model = ModelSpec.gpt(layers=24, hidden=3072, heads=96, seq=2048, vocab=51200)
     found = enumerate_strategies(model, preset("a100-80g-dgx", 24), batch=48, microbatch=1)
     assert {s.tp for s in found} == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--strategies", "ddp,zero9"], "no ['zero9'] on 2 ranks"),
+    ],
+)
+def test_compare_refuses_bad_flags_before_running(argv, message, tmp_path, capsys):
+    assert main(["compare", "--cached-calibration", "--out", str(tmp_path), *argv]) != 0
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing ran

@@ -260,18 +260,21 @@ def compare_runs(
     """
     from tessera.train.workload import build_workload
 
+    if repeats < 1 or steps < 1:
+        raise ValueError(f"--steps and --repeats must be at least 1 (got {steps}, {repeats})")
     microbatches = int(base.get("microbatches", 4))
     common = {**base, "nproc": nproc, "steps": steps, "log_every": 1, "progress": False}
     common.update(checkpoint_every=0, sample_tokens=0)
     config = build_config(common)
     model = from_module(build_workload(config).model_fn(), seq=None)
-    cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
     user_model = base.get("model_factory") is not None
-    chosen = [
-        run
-        for run in runs_for(nproc, microbatches, model_parallel=not user_model)
-        if not only or run[0] in only
-    ]
+    runs = runs_for(nproc, microbatches, model_parallel=not user_model)
+    unknown = sorted(set(only or ()) - {label for label, _, _ in runs})
+    if unknown:
+        valid = ", ".join(label for label, _, _ in runs)
+        raise ValueError(f"--strategies: no {unknown} on {nproc} ranks; choose from: {valid}")
+    chosen = [run for run in runs if not only or run[0] in only]
+    cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
     rounds: dict[str, list[Comparison]] = {label: [] for label, _, _ in chosen}
     for repeat in range(repeats):
         for label, layer, strategy in chosen:
