@@ -341,3 +341,33 @@ def test_a_trained_user_model_is_never_gathered_whole_at_the_end(tmp_path, monke
     }  # fmt: skip
     summary = run_training(build_config(config, {}))
     assert summary is not None and not (tmp_path / "run" / "sample.txt").exists()
+
+
+def test_the_preflight_of_a_meta_run_builds_no_weights():
+    """zero3 with --meta-init: the launcher's check builds the model on the meta device and runs
+    the item's forward on meta tensors, as no rank holds the model whole either; ddp's builds it
+    on the CPU. A forward that meta tensors cannot run is checked on the CPU model instead of
+    being refused, and a wrong shape is still refused (found on meta, confirmed whole)."""
+    import user_workloads
+
+    from tessera.errors import ConfigError
+    from tessera.train import build_config
+    from tessera.train.preflight import preflight_workload
+
+    def check(factory: str, **extra: Any) -> list[str]:
+        user_workloads.BUILT_ON.clear()
+        base = {
+            "model_factory": f"user_workloads:{factory}", "data": "user_workloads:pairs",
+            "loss": "user_workloads:mse", "batch_size": 4, "strategy": "zero3", "nproc": 1,
+        }  # fmt: skip
+        checked = preflight_workload(build_config({**base, **extra}))
+        assert checked is not None and checked["parameters"] == 6 * 16 + 16 + 16 * 2 + 2
+        return list(user_workloads.BUILT_ON)
+
+    assert check("recorded_mlp") == ["meta"]
+    assert check("recorded_mlp", strategy="ddp") == ["cpu"]
+    assert check("recorded_mlp", meta_init=False) == ["cpu"]
+    assert check("value_gated_mlp") == ["meta", "cpu"]
+    with pytest.raises(ConfigError, match="mat1 and mat2 shapes cannot be multiplied"):
+        check("six_to_three")
+    assert user_workloads.BUILT_ON == ["meta", "cpu"]

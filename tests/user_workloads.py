@@ -95,3 +95,32 @@ def dict_loss(output: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -
 def wrong_items() -> list:
     """A data set whose items are triples: refused before any rank starts."""
     return [(torch.zeros(2), torch.zeros(1), torch.zeros(1))] * 8
+
+
+BUILT_ON: list[str] = []
+"""Where `recorded_mlp` and `value_gated_mlp` were built: "meta" inside `torch.device("meta")`."""
+
+
+def recorded_mlp() -> nn.Module:
+    """`mlp`, noting the device it was built on (the preflight's test reads BUILT_ON)."""
+    BUILT_ON.append(torch.empty(0).device.type)
+    return mlp()
+
+
+class _ValueGated(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum().item() < 0:  # a value, which a meta tensor does not have
+            raise AssertionError("unreachable")
+        return super().forward(x)
+
+
+def value_gated_mlp() -> nn.Module:
+    """An MLP whose forward reads a value (`.item()`): meta tensors cannot run it."""
+    BUILT_ON.append(torch.empty(0).device.type)
+    return _ValueGated(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def six_to_three() -> nn.Module:
+    """A model for items of 3 features, not the pairs' 6: the preflight refuses it."""
+    BUILT_ON.append(torch.empty(0).device.type)
+    return nn.Sequential(nn.Linear(3, 2))

@@ -1,11 +1,17 @@
 """Checks of a user's workload that need its code, run once before any rank starts.
 
 `TrainConfig` checks what the flags say (files exist, references are well formed); this imports
-the factories, opens the data, and builds the model once on the CPU (full size: a model too big
-for the launching host's memory cannot be checked this way) to run one forward of one item in
-eval mode without gradients, so that a wrong item shape, a model that returns no loss for a dict
-batch without `--loss`, or a loss that is no scalar costs one message instead of a traceback per
-rank. The demo GPT needs none of this.
+the factories, opens the data, and builds the model once to run one forward of one item in eval
+mode without gradients, so that a wrong item shape, a model that returns no loss for a dict batch
+without `--loss`, or a loss that is no scalar costs one message instead of a traceback per rank.
+The demo GPT needs none of this.
+
+Where the ranks never hold the whole model (`--strategy zero3` with `--meta-init`, not an `hf:`
+model: `tessera.train.build_model`), neither does this check: the model is built on the meta
+device and the item's forward runs on meta tensors, which carry shapes and dtypes but no memory.
+A forward that meta tensors cannot run (`.item()`, shapes that depend on values) is checked again
+on the model built whole on the CPU, as every other strategy's is (its ranks hold it whole
+anyway), so the meta path never refuses a model the CPU path would accept.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
+from tessera.models.user import HF_PREFIX
 from tessera.strategies.batch import compute_loss, no_loss_message
 from tessera.train.config import TrainConfig
 from tessera.train.optimizers import check_optimizer_and_schedule
@@ -25,8 +32,18 @@ from tessera.train.workload import Workload, build_workload
 __all__ = ["preflight_workload"]
 
 
-def _build(workload: Workload, config: TrainConfig) -> nn.Module:
+def _builds_on_meta(config: TrainConfig) -> bool:
+    """The ranks build this run's model on the meta device (`tessera.train.build_model`)."""
+    factory = config.model_factory or ""
+    return config.strategy == "zero3" and config.meta_init and not factory.startswith(HF_PREFIX)
+
+
+def _build(workload: Workload, config: TrainConfig, *, meta: bool = False) -> nn.Module:
+    torch.manual_seed(config.seed)
     try:
+        if meta:
+            with torch.device("meta"):
+                return workload.model_fn()
         return workload.model_fn()
     except ConfigError:
         raise
@@ -57,6 +74,8 @@ def _forward_failed(config: TrainConfig, batch: Any, exc: Exception) -> ConfigEr
 
 def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig) -> None:
     batch = workload.batches(0, 0, config.step_batch_size)  # one row of step 0's global batch
+    if any(p.is_meta for p in model.parameters()):
+        batch = _to_meta(batch)
     model.eval()
     name = type(model).__name__
     try:
@@ -74,6 +93,15 @@ def _forward_one_item(model: nn.Module, workload: Workload, config: TrainConfig)
     if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.is_floating_point()):
         shown = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigError(f"the loss must be a floating-point scalar tensor, got {shown}")
+
+
+def _to_meta(batch: Any) -> Any:
+    """The item's tensors as meta tensors (same shapes and dtypes), for a meta-device model."""
+    if isinstance(batch, Mapping):
+        return {key: _to_meta(value) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_meta(value) for value in batch)
+    return batch.to("meta") if isinstance(batch, torch.Tensor) else batch
 
 
 def _check_policy(config: TrainConfig) -> None:
@@ -104,8 +132,8 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     if config.model_factory is None:
         return None
     workload = build_workload(config)
-    torch.manual_seed(config.seed)
-    model = _build(workload, config)
+    meta = _builds_on_meta(config)
+    model = _build(workload, config, meta=meta)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {config.model_factory} built a {type(model).__name__}")
     if config.split is not None:
@@ -117,7 +145,14 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
             checkpoint_activations(model)
         except ValueError as exc:
             raise ConfigError(f"activation_checkpointing: {exc}") from None
-    _forward_one_item(model, workload, config)
+    try:
+        _forward_one_item(model, workload, config)
+    except ConfigError:
+        if not meta:
+            raise
+        # meta tensors cannot run every forward: check it on the whole model, as elsewhere
+        model = _build(workload, config)
+        _forward_one_item(model, workload, config)
     return {
         "model": type(model).__name__,
         "parameters": sum(p.numel() for p in model.parameters()),
