@@ -170,12 +170,18 @@ def test_a_callback_stops_every_rank_and_the_stop_is_checkpointed(tmp_path):
     StopTraining ends every rank after the step, checkpointed there."""
     calls = tmp_path / "calls.txt"
     # timeout_s: a rank not told of the stop would wait in its next collective; fail fast
-    summary = _run(tmp_path / "stop", [StopAt(calls, 3)], strategy="ddp", nproc=2, timeout_s=30)
+    summary = _run(
+        tmp_path / "stop", [StopAt(calls, 3)], strategy="ddp", nproc=2, timeout_s=30, **EVAL
+    )
     pids, steps = zip(*(line.split() for line in calls.read_text().splitlines()))
     assert steps == ("1", "2", "3") and len(set(pids)) == 1 and int(pids[0]) != os.getpid()
     assert summary["stopped_at"] == 3 and summary["stop_reason"] == "stopped at 3"
     assert summary["steps_this_run"] == 3
-    assert read_metrics(tmp_path / "stop" / "metrics.jsonl")[-1]["step"] == 3
+    records = read_metrics(tmp_path / "stop" / "metrics.jsonl")
+    assert records[-1]["step"] == 3
+    # evaluated at step 2 (eval_every) and at the stop, on the model the run ends with
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 3]
+    assert summary["val_loss"] == records[-1]["val_loss"] != records[1]["val_loss"]
     assert load_checkpoint(latest_checkpoint(tmp_path / "stop"))["step"] == 3
 
 

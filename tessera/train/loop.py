@@ -304,7 +304,10 @@ def _observe(
     lr: float,
 ) -> bool:
     """After step `done`: evaluate if due, gather the step's record and log it (every
-    log_every, at evaluations, at the end), call the callbacks; collective. True: stop now."""
+    log_every, at evaluations, at the end), call the callbacks; collective. True: stop now
+    (a callback raised StopTraining), after evaluating the model the run ends with if the run
+    evaluates and this step was not an evaluation's: its loss goes into the logged record, the
+    callbacks are not called again)."""
     evaluated = watch.evaluator.due(done)
     val_loss = watch.evaluator.run(engine) if evaluated else None
     logged = done % config.log_every == 0 or done == config.steps or evaluated
@@ -326,6 +329,8 @@ def _observe(
         watch.callbacks.eval_end(done, record)
     watch.callbacks.step_end(done, record)
     stop = watch.callbacks.should_stop()
+    if stop and not evaluated and watch.evaluator.every > 0:  # the model the run ends with
+        record["val_loss"] = watch.evaluator.run(engine)  # every rank knows `stop`: collective
     if (logged or stop) and watch.log is not None and watch.reporter is not None:
         watch.log.write(record)
         watch.reporter.report(record)
