@@ -170,9 +170,12 @@ def test_a_callback_stops_every_rank_and_the_stop_is_checkpointed(tmp_path):
     StopTraining ends every rank after the step, checkpointed there."""
     calls = tmp_path / "calls.txt"
     # timeout_s: a rank not told of the stop would wait in its next collective; fail fast
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    logging = {"log_with": "tensorboard"} if tensorboard else {}
     summary = _run(
-        tmp_path / "stop", [StopAt(calls, 3)], strategy="ddp", nproc=2, timeout_s=30, **EVAL
-    )
+        tmp_path / "stop", [StopAt(calls, 3)], strategy="ddp", nproc=2, timeout_s=30, **EVAL,
+        **logging,
+    )  # fmt: skip
     pids, steps = zip(*(line.split() for line in calls.read_text().splitlines()))
     assert steps == ("1", "2", "3") and len(set(pids)) == 1 and int(pids[0]) != os.getpid()
     assert summary["stopped_at"] == 3 and summary["stop_reason"] == "stopped at 3"
@@ -182,6 +185,13 @@ def test_a_callback_stops_every_rank_and_the_stop_is_checkpointed(tmp_path):
     # evaluated at step 2 (eval_every) and at the stop, on the model the run ends with
     assert [r["step"] for r in records if "val_loss" in r] == [2, 3]
     assert summary["val_loss"] == records[-1]["val_loss"] != records[1]["val_loss"]
+    if tensorboard:  # each rank's memory beside the largest
+        scalars = _scalars(tmp_path / "stop")
+        for rank in (0, 1):
+            logged = [value for _, value in scalars[f"peak_mem_mb/rank{rank}"]]
+            assert logged == pytest.approx([r["peak_mem_mb"][rank] for r in records])
+        largest = [max(r["peak_mem_mb"]) for r in records]
+        assert [v for _, v in scalars["peak_mem_mb"]] == pytest.approx(largest)
     assert load_checkpoint(latest_checkpoint(tmp_path / "stop"))["step"] == 3
 
 

@@ -31,10 +31,16 @@ def plain_line(record: dict[str, Any], steps: int, unit: str) -> str:
 
 
 def _memory(record: dict[str, Any]) -> dict[str, float]:
-    """The largest rank's peak memory and model states, in MB (as the summary shows them)."""
-    found = {"peak_mem_mb": max(record["peak_mem_mb"])}
-    if record.get("model_state_mb"):
-        found["model_state_mb"] = max(record["model_state_mb"])
+    """Peak memory and model states in MB: the largest rank's under the plain name (as the
+    summary shows them) and, with several ranks, each rank's as `NAME/rank{r}` (ranks of a
+    pipeline or of ZeRO with offload hold different amounts)."""
+    found: dict[str, float] = {}
+    for name in ("peak_mem_mb", "model_state_mb"):
+        per_rank = record.get(name) or []
+        if per_rank:
+            found[name] = max(per_rank)
+        if len(per_rank) > 1:
+            found.update({f"{name}/rank{rank}": value for rank, value in enumerate(per_rank)})
     return found
 
 
