@@ -145,7 +145,9 @@ def _time_local_steps(
     passes of `rows` rows (a pipeline's micro-batch; gradients accumulate). Tensor parallel: the
     tensor engine itself on the gathered batch, its layers' collectives replaced by local
     stand-ins of the same shapes, so the rank computes its shards of every matrix and the parts
-    tensor parallelism repeats on every rank (embeddings, layer norms, residuals). Every repeat
+    tensor parallelism repeats on every rank (embeddings, layer norms, residuals); the engine's
+    gather of the batch and the clip's one-number all-reduce stay (the trainer's step has them,
+    the planner does not price them: under a millisecond here). Every repeat
     starts on a barrier (outside the timed part): repeat k of every rank ran at the same time.
     """
     import torch
