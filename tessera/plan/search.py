@@ -1,11 +1,13 @@
 """Every strategy that applies to a model on a cluster, its memory per device and its step time.
 
 `plan(model, cluster, batch=B, microbatch=b)` enumerates data parallelism (ZeRO 0-3, offload cpu
-or nvme), tensor parallelism t (inside a node), pipeline parallelism p (m = B / (dp b)
+or nvme), tensor parallelism t (groups that tile a node), pipeline parallelism p (m = B / (dp b)
 micro-batches, GPipe, 1F1B or interleaved: the last is planned only, tessera's pipeline runs
 naive, gpipe and 1f1b) and their mixes, with and without full activation recomputation, and
 returns an `Estimate` per strategy, best first: those that fit before those that do not, then by
-predicted step time.
+predicted step time. A device holds Ψ / (t p) parameters, plus what every tensor-parallel rank
+keeps whole (`ModelSpec.tensor_replicated_params`: layer norms, row-parallel biases, position
+embedding), before ZeRO splits them over dp.
 
 The step time is compute + exposed communication + bubble (+ offload traffic):
 * compute: the iteration's FLOPs (`formulas.flops_per_iteration`) over n devices at X FLOP/s
@@ -17,7 +19,7 @@ The step time is compute + exposed communication + bubble (+ offload traffic):
 * data parallelism: the gradient all-reduce (ZeRO-1: reduce-scatter + all-gather; ZeRO-2 keeps
   no full gradient, so each of the m accumulated micro-batches reduce-scatters; ZeRO-3 also
   gathers the parameters for each micro-batch's forward and backward, 1.5x per micro-batch:
-  Rajbhandari et al. 2020 section 7) of this device's Ψ/(t p) parameters, across nodes when the
+  Rajbhandari et al. 2020 section 7) of this device's parameters, across nodes when the
   group spans them; without a pipeline it overlaps the backward pass (DDP's
   buckets) and only what exceeds it is exposed; after a pipeline flush it is all exposed;
 * bubble: `formulas.bubble_fraction(p, m, v)` of the compute; on a cluster whose devices are
