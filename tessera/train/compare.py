@@ -18,7 +18,7 @@ from minute to minute, and a prediction calibrated under another load says littl
 priced at the rate a rank achieves on its share of the iteration with the other ranks computing
 beside it (`achieved_rate`), as the planner's `--achieved-flops` takes the 140 TFLOP/s
 Megatron-LM measured: a peak matmul rate overstates what a small model's step reaches (here by
-about 2x). The rate is measured just before each strategy's run, at what that strategy computes
+about 2x). The rate is measured just before and after each strategy's run, at what it computes
 per pass (the whole batch share, a pipeline's micro-batch, or a tensor-parallel rank's shards),
 from the slowest rank of each synchronised repeat (a synchronous step waits for it; the trainer's
 `step_s` is the slowest rank's too). What the comparison then tests is what the planner adds to
@@ -255,10 +255,11 @@ def compare_runs(
 
     `base` is a config layer (model shape, batch size, `--model` and `--data`, ...) under each
     strategy's own layer; every run logs each step and writes no checkpoint in between. Each
-    strategy's compute is priced at the rate `achieved_rate` measures just before its run, at
-    its micro-batch (the machine's load drifts from minute to minute). `repeats` > 1 runs the
-    whole list that many times, round-robin (a slow minute then falls on every strategy, not on
-    one), and compares the medians of the measured and of the predicted step times.
+    strategy's compute is priced at the rate `achieved_rate` measures just before and just
+    after its run, at its micro-batch (the machine's load drifts from minute to minute).
+    `repeats` > 1 runs the whole list that many times, round-robin (a slow minute then falls on
+    every strategy, not on one), and compares the medians of the measured and of the predicted
+    step times.
     """
     from tessera.train.workload import build_workload
 
@@ -302,12 +303,16 @@ def _compare_one(
     skip: int,
 ) -> Comparison:
     """One strategy's run against its prediction, compute priced at the rate of its micro-batch
-    measured just before it."""
+    measured just before the run and just after it (the harmonic mean: the mean of the two
+    times), so a load that drifts during the run weighs on both sides alike."""
     batch = int(common.get("batch_size", build_config(common).batch_size))
     micro = batch // (strategy.dp * strategy.microbatches)
     tensor = layer["strategy"] == "tensor"
-    rate = achieved_rate(common, model, int(common["nproc"]), rows=micro, tensor_parallel=tensor)
+    nproc = int(common["nproc"])
+    before = achieved_rate(common, model, nproc, rows=micro, tensor_parallel=tensor)
     run_training(build_config(common, layer, {"out": str(folder)}))
+    after = achieved_rate(common, model, nproc, rows=micro, tensor_parallel=tensor)
+    rate = statistics.harmonic_mean([before, after])
     step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
     plan = estimate(
         strategy, model, cluster, batch=batch, microbatch=micro, achieved_flops=rate,
