@@ -386,7 +386,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="run the list this many times, round-robin, and compare medians (default 3: one "
-        "run of a strategy can be 10-20%% off the next on a shared machine)",
+        "run of a strategy can be 30%% off the next on a shared machine)",
     )
     compare.add_argument("--batch-size", type=int, default=32, help="global batch (default 32)")
     compare.add_argument("--microbatches", type=int, default=4, help="pipeline micro-batches")

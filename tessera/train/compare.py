@@ -24,7 +24,7 @@ from the slowest rank of each synchronised repeat (a synchronous step waits for 
 `step_s` is the slowest rank's too). What the comparison then tests is what the planner adds to
 compute: communication, pipeline bubbles (on shared cores, `bubble_fraction_on_shared_cores`)
 and offload traffic. `repeats` runs the list round-robin several times and compares medians: two
-runs of one strategy a minute apart differ by 10-20% on this machine.
+runs of one strategy minutes apart differ by up to 30% on a 2-core shared machine.
 """
 
 from __future__ import annotations
