@@ -371,3 +371,7 @@ def test_the_preflight_of_a_meta_run_builds_no_weights():
     with pytest.raises(ConfigError, match="mat1 and mat2 shapes cannot be multiplied"):
         check("six_to_three")
     assert user_workloads.BUILT_ON == ["meta", "cpu"]
+    # a factory that cannot build on the meta device fails in the ranks too: said up front
+    with pytest.raises(ConfigError, match="on the meta device .*--no-meta-init builds it whole"):
+        check("reads_weights_at_construction")
+    assert check("reads_weights_at_construction", meta_init=False) == []

@@ -124,3 +124,11 @@ def six_to_three() -> nn.Module:
     """A model for items of 3 features, not the pairs' 6: the preflight refuses it."""
     BUILT_ON.append(torch.empty(0).device.type)
     return nn.Sequential(nn.Linear(3, 2))
+
+
+def reads_weights_at_construction() -> nn.Module:
+    """A factory that reads a weight's value while building (meta tensors have none)."""
+    model = mlp()
+    if model[0].weight.sum().item() != model[0].weight.sum().item():
+        raise AssertionError("unreachable")
+    return model

@@ -48,8 +48,10 @@ def _build(workload: Workload, config: TrainConfig, *, meta: bool = False) -> nn
     except ConfigError:
         raise
     except Exception as exc:
+        where = " on the meta device (zero3 builds it so; --no-meta-init builds it whole)"
         raise ConfigError(
-            f"--model {config.model_factory}: building the model raised {type(exc).__name__}: {exc}"
+            f"--model {config.model_factory}: building the model{where if meta else ''} raised "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
 
 
