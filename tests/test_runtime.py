@@ -67,9 +67,10 @@ def _rank_one_hangs() -> None:
 
 def test_launch_deadline_names_unfinished_ranks(run_ranks):
     with pytest.raises(LaunchTimeout) as info:
-        # The deadline must outlast starting both ranks (about 2 s each, up to 10 s on a loaded
-        # 2-core machine), so that only the hanging rank is unfinished when it expires.
-        run_ranks(_rank_one_hangs, 2, deadline_s=12)
+        # The deadline must outlast starting both ranks (about 2 s each; 12 s was once too
+        # short on a 2-core machine running three tests at a time: both ranks were still in
+        # init), so that only the hanging rank is unfinished when it expires.
+        run_ranks(_rank_one_hangs, 2, deadline_s=30)
     assert info.value.unfinished_ranks == [1]
 
 
