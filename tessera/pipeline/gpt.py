@@ -15,7 +15,7 @@ from torch import nn
 
 from tessera.models import GPT
 
-__all__ = ["gpt_as_sequential", "gpt_split", "gpt_state_from_sequential"]
+__all__ = ["gpt_as_sequential", "gpt_balance", "gpt_split", "gpt_state_from_sequential"]
 
 
 class _Embed(nn.Module):
@@ -61,6 +61,18 @@ def gpt_state_from_sequential(
         else:
             renamed[f"blocks.{i - 1}.{rest}"] = value
     return renamed
+
+
+def gpt_balance(n_layer: int, stages: int) -> list[int]:
+    """Layer counts of `gpt_as_sequential` over `stages` (virtual) stages: the blocks divided
+    evenly (the first `n_layer % stages` stages one more), the embedding with the first stage's
+    blocks and the head with the last's, as Megatron-LM assigns transformer layers to chunks."""
+    if n_layer < stages:
+        raise ValueError(f"{n_layer} GPT blocks cannot fill {stages} pipeline chunks")
+    counts = [n_layer // stages + (k < n_layer % stages) for k in range(stages)]
+    counts[0] += 1
+    counts[-1] += 1
+    return counts
 
 
 def gpt_split(split: list[str], n_layer: int) -> list[str]:

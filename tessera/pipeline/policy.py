@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.pipeline.schedule import SCHEDULES
+from tessera.pipeline.schedule import SCHEDULES, check_virtual_stages
 
 __all__ = ["HybridPolicy", "PipelinePolicy"]
 
@@ -27,11 +27,12 @@ def _split(split: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(split)
 
 
-def _check_pipeline(microbatches: Any, schedule: Any) -> None:
+def _check_pipeline(microbatches: Any, schedule: Any, virtual_stages: Any) -> None:
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+    check_virtual_stages(schedule, virtual_stages)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -45,14 +46,18 @@ class PipelinePolicy:
     microbatches: int = 4
     """Micro-batches each batch is cut into (on dim 0 of every tensor)."""
     schedule: str = "1f1b"
-    """Order of the micro-batches' forward and backward passes: "naive", "gpipe" or "1f1b"."""
+    """Order of the micro-batches' forward and backward passes: "naive", "gpipe", "1f1b" or
+    "interleaved" (1F1B over `virtual_stages` model chunks per rank; microbatches a multiple of
+    the stages; `split` then names p*v - 1 layers of an `nn.Sequential`)."""
+    virtual_stages: int = 1
+    """Model chunks per rank (v): 1, or >= 2 with schedule "interleaved" (bubble / v)."""
     defer_weight_grads: bool | None = None
     """Compute linear weight gradients in one W pass per step (None: when microbatches > 1 and
     the stage runs the model's own modules)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split", _split(self.split))
-        _check_pipeline(self.microbatches, self.schedule)
+        _check_pipeline(self.microbatches, self.schedule, self.virtual_stages)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -73,6 +78,8 @@ class HybridPolicy:
     """As `PipelinePolicy.microbatches`."""
     schedule: str = "1f1b"
     """As `PipelinePolicy.schedule`."""
+    virtual_stages: int = 1
+    """As `PipelinePolicy.virtual_stages`."""
     plan: Mapping[str, str] | None = None
     """Tensor-parallel plan {module-name pattern: style}, applied with
     `tessera.tensor_parallel.parallelize`; None with tp > 1: the GPT's own `parallelize_gpt`."""
@@ -83,7 +90,7 @@ class HybridPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split", _split(self.split))
-        _check_pipeline(self.microbatches, self.schedule)
+        _check_pipeline(self.microbatches, self.schedule, self.virtual_stages)
         for axis in ("dp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:

@@ -19,8 +19,9 @@ end, over the whole batch at once (`deferred.py`: zero-bubble pipelining's B/W s
 
 Cost per step and stage boundary: m activations forward and m gradients backward, each
 `b/m x (activation size)`, plus one small metadata message (shapes) and one broadcast of the loss.
-Schedules: naive (layer splitting), GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush, Narayanan et
-al. 2021); see `schedule.py` for their bubbles and memory.
+Schedules: `schedule.py` (naive, GPipe, 1F1B, interleaved 1F1B with `virtual_stages` v chunks per
+rank: `chunks.py`). Actions and messages name a virtual stage `k = chunk * p + stage` (k = stage
+without interleaving): F on k receives from k-1 and sends to k+1, the ranks around this one.
 """
 
 from __future__ import annotations
@@ -37,19 +38,14 @@ from torch import nn
 
 from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.pipeline import messages
+from tessera.pipeline.chunks import ChunkedStage, cut_layers, sum_tied_gradients
 from tessera.pipeline.deferred import WeightGradDeferral
 from tessera.pipeline.links import Links, Posted
 from tessera.pipeline.microbatch import batch_rows, microbatch_sizes, split_rows
-from tessera.pipeline.partition import (
-    balance_by_cost,
-    balance_from_split,
-    check_balance,
-    parameter_costs,
-    stage_bounds,
-)
+from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.schedule import Action, _check
 from tessera.pipeline.schedule import schedule as make_schedule
-from tessera.pipeline.stage import ModelStage, shared_parameters, slice_stage, tied_parameters
+from tessera.pipeline.stage import ModelStage, tied_parameters
 from tessera.pipeline.timeline import Event
 from tessera.pipeline.trace import check_split, trace_stages
 from tessera.runtime.context import default_timeout_s
@@ -70,13 +66,14 @@ class _Step:
     targets: list[Any]  # micro-batches of the targets (last stage)
     loss_fn: Callable[[Any, Any], torch.Tensor]
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
-    stage_inputs: dict[int, tuple] = field(default_factory=dict)  # received, need grads
-    outputs: dict[int, Any] = field(default_factory=dict)  # tuple sent (or loss) until backward
+    # by (chunk, micro-batch): the tuples received (they need grads), sent (or the loss)
+    stage_inputs: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Any] = field(default_factory=dict)
     outbox: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # gloo sends
     inbox: dict[int, Posted] = field(default_factory=dict)  # tag -> receive posted ahead
     position: int = 0  # index of the current action
-    in_specs: list[messages.TensorSpec] | None = None  # the received tuple's tensors
-    meta_sent: bool = False
+    in_specs: dict[int, list[messages.TensorSpec]] = field(default_factory=dict)  # by chunk
+    meta_sent: set[int] = field(default_factory=set)  # chunks whose shapes went out
 
 
 class Pipeline:
@@ -88,8 +85,10 @@ class Pipeline:
     where a new stage starts (`trace.py`: traced with torch.export on the first batch, cut by
     PyTorch's pipeline frontend). An `nn.Sequential` split at top-level layers ("2", "5") is cut
     without tracing. A model on one stage needs neither. `num_microbatches` (m) splits each batch;
-    `schedule` is "naive", "gpipe" or "1f1b". Every check (schedule name, m, balance, split points)
-    raises ValueError before any message is sent.
+    `schedule` is "naive", "gpipe", "1f1b" or "interleaved" (`virtual_stages` v >= 2 chunks per
+    rank of an `nn.Sequential`: p*v entries of `balance`, p*v - 1 top-level `split` layers, or
+    None for p*v stages balanced by parameters). Every check (schedule name, m, v, balance, split
+    points) raises ValueError before any message is sent.
     Every receive waits at most `timeout_s` (default: this rank's `Context.timeout_s`).
     `defer_weight_grads` computes the linear layers' weight gradients in one W pass per step
     (faster; keeps each linear's input and output gradient until then, see `deferred.py`);
@@ -111,12 +110,22 @@ class Pipeline:
         timeout_s: float | None = None,
         defer_weight_grads: bool | None = None,
         shm_links: bool = True,
+        virtual_stages: int = 1,
     ) -> None:
+        """Why so many parameters: the model, its cut (balance or split), the schedule (name,
+        m, v) and the runtime (group, deadline, W pass, links) are each the caller's choice."""
         num_stages = dist.get_world_size(group) if dist.is_initialized() else 1
-        _check(schedule, num_stages, num_microbatches)
+        _check(schedule, num_stages, num_microbatches, virtual_stages)
+        v = virtual_stages
+        if v > 1 and (num_stages < 2 or not isinstance(model, nn.Sequential)):
+            raise ValueError(
+                "the interleaved schedule cuts an nn.Sequential (or the reference GPT) at its "
+                f"layers over at least 2 ranks; got a {type(model).__name__} on {num_stages}"
+            )
         self.schedule_name = schedule
         self.num_microbatches = num_microbatches
         self.num_stages = num_stages
+        self.virtual_stages = v
         self.stage_index = dist.get_rank(group) if dist.is_initialized() else 0
         if self.stage_index < 0:
             raise ValueError(f"rank {dist.get_rank()} is not a member of the pipeline's group")
@@ -125,7 +134,7 @@ class Pipeline:
         self._timeout_s = timeout_s or default_timeout_s()
         self._shm_links = shm_links
         self._defer = defer_weight_grads
-        self.actions: list[Action] = make_schedule(schedule, num_stages, num_microbatches)[
+        self.actions: list[Action] = make_schedule(schedule, num_stages, num_microbatches, v)[
             self.stage_index
         ]
         self.timeline: list[Event] = []
@@ -137,11 +146,12 @@ class Pipeline:
         self.split: list[str] | None = None
         """The split points of a traced pipeline (its stages exist after `prepare`)."""
         self._stage: Any = None
+        self._chunks: list[Any] = []  # the stage's chunks (interleaved), else [the stage]
         split = list(split) if split is not None else None
         if split is not None and balance is not None:
             raise ValueError("give split (module names) or balance (layer counts), not both")
         if isinstance(model, nn.Sequential) and split is not None:
-            from_split = balance_from_split(len(model), split, num_stages)
+            from_split = balance_from_split(len(model), split, num_stages * v)
             if from_split is not None:  # top-level layers: cut without tracing
                 balance, split = from_split, None
         if split is not None or not isinstance(model, nn.Sequential):
@@ -155,17 +165,16 @@ class Pipeline:
             else:
                 self.split = check_split(model, split, num_stages)
             return
-        if balance is None:
-            if len(model) < num_stages:
-                raise ValueError(f"{len(model)} layers cannot fill {num_stages} stages")
-            balance = balance_by_cost(parameter_costs(model), num_stages)
-        self.balance = check_balance(balance, len(model), num_stages)
-        bounds = stage_bounds(self.balance)
-        self._build(slice_stage(model, bounds, self.stage_index), shared_parameters(model, bounds))
+        self.balance, chunks, ties = cut_layers(model, balance, num_stages, v, self.stage_index)
+        self._build(chunks[0] if v == 1 else ChunkedStage(chunks, self.stage_index), ties, chunks)
 
-    def _build(self, stage: Any, shared: list[tuple[int, list[int]]]) -> None:
-        """Adopt this rank's `stage`; `shared`: (position, stages) of the tied parameters."""
+    def _build(
+        self, stage: Any, shared: list[tuple[int, list[int]]], chunks: list[Any] | None = None
+    ) -> None:
+        """Adopt this rank's `stage` (made of `chunks` when interleaved); `shared`: (position,
+        stages) of the tied parameters."""
         self._stage = stage
+        self._chunks = chunks or [stage]
         all_params = list(self.model.parameters())
         # (parameter, its position in the full model, the stages holding it), in position order:
         # the position is the message tag, identical on every holder however many other tied
@@ -180,16 +189,19 @@ class Pipeline:
                 p for p in self.module.parameters() if id(p) not in self._tied_ids
             )
         if self.num_stages > 1:
-            neighbours = (self.stage_index - 1, self.stage_index + 1)
-            # a link's ring must hold what one step may leave unread: metadata, m messages,
+            p, v = self.num_stages, self.virtual_stages
+            neighbours = {self.stage_index - 1, self.stage_index + 1}
+            if v > 1:  # chunk c of stage p-1 sends to chunk c+1 of stage 0: a ring
+                neighbours = {s % p for s in neighbours} - {self.stage_index}
+            # a link's ring must hold what one step may leave unread: metadata, v m messages,
             # the tied gradients; then a send never waits for the receiver
             self.links = Links(
                 self.group,
                 self._timeout_s,
-                shm_with=tuple(s for s in neighbours if 0 <= s < self.num_stages)
+                shm_with=tuple(sorted(s for s in neighbours if 0 <= s < p))
                 if self._shm_links
                 else (),
-                slots=self.num_microbatches + 2 + len(self._tied),
+                slots=v * (self.num_microbatches + 1) + 1 + len(self._tied),
             )
 
     @property
@@ -228,8 +240,19 @@ class Pipeline:
         """True on the stage that computes the loss."""
         return self.stage_index == self.num_stages - 1
 
-    def _record(self, kind: str, microbatch: int, start: float) -> None:
-        self.timeline.append(Event(self.stage_index, kind, microbatch, start, time.perf_counter()))
+    def _record(self, kind: str, microbatch: int, start: float, chunk: int = 0) -> None:
+        now = time.perf_counter()
+        self.timeline.append(Event(self.stage_index, kind, microbatch, start, now, chunk))
+
+    def _virtual(self, chunk: int) -> int:  # this rank's `chunk`'s place in the pipeline
+        return chunk * self.num_stages + self.stage_index
+
+    def _peer(self, offset: int) -> int:  # the rank of the virtual stage +1 / -1 (a ring)
+        return (self.stage_index + offset) % self.num_stages
+
+    def _tag(self, virtual: int, i: int, backward: bool) -> int:
+        """Tag of micro-batch i's activation (backward: gradient) message into `virtual`."""
+        return 2 * (virtual * self.num_microbatches + i) + int(backward)
 
     def train_step(
         self,
@@ -273,13 +296,14 @@ class Pipeline:
         for position, action in enumerate(self.actions):
             step.position = position
             if action.kind == "F":
-                self._forward(step, action.microbatch)
+                self._forward(step, action.microbatch, action.chunk)
             else:
-                self._backward(step, action.microbatch)
+                self._backward(step, action.microbatch, action.chunk)
             step.outbox = [(w, t) for w, t in step.outbox if not w.is_completed()]
         for work, _ in step.outbox:  # (the tensor stays referenced until its send completes)
             self.links.wait(work, "pipeline send")
-        self._sum_tied_gradients()
+        if self._tied:  # (chunks.py: in the full model's parameter order on every holder)
+            sum_tied_gradients(self.links, self._tied, self.stage_index, _TIED_TAG)
         self._weight_pass(before_weight_pass)
         return self._broadcast_loss(step.loss)
 
@@ -302,17 +326,22 @@ class Pipeline:
 
     def _expected(self, step: _Step, action: Action) -> tuple[int, tuple, torch.dtype] | None:
         """`(tag, shape, dtype)` of the message `action` waits for; None: none or unknown yet."""
-        i = action.microbatch
-        if action.kind == "F" and not self.is_first and step.in_specs is not None:
-            return (2 * i, *messages.layout(self._in_parts(step, i)))
-        if action.kind == "B" and not self.is_last and i in step.outputs:
-            floats = messages.floating(step.outputs[i])
-            return (2 * i + 1, *messages.layout(messages.parts(floats))) if floats else None
+        i, c = action.microbatch, action.chunk
+        k = self._virtual(c)
+        if action.kind == "F" and k > 0 and c in step.in_specs:
+            return (self._tag(k, i, False), *messages.layout(self._in_parts(step, i, c)))
+        if action.kind == "B" and not self._last(c) and (c, i) in step.outputs:
+            floats = messages.floating(step.outputs[(c, i)])
+            parts = messages.parts(floats)
+            return (self._tag(k, i, True), *messages.layout(parts)) if floats else None
         return None
 
+    def _last(self, chunk: int) -> bool:  # the pipeline's last virtual stage: takes the loss
+        return self._virtual(chunk) == self.num_stages * self.virtual_stages - 1
+
     @staticmethod
-    def _in_parts(step: _Step, i: int) -> list[tuple[tuple, torch.dtype]]:
-        return [(spec.shape_for(step.sizes[i]), spec.dtype) for spec in step.in_specs]
+    def _in_parts(step: _Step, i: int, chunk: int) -> list[tuple[tuple, torch.dtype]]:
+        return [(spec.shape_for(step.sizes[i]), spec.dtype) for spec in step.in_specs[chunk]]
 
     def _receive(self, step: _Step, tag: int) -> torch.Tensor:
         """Wait for the message `tag` of the current action (posted ahead if possible); then
@@ -322,79 +351,84 @@ class Pipeline:
         for ahead in self.actions[step.position : step.position + 1 + _LOOKAHEAD]:
             message = self._expected(step, ahead)
             if message is not None and message[0] not in step.inbox:
-                peer = self.stage_index + (-1 if ahead.kind == "F" else 1)
+                peer = self._peer(-1 if ahead.kind == "F" else 1)
                 step.inbox[message[0]] = self.links.post_recv(
                     message[1], message[2], peer, message[0]
                 )
         posted = step.inbox.pop(tag)
         return self.links.take(posted, f"pipeline recv of {self.actions[step.position]}")
 
-    def _forward(self, step: _Step, i: int) -> None:
-        """F i: receive the previous stage's tuple, run the stage, send its tuple (or the loss)."""
+    def _forward(self, step: _Step, i: int, c: int) -> None:
+        """F i of chunk c: receive the previous virtual stage's tuple, run the chunk, send its
+        tuple on (or take the loss on the last virtual stage)."""
         began = time.perf_counter()
         received: tuple = ()
-        if not self.is_first:
-            if step.in_specs is None:  # first message of the step: shapes and micro-batch sizes
+        k = self._virtual(c)
+        if k > 0:
+            if c not in step.in_specs:  # first message of the step: shapes and micro-batch sizes
                 meta = self.links.recv(
                     (messages.meta_length(self.num_microbatches),),
                     torch.int64,
-                    self.stage_index - 1,
-                    _META_TAG,
+                    self._peer(-1),
+                    _META_TAG + k,
                 )
-                step.in_specs, step.sizes = messages.decode_specs(meta)
-            message = self._receive(step, 2 * i)
+                step.in_specs[c], step.sizes = messages.decode_specs(meta)
+            message = self._receive(step, self._tag(k, i, False))
             received = tuple(
                 t.detach().requires_grad_(t.is_floating_point())
-                for t in messages.unpack(message, self._in_parts(step, i))
+                for t in messages.unpack(message, self._in_parts(step, i, c))
             )
-            step.stage_inputs[i] = received
-            self._record("recv", i, began)
+            step.stage_inputs[(c, i)] = received
+            self._record("recv", i, began, c)
             began = time.perf_counter()
         inputs = step.inputs[i] if step.inputs else None
         with self.deferral.capturing() if self.deferral else contextlib.nullcontext():
-            out = self._stage.run(inputs, received)
-        if self.is_last:
+            out = self._chunks[c].run(inputs, received)
+        if self._last(c):
             # weight by the micro-batch's share: the sum is the whole batch's mean loss
             out = step.loss_fn(out, step.targets[i]) * (step.sizes[i] / sum(step.sizes))
             step.loss += out.detach()
-            step.outputs[i] = out
-            self._record("F", i, began)
+            step.outputs[(c, i)] = out
+            self._record("F", i, began, c)
             return
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        self._record("F", i, began)
-        step.outputs[i] = out
+        self._record("F", i, began, c)
+        step.outputs[(c, i)] = out
         began = time.perf_counter()
-        if not step.meta_sent:  # shapes first: gloo needs the exact receive size
+        if c not in step.meta_sent:  # shapes first: gloo needs the exact receive size
             meta = messages.encode_specs(out, step.sizes)
-            self._send(step, meta, self.stage_index + 1, _META_TAG)
-            step.meta_sent = True
-        self._send(step, messages.pack(out), self.stage_index + 1, 2 * i)
-        self._record("send", i, began)
+            self._send(step, meta, self._peer(1), _META_TAG + k + 1)
+            step.meta_sent.add(c)
+        self._send(step, messages.pack(out), self._peer(1), self._tag(k + 1, i, False))
+        self._record("send", i, began, c)
 
-    def _backward(self, step: _Step, i: int) -> None:
-        """B i: receive the output's gradient (or start from the loss), back-propagate, send."""
+    def _backward(self, step: _Step, i: int, c: int) -> None:
+        """B i of chunk c: receive the output's gradient (or start from the loss),
+        back-propagate, send the input's gradient to the previous virtual stage."""
         began = time.perf_counter()
-        if self.is_last:
-            step.outputs.pop(i).backward()
+        k = self._virtual(c)
+        if self._last(c):
+            step.outputs.pop((c, i)).backward()
         else:
-            floats = messages.floating(step.outputs[i])
+            floats = messages.floating(step.outputs[(c, i)])
             if floats:  # (a tuple of integer tensors carries no gradient back)
-                message = self._receive(step, 2 * i + 1)  # before the pop: shapes are the outputs'
+                # before the pop: the shapes are the outputs'
+                message = self._receive(step, self._tag(k, i, True))
                 grads = messages.unpack(message, messages.parts(floats))
-                self._record("recv", i, began)
+                self._record("recv", i, began, c)
                 began = time.perf_counter()
                 pairs = [(t, g) for t, g in zip(floats, grads) if t.requires_grad]
                 if pairs:
                     torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-            step.outputs.pop(i)
-        self._record("B", i, began)
-        if not self.is_first:
-            floats = messages.floating(step.stage_inputs.pop(i))
+            step.outputs.pop((c, i))
+        self._record("B", i, began, c)
+        if k > 0:
+            floats = messages.floating(step.stage_inputs.pop((c, i)))
             if floats:
                 grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in floats]
                 began = time.perf_counter()
-                self._send(step, messages.pack(grads), self.stage_index - 1, 2 * i + 1)
-                self._record("send", i, began)
+                self._send(step, messages.pack(grads), self._peer(-1), self._tag(k - 1, i, True))
+                self._record("send", i, began, c)
 
     def _microbatch_sizes(self, batch: Any) -> list[int]:
         """Dim-0 sizes of the micro-batches (ValueError if the batch is smaller than m)."""
@@ -403,29 +437,6 @@ class Pipeline:
                 raise ValueError("the first stage needs inputs and the last stage targets")
             return []  # a middle stage learns them from the previous stage's metadata
         return microbatch_sizes(batch_rows(batch), self.num_microbatches)
-
-    def _sum_tied_gradients(self) -> None:
-        """Add the gradients of parameters held by several stages (e.g. tied embeddings).
-
-        Every holder walks its tied parameters in the full model's parameter order and tags each
-        exchange with that global position, so two groups held by different stage sets ({0, 3}
-        and {1, 3}) never wait for each other: a holder's earlier exchanges involve only groups
-        earlier in the same global order, which their holders reach first too.
-        """
-        for param, position, stages in self._tied:
-            tag = _TIED_TAG + position
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            others = [s for s in stages if s != self.stage_index]
-            sends = [self.links.send(grad.detach(), s, tag) for s in others]
-            parts = {self.stage_index: grad}
-            for s in others:
-                parts[s] = self.links.recv(grad.shape, grad.dtype, s, tag)
-            for work in sends:  # (None: already copied into a shared-memory ring)
-                self.links.wait(work, "pipeline tied-gradient send")
-            total = parts[stages[0]].clone()
-            for s in stages[1:]:  # the same order on every holder: identical sums
-                total += parts[s]
-            param.grad = total
 
     def _broadcast_loss(self, total: torch.Tensor) -> float:
         if self.num_stages == 1:
@@ -473,9 +484,7 @@ class Pipeline:
             return local
         parts: list[Any] = [None] * self.num_stages
         dist.all_gather_object(parts, local, group=self.group)
-        merged: dict[str, torch.Tensor] = {}
-        for part in parts:
-            merged.update(part)
+        merged = {key: value for part in parts for key, value in part.items()}
         if isinstance(self.model, nn.Sequential) and self.split is None:
             return dict(sorted(merged.items(), key=lambda kv: int(kv[0].partition(".")[0])))
         order = {key: k for k, key in enumerate(self.model.state_dict())}

@@ -31,6 +31,8 @@ class Event:
     microbatch: int
     start: float
     end: float
+    chunk: int = 0
+    """The model chunk (interleaved schedule: virtual stage `chunk * p + stage`)."""
 
     @property
     def duration(self) -> float:
@@ -60,7 +62,9 @@ def write_chrome_trace(events: Sequence[Event], path: str | Path) -> Path:
     origin = min((e.start for e in events), default=0.0)
     trace = [
         {
-            "name": f"{e.kind}{e.microbatch}" if e.kind in ("F", "B") else e.kind,
+            "name": f"{e.kind}{e.microbatch}" + (f"c{e.chunk}" if e.chunk else "")
+            if e.kind in ("F", "B")
+            else e.kind,
             "cat": e.kind,
             "ph": "X",
             "pid": 0,

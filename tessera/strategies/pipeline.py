@@ -32,9 +32,15 @@ from torch import nn
 from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.mesh import Mesh
 from tessera.models import GPT
+from tessera.pipeline.chunks import forward_only_interleaved
 from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
 from tessera.pipeline.evaluate import forward_only
-from tessera.pipeline.gpt import gpt_as_sequential, gpt_split, gpt_state_from_sequential
+from tessera.pipeline.gpt import (
+    gpt_as_sequential,
+    gpt_balance,
+    gpt_split,
+    gpt_state_from_sequential,
+)
 from tessera.pipeline.microbatch import batch_rows, take_rows
 from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
@@ -91,7 +97,10 @@ class PipelineEngine(Engine):
             layer_count = len(model) if isinstance(model, nn.Sequential) else 0
         eager = pp == 1 or (
             isinstance(model, (GPT, nn.Sequential))
-            and (split is None or balance_from_split(layer_count, split, pp) is not None)
+            and (
+                split is None
+                or balance_from_split(layer_count, split, pp * policy.virtual_stages) is not None
+            )
         )
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
@@ -103,14 +112,20 @@ class PipelineEngine(Engine):
                 f"zero={policy.zero} with a {type(model).__name__} split at {split}: ZeRO "
                 "builds its optimizer over the stage, known only once traced; use zero=0"
             )
+        v = policy.virtual_stages
         self.pipe = Pipeline(
             layers,
             num_microbatches=policy.microbatches,
             schedule=policy.schedule,
             group=self.mesh.group("pp"),
+            # the GPT interleaved: its blocks evenly over the pp * v chunks
+            balance=gpt_balance(model.config.n_layer, pp * v)
+            if isinstance(model, GPT) and v > 1 and split is None
+            else None,
             split=split,
             timeout_s=ctx.timeout_s,
             defer_weight_grads=policy.defer_weight_grads,
+            virtual_stages=v,
         )
         self._make_optimizer = optimizer_factory
         self.dp_sync: StageDataParallel | StageZero | None = None
@@ -235,8 +250,9 @@ class PipelineEngine(Engine):
         """Forward only through the stages (`tessera.pipeline.evaluate`): the global batch's
         mean loss on every rank, averaged over the dp replicas' rows."""
         inputs, targets, loss_fn = self._replica_rows(batch)
+        evaluate = forward_only_interleaved if self.pipe.virtual_stages > 1 else forward_only
         with self.autocast():
-            loss = forward_only(self.pipe, inputs, targets, loss_fn)
+            loss = evaluate(self.pipe, inputs, targets, loss_fn)
         dp = self.mesh.size("dp")
         if dp == 1:
             return loss
@@ -435,6 +451,7 @@ def build_pipeline(
         split=policy.split,
         microbatches=policy.microbatches,
         schedule=policy.schedule,
+        virtual_stages=policy.virtual_stages,
         defer_weight_grads=policy.defer_weight_grads,
     )
     return PipelineEngine(

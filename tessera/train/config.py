@@ -30,7 +30,7 @@ __all__ = [
     "torchrun_world",
 ]
 
-SCHEDULES = ("naive", "gpipe", "1f1b")
+SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")  # tessera.pipeline.schedule.SCHEDULES
 OFFLOAD_MOMENTS = ("fp32", "bf16", "bf16-stochastic")  # tessera.zero.policy.MOMENT_STORAGE
 
 
@@ -163,7 +163,10 @@ class TrainConfig:
         0, "hybrid: 1 shards optimizer states, 2 also gradients, over each stage's dp group."
     )
     microbatches: int = _option(4, "pipeline, hybrid: micro-batches per step.")
-    schedule: str = _option("1f1b", "pipeline, hybrid: naive, gpipe or 1f1b.")
+    schedule: str = _option("1f1b", "pipeline, hybrid: naive, gpipe, 1f1b or interleaved.")
+    virtual_stages: int = _option(
+        1, "pipeline, hybrid: model chunks per rank, >= 2 with --schedule interleaved."
+    )
     servers: int = _option(1, "ps: parameter servers (the parameters are sharded over them).")
     workers: int = _option(2, "ps: workers; each computes on 1/workers of the batch.")
     consistency: str = _option("bsp", "ps: bsp, asp or ssp.")
@@ -462,7 +465,16 @@ class TrainConfig:
     def _check_model_parallel(self, dp: int, tp: int, pp: int) -> None:
         """What the pipeline and tensor-parallel engines need of the GPT and the batch (a user's
         model: of the batch; tessera.train.preflight checks the model)."""
-        model = self.model
+        model, v = self.model, self.virtual_stages
+        if (self.schedule == "interleaved") != (v > 1) or v < 1:
+            raise ConfigError(f"--virtual-stages {v}: >= 2 with --schedule interleaved, else 1")
+        if v > 1 and (
+            self.microbatches % pp or (self.model_factory is None and model.n_layer < pp * v)
+        ):
+            raise ConfigError(
+                f"interleaved: microbatches ({self.microbatches}) must be a multiple of pp ({pp}) "
+                f"and the GPT's blocks ({model.n_layer}) fill pp x v = {pp * v} chunks"
+            )
         if self.model_factory is None and model.n_head % tp:
             raise ConfigError(
                 f"model.n_head ({model.n_head}) must be divisible by the tensor-parallel "

@@ -54,7 +54,12 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
     split = [name.strip() for name in config.split.split(",")] if config.split else None
     plan = read_tp_plan(config.tp_plan) if config.tp_plan else None
     if strategy == "pipeline":
-        return {"split": split, "microbatches": config.microbatches, "schedule": config.schedule}
+        return {
+            "split": split,
+            "microbatches": config.microbatches,
+            "schedule": config.schedule,
+            "virtual_stages": config.virtual_stages,
+        }
     if strategy == "tensor":
         return {"plan": plan}
     if strategy == "hybrid":
@@ -67,6 +72,7 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
             "plan": plan,
             "microbatches": config.microbatches,
             "schedule": config.schedule,
+            "virtual_stages": config.virtual_stages,
             "bucket_cap_mb": config.bucket_cap_mb,
         }
     return {}  # single, torch-ddp and users' strategies take no trainer knob
