@@ -46,7 +46,8 @@ def balance_from_split(num_layers: int, split: Sequence[str], num_stages: int) -
     if len(split) + 1 != num_stages:
         raise ValueError(
             f"split={list(split)} gives {len(split) + 1} stages, but the pipeline has "
-            f"{num_stages} ranks: name {num_stages - 1} module(s) where a new stage starts"
+            f"{num_stages} ranks (interleaved: ranks x virtual stages): name {num_stages - 1} "
+            "module(s) where a new stage starts"
         )
     starts = [0]
     for name in split:
