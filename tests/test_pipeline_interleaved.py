@@ -190,7 +190,7 @@ def test_interleaved_schedule_runs_and_has_its_closed_form_bubble(p, v):
         span = max(end for stage in timeline for _, _, end in stage)
         ideal = 3.0 * m  # each stage's work: m forwards and backwards of all its chunks
         assert span - ideal == pytest.approx(bubble_fraction("interleaved", p, m, v) * ideal)
-        # smaller than 1F1B's bubble by v; activations of at most about p + (v-1)p/... chunks
+        # v times smaller than 1F1B's; in flight: at most the warm-up's forwards and one more
         one = simulate(schedule("1f1b", p, m), forward_time=1.0, backward_time=2.0)
         one_span = max(end for stage in one for _, _, end in stage)
         assert (span - ideal) * v == pytest.approx(one_span - ideal)

@@ -76,6 +76,13 @@ RUNS: dict[str, dict[str, Any]] = {
         "activation_checkpointing": True,
     },
     "pipeline": {"strategy": "pipeline", "microbatches": 2},
+    "pipeline-interleaved": {  # two chunks of one block per rank: the ring of chunks resumes
+        "strategy": "pipeline",
+        "schedule": "interleaved",
+        "virtual_stages": 2,
+        "microbatches": 2,
+        "model": {"n_layer": 4},
+    },
     "tensor": {"strategy": "tensor"},
     "hybrid-zero1": {"strategy": "hybrid", "dp": 2, "zero": 1, "microbatches": 2},
     "hybrid-zero2": {"strategy": "hybrid", "dp": 2, "zero": 2, "microbatches": 2},
@@ -182,6 +189,7 @@ def _assert_same_run(resumed: Path, straight: Path) -> None:
         ["ddp", "torch-ddp", "local-sgd"],
         ["zero1", "zero2", "zero3", "zero3-bf16", "zero2-fp16", "zero3-nvme"],
         ["pipeline", "tensor", "hybrid-zero1", "hybrid-zero2"],
+        ["pipeline-interleaved"],
     ],
     ids=lambda runs: "+".join(runs),
 )
