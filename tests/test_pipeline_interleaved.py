@@ -160,7 +160,8 @@ def _cases() -> None:
             loss_fn=_loss,
             ctx=ctx,
         )
-    with pytest.raises(ValueError, match="gives 2 stages, but the pipeline has 4 ranks .interleaved"):  # p*v - 1 = 3 cut points, not 1
+    bad_split = "gives 2 stages, but the pipeline has 4 ranks .interleaved"  # needs p*v - 1 = 3
+    with pytest.raises(ValueError, match=bad_split):
         tessera.setup(
             _chain(),
             torch.optim.SGD,

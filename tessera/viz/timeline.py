@@ -18,7 +18,8 @@ def pipeline_timeline(
     """Draw `events` (all stages, e.g. `Pipeline.gather_timeline()`) to `path`.
 
     A `.json` path writes a chrome trace; anything else a Gantt chart PNG: one row per stage,
-    forwards blue and backwards orange labelled by micro-batch, the weight-gradient pass red,
+    forwards blue and backwards orange labelled by micro-batch (interleaved: `i.c` for chunk c,
+    later chunks in lighter shades), the weight-gradient pass red,
     waits for messages grey, posting of sends green (thin), and each stage's measured idle share
     on the right.
     """
@@ -35,19 +36,24 @@ def pipeline_timeline(
     origin = min(e.start for e in events)
     num_stages = max(e.stage for e in events) + 1
     idle = measured_idle_fraction(events)
+    chunked = any(e.chunk for e in events)
     fig, ax = plt.subplots(figsize=(11, 0.7 * num_stages + 1.4))
     for e in events:
         row = num_stages - 1 - e.stage
         height = 0.8 if e.kind in COMPUTE else 0.3
         start_ms, width_ms = (e.start - origin) * 1e3, e.duration * 1e3
         ax.broken_barh(
-            [(start_ms, width_ms)], (row - height / 2, height), color=_COLOURS[e.kind], ec="white"
+            [(start_ms, width_ms)],
+            (row - height / 2, height),
+            color=_COLOURS[e.kind],
+            alpha=1.0 / (1 + 0.6 * e.chunk),
+            ec="white",
         )
         if e.kind in ("F", "B"):
             ax.text(
                 start_ms + width_ms / 2,
                 row,
-                f"{e.microbatch}",
+                f"{e.microbatch}.{e.chunk}" if chunked else f"{e.microbatch}",
                 ha="center",
                 va="center",
                 fontsize=7,
