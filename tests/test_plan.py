@@ -257,7 +257,7 @@ def test_compare_prices_compute_at_the_rate_a_rank_achieves_with_the_planners_fl
     model = from_module(build_workload(build_config(config)).model_fn(), seq=None)
     cluster = Cluster(name="one", devices=1, **PRESETS["a100-80g-dgx"])
     plan = estimate(
-        Strategy(dp=1), model, cluster, batch=8, microbatch=8, achieved_flops=1e9, precision="fp32"
+        Strategy(dp=1), model, cluster, batch=8, microbatch=8, compute_flops=1e9, precision="fp32"
     )
     assert plan.compute_s == pytest.approx(iteration_flops(model, 8) / 1e9, rel=1e-12)
     assert plan.step_s == pytest.approx(plan.compute_s, rel=1e-12)

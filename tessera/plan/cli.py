@@ -49,7 +49,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--batch", type=int, default=512, help="global batch in sequences")
     train.add_argument("--microbatch", type=int, default=1, help="sequences per micro-batch")
     train.add_argument("--tokens", help="tokens to train on (300B): days per strategy")
-    train.add_argument("--achieved-flops", help="measured FLOP/s per device, replaces the peak")
+    rates = train.add_mutually_exclusive_group()
+    rates.add_argument(
+        "--achieved-flops",
+        help="end-to-end FLOP/s per device as Megatron-LM reports it (model FLOPs over the whole "
+        "step): the step is the FLOPs over this rate, nothing added",
+    )
+    rates.add_argument(
+        "--compute-flops",
+        help="compute-only FLOP/s per device (replaces the peak): communication, bubble and "
+        "offload are added to the compute",
+    )
     train.add_argument("--recompute", choices=["both", "on", "off"], default="both")
     train.add_argument("--precision", choices=list(PRECISIONS), default="mixed")
     out = parser.add_argument_group("output")
@@ -113,6 +123,7 @@ def run_plan(args: argparse.Namespace) -> int:
     cluster = cluster_from_args(args)
     recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
     achieved = parse_count(args.achieved_flops, "--achieved-flops") if args.achieved_flops else None
+    compute = parse_count(args.compute_flops, "--compute-flops") if args.compute_flops else None
     estimates = plan(
         model,
         cluster,
@@ -120,11 +131,12 @@ def run_plan(args: argparse.Namespace) -> int:
         microbatch=args.microbatch,
         tokens=parse_count(args.tokens, "--tokens") if args.tokens else None,
         achieved_flops=achieved,
+        compute_flops=compute,
         recompute=recompute,
         precision=args.precision,
     )
     if args.json:
-        print(json.dumps(report(model, estimates, achieved or cluster.peak_flops)))
+        print(json.dumps(report(model, estimates, achieved or compute or cluster.peak_flops)))
     else:
         _print_table(model, cluster, estimates[: args.top])
     if args.plot:

@@ -9,9 +9,16 @@ predicted step time. A device holds Ψ / (t p) parameters, plus what every tenso
 keeps whole (`ModelSpec.tensor_replicated_params`: layer norms, row-parallel biases, position
 embedding), before ZeRO splits them over dp.
 
-The step time is compute + exposed communication + bubble (+ offload traffic):
-* compute: the iteration's FLOPs (`formulas.flops_per_iteration`) over n devices at X FLOP/s
-  each (the cluster's peak, or the measured `achieved_flops`);
+Two ways to price a step, after what the rate X per device means:
+* `achieved_flops` X is an end-to-end throughput, as Narayanan et al. 2021 report theirs (model
+  FLOPs of a step over its whole time, communication and bubbles included): the step is the
+  iteration's FLOPs over n X and nothing is added (their Eq. 4, 8TP/(nX), for a whole run).
+  Every strategy then takes the same time but for its recomputation; the plan still orders
+  them by what the compute-only mode would add at that rate, and by memory.
+* otherwise X is a compute-only rate (the cluster's peak, or `compute_flops`, what `tessera
+  compare` measures of a rank's step alone) and the step is compute + exposed communication +
+  bubble (+ offload traffic), as follows.
+* compute: the iteration's FLOPs (`formulas.flops_per_iteration`) over n devices at X FLOP/s;
 * tensor parallelism: per layer and micro-batch 4 all-reduces of b s h 16-bit values (2 forward,
   2 backward; 6 when recomputing), inside a node, all exposed (they sit between the matmuls);
 * pipeline: per micro-batch one activation send forward and one gradient send backward of
@@ -252,13 +259,22 @@ def estimate(
     microbatch: int,
     tokens: float | None = None,
     achieved_flops: float | None = None,
+    compute_flops: float | None = None,
     precision: str = "mixed",
 ) -> Estimate:
-    """Memory per device and step time of strategy `s` (see the module docstring)."""
+    """Memory per device and step time of strategy `s` (see the module docstring): with
+    `achieved_flops` (end to end) the FLOPs over that rate alone; else compute at
+    `compute_flops` (default the peak) plus exposed communication, bubble and offload.
+
+    Why so many parameters: the strategy, the model, the cluster, the batch (two) and what
+    the estimate is priced at (tokens, one of two rates, precision) are each a caller's choice.
+    """
+    if achieved_flops is not None and compute_flops is not None:
+        raise ValueError("give achieved_flops (end to end) or compute_flops, not both")
     states, act = _memory(s, model, cluster, microbatch, precision)
     param_b, grad_b, optim_b = PRECISIONS[precision]
     n = s.dp * s.tp * s.pp
-    flops_rate = achieved_flops or cluster.peak_flops
+    flops_rate = achieved_flops or compute_flops or cluster.peak_flops
     if model.is_transformer:
         flops = flops_per_iteration(
             batch, model.seq, model.layers, model.hidden, model.vocab, recompute=s.recompute
@@ -304,6 +320,8 @@ def estimate(
         if s.offload == "nvme":
             offload += 2 * part * optim_b / cluster.nvme_bandwidth
     bubble = _bubble(s, cluster) * compute
+    if achieved_flops is not None:  # measured end to end: the overheads are in the rate
+        comm = bubble = offload = 0.0
     step = compute + comm + bubble + offload
     tokens_per_s = batch * model.seq / step
     total = states["params"] + states["gradients"] + states["optimizer"] + act
@@ -332,11 +350,15 @@ def plan(
     microbatch: int = 1,
     tokens: float | None = None,
     achieved_flops: float | None = None,
+    compute_flops: float | None = None,
     recompute: tuple[bool, ...] = (False, True),
     precision: str = "mixed",
 ) -> list[Estimate]:
     """Every applicable strategy's estimate, best first (fitting ones by step time, then the rest
-    by memory). ValueError if the batch splits no way over the devices."""
+    by memory; with `achieved_flops` equal step times are ordered by the compute-only step at
+    that rate). ValueError if the batch splits no way over the devices.
+
+    Why so many parameters: as `estimate`'s, and which recomputation choices to search."""
     if batch < 1 or microbatch < 1:
         raise ValueError(f"--batch and --microbatch must be at least 1 ({batch}, {microbatch})")
     if precision not in PRECISIONS:
@@ -349,17 +371,22 @@ def plan(
             f"--batch {batch} with --microbatch {microbatch} splits over no data-parallel degree "
             f"of {cluster.devices} devices: make the batch a multiple of microbatch x dp"
         )
+    common = {"batch": batch, "microbatch": microbatch, "tokens": tokens, "precision": precision}
     found = [
         estimate(
-            s,
-            model,
-            cluster,
-            batch=batch,
-            microbatch=microbatch,
-            tokens=tokens,
-            achieved_flops=achieved_flops,
-            precision=precision,
+            s, model, cluster, achieved_flops=achieved_flops, compute_flops=compute_flops, **common
         )
         for s in strategies
     ]
-    return sorted(found, key=lambda e: (not e.fits, e.step_s if e.fits else e.memory_bytes))
+    tie = [0.0] * len(found)
+    if achieved_flops is not None:  # what the overheads would add: the better of equal steps
+        rate = {"compute_flops": achieved_flops}
+        tie = [estimate(s, model, cluster, **rate, **common).step_s for s in strategies]
+    order = sorted(
+        range(len(found)),
+        key=lambda k: (
+            not found[k].fits,
+            (found[k].step_s, tie[k]) if found[k].fits else (found[k].memory_bytes, 0.0),
+        ),
+    )
+    return [found[k] for k in order]

@@ -16,10 +16,10 @@ here, so it is compared with it. ddp does not measure its model states (n/a).
 The machine is measured again at the start (`this_machine(recalibrate=True)`): its load changes
 from minute to minute, and a prediction calibrated under another load says little. Compute is
 priced at the rate a rank achieves on its share of the iteration with the other ranks computing
-beside it (`achieved_rate`), as the planner's `--achieved-flops` takes the 140 TFLOP/s
-Megatron-LM measured: a peak matmul rate overstates what a small model's step reaches (here by
-about 2x). The rate is measured just before and after each strategy's run, at what it computes
-per pass (the whole batch share, a pipeline's micro-batch, or a tensor-parallel rank's shards),
+beside it (`achieved_rate`), given to the planner as a compute-only rate (`compute_flops`,
+`tessera plan --compute-flops`; not `--achieved-flops`, an end-to-end rate to which nothing is
+added): a peak matmul rate overstates what a small model's step reaches (here by about 2x).
+The rate is measured just before and after each strategy's run, at what it computes per pass (the whole batch share, a pipeline's micro-batch, or a tensor-parallel rank's shards),
 from the slowest rank of each synchronised repeat (a synchronous step waits for it; the trainer's
 `step_s` is the slowest rank's too). What the comparison then tests is what the planner adds to
 compute: communication, pipeline bubbles (on shared cores, `bubble_fraction_on_shared_cores`)
@@ -315,7 +315,7 @@ def _compare_one(
     rate = statistics.harmonic_mean([before, after])
     step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
     plan = estimate(
-        strategy, model, cluster, batch=batch, microbatch=micro, achieved_flops=rate,
+        strategy, model, cluster, batch=batch, microbatch=micro, compute_flops=rate,
         precision="fp32",
     )  # fmt: skip
     states = plan.model_state_bytes + plan.host_bytes
