@@ -19,7 +19,8 @@ priced at the rate a rank achieves on its share of the iteration with the other 
 beside it (`achieved_rate`), given to the planner as a compute-only rate (`compute_flops`,
 `tessera plan --compute-flops`; not `--achieved-flops`, an end-to-end rate to which nothing is
 added): a peak matmul rate overstates what a small model's step reaches (here by about 2x).
-The rate is measured just before and after each strategy's run, at what it computes per pass (the whole batch share, a pipeline's micro-batch, or a tensor-parallel rank's shards),
+The rate is measured just before and after each strategy's run, at what it computes per pass
+(the whole batch share, a pipeline's micro-batch, or a tensor-parallel rank's shards),
 from the slowest rank of each synchronised repeat (a synchronous step waits for it; the trainer's
 `step_s` is the slowest rank's too). What the comparison then tests is what the planner adds to
 compute: communication, pipeline bubbles (on shared cores, `bubble_fraction_on_shared_cores`)
