@@ -40,7 +40,7 @@ NOT_RUN = {
 }
 PLAN_COMMAND = (
     "tessera plan --cluster a100-80g-dgx --devices 1024 --layers 96 --hidden 12288 --heads 96 "
-    "--seq 2048 --vocab 51200 --batch 1536 --tokens 300B --achieved-flops 140T --recompute on"
+    "--seq 2048 --vocab 51200 --batch 2048 --tokens 300B --achieved-flops 140T"
 )
 """Run in-process by test_plan.py::test_readme_plan_example_predicts_about_34_days."""
 RUN_HERE = (

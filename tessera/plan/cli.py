@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from tessera.plan.cluster import PRESETS, Cluster, preset
+from tessera.plan.commands import TrainCommand, model_flags, train_command
 from tessera.plan.model import ModelSpec, from_module, parse_count
 from tessera.plan.search import PRECISIONS, Estimate, plan
 
@@ -66,6 +67,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--plot", metavar="FILE.png", help="memory and time bars per strategy")
     out.add_argument("--top", type=int, default=20, help="rows of the table and the plot")
+    out.add_argument(
+        "--all",
+        action="store_true",
+        help="also the strategies the planner prices but tessera does not run, marked so "
+        "(default: only rows with a tessera train command; a --params plan shows them all)",
+    )
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -104,17 +111,44 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
     return Cluster(**overrides)
 
 
-def report(model: ModelSpec, estimates: list[Estimate], rate: float) -> dict[str, Any]:
+def report(
+    model: ModelSpec,
+    estimates: list[Estimate],
+    rate: float,
+    commands: list[TrainCommand] | None = None,
+) -> dict[str, Any]:
     """The `--json` object: params, flops_per_iteration (of the best strategy, recomputation
-    included when it recomputes), and every strategy best first."""
+    included when it recomputes), and every strategy best first, each with the `tessera train`
+    line that runs it (`command`, null where tessera cannot, and `not_runnable` says why)."""
     best = estimates[0]
     s = best.strategy
+    rows = [e.to_json() for e in estimates]
+    for row, command in zip(rows, commands or []):
+        row["command"] = command.text or None
+        row["not_runnable"] = command.why_not or None
     return {
         "model": model.name,
         "params": model.params,
         "flops_per_iteration": best.compute_s * s.dp * s.tp * s.pp * rate,
-        "strategies": [e.to_json() for e in estimates],
+        "strategies": rows,
     }
+
+
+def commands_for(
+    args: argparse.Namespace, cluster: Cluster, estimates: list[Estimate]
+) -> list[TrainCommand]:
+    """The `tessera train` line of every estimate's strategy (`commands.train_command`)."""
+    flags = None
+    if args.params is None:
+        flags = model_flags(
+            args.model, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq
+        )
+        if flags is not None and args.model_config:
+            flags = (*flags, "--model-config", args.model_config)
+    return [
+        train_command(e.strategy, flags, cluster, batch=args.batch, precision=args.precision)
+        for e in estimates
+    ]
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -135,10 +169,15 @@ def run_plan(args: argparse.Namespace) -> int:
         recompute=recompute,
         precision=args.precision,
     )
+    commands = commands_for(args, cluster, estimates)
+    if not args.all and any(c.argv for c in commands):  # only what tessera runs
+        kept = [k for k, c in enumerate(commands) if c.argv]
+        estimates, commands = [estimates[k] for k in kept], [commands[k] for k in kept]
     if args.json:
-        print(json.dumps(report(model, estimates, achieved or compute or cluster.peak_flops)))
+        rate = achieved or compute or cluster.peak_flops
+        print(json.dumps(report(model, estimates, rate, commands)))
     else:
-        _print_table(model, cluster, estimates[: args.top])
+        _print_table(model, cluster, estimates[: args.top], commands)
     if args.plot:
         from tessera.plan.plot import plot_estimates
 
@@ -153,20 +192,23 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(model: ModelSpec, cluster: Cluster, estimates: list[Estimate]) -> None:
+def _print_table(
+    model: ModelSpec, cluster: Cluster, estimates: list[Estimate], commands: list[TrainCommand]
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
     gb = 1e9
     table = Table(title=f"tessera plan: {model.name}, {model.params / 1e9:.3g}B parameters")
     for column in (
-        "strategy", "params GB", "grads GB", "optim GB", "act GB", "total GB", "fits",
+        "#", "strategy", "params GB", "grads GB", "optim GB", "act GB", "total GB", "fits",
         "compute s", "comm s", "bubble s", "step s", "tokens/s", "days",
     ):  # fmt: skip
         table.add_column(column, justify="left" if column == "strategy" else "right")
-    for e in estimates:
+    for k, e in enumerate(estimates, 1):
         table.add_row(
-            e.strategy.name,
+            str(k),
+            e.strategy.name + ("" if commands[k - 1].argv else " (not run by tessera)"),
             f"{e.params / gb:.2f}",
             f"{e.grads / gb:.2f}",
             f"{e.optimizer / gb:.2f}",
@@ -183,3 +225,11 @@ def _print_table(model: ModelSpec, cluster: Cluster, estimates: list[Estimate]) 
     console = Console(width=200)
     console.print(cluster.describe())
     console.print(table)
+    console.print("Run a row (several nodes: each starts it with its own --node-rank):")
+    for k, command in enumerate(commands[: len(estimates)], 1):
+        console.print(
+            f"{k:>3}. {command.text or 'not run by tessera: ' + command.why_not}",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )

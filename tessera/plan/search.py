@@ -12,9 +12,10 @@ embedding), before ZeRO splits them over dp.
 Two ways to price a step, after what the rate X per device means:
 * `achieved_flops` X is an end-to-end throughput, as Narayanan et al. 2021 report theirs (model
   FLOPs of a step over its whole time, communication and bubbles included): the step is the
-  iteration's FLOPs over n X and nothing is added (their Eq. 4, 8TP/(nX), for a whole run).
-  Every strategy then takes the same time but for its recomputation; the plan still orders
-  them by what the compute-only mode would add at that rate, and by memory.
+  iteration's FLOPs as they count them (their Eq. 3, which counts the recomputed forward
+  whether a strategy recomputes or not: their rates are measured so) over n X, and nothing is
+  added (Eq. 4, 8TP/(nX), for a whole run). Every strategy then takes the same time; the plan
+  orders them by what the compute-only mode would add at that rate.
 * otherwise X is a compute-only rate (the cluster's peak, or `compute_flops`, what `tessera
   compare` measures of a rank's step alone) and the step is compute + exposed communication +
   bubble (+ offload traffic), as follows.
@@ -275,12 +276,14 @@ def estimate(
     param_b, grad_b, optim_b = PRECISIONS[precision]
     n = s.dp * s.tp * s.pp
     flops_rate = achieved_flops or compute_flops or cluster.peak_flops
+    # an end-to-end rate counts FLOPs as Megatron-LM does: Eq. 3, the recomputed forward included
+    counted = s.recompute or achieved_flops is not None
     if model.is_transformer:
         flops = flops_per_iteration(
-            batch, model.seq, model.layers, model.hidden, model.vocab, recompute=s.recompute
+            batch, model.seq, model.layers, model.hidden, model.vocab, recompute=counted
         )
     else:
-        flops = model.flops_per_token(recompute=s.recompute) * batch * model.seq
+        flops = model.flops_per_token(recompute=counted) * batch * model.seq
     compute = flops / (n * flops_rate)
     act_bytes = param_b * microbatch * model.seq * model.hidden  # one b x s x h activation
     comm = 0.0
