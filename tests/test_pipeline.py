@@ -245,7 +245,7 @@ def test_one_stage_pipeline_is_gradient_accumulation_without_processes(defer):
     with pytest.raises(ValueError, match="gives 2 stages, but the pipeline has 1 ranks"):
         Pipeline(_mlp(), num_microbatches=1, split=["7"])
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        Pipeline(_mlp(), num_microbatches=2, schedule="interleaved")
+        Pipeline(_mlp(), num_microbatches=2, schedule="zero-bubble")
 
 
 def test_deferred_weight_gradients_equal_autograd_for_shared_frozen_and_stale_cases():

@@ -251,6 +251,32 @@ def _bubble(s: Strategy, cluster: Cluster) -> float:
     return bubble_fraction_on_shared_cores(s.pp, s.microbatches, s.dp * s.tp, shared)
 
 
+def _data_parallel_time(
+    s: Strategy, cluster: Cluster, shard: float, compute: float, precision: str
+) -> float:
+    """Exposed seconds of the dp group's gradient (and ZeRO's parameter) collectives."""
+    if s.dp == 1:
+        return 0.0
+    param_b, grad_b, _ = PRECISIONS[precision]
+    intra = s.dp * s.tp <= cluster.per_node
+    grads = shard * grad_b
+    gather = _collective(cluster, shard * param_b, s.dp, "all_gather", intra)
+    scatter = _collective(cluster, grads, s.dp, "reduce_scatter", intra)
+    m = s.microbatches if s.pp == 1 else 1  # a pipeline's micro-batches are not accumulation
+    if s.zero == 0:
+        dp_time = _collective(cluster, grads, s.dp, "all_reduce", intra)
+    elif s.zero == 1:
+        dp_time = scatter + gather
+    elif s.zero == 2:  # no full gradient is kept: each accumulated micro-batch reduce-scatters
+        dp_time = m * scatter + gather
+    else:  # and each micro-batch gathers the parameters for its forward and its backward
+        dp_time = m * (scatter + 2 * gather)
+    if s.pp == 1 and cluster.overlap:  # beside the backward (ZeRO-3's gathers: forward too)
+        window = compute if s.zero == 3 else compute * (0.75 if s.recompute else 2 / 3)
+        dp_time = max(0.0, dp_time - window)
+    return dp_time
+
+
 def estimate(
     s: Strategy,
     model: ModelSpec,
@@ -297,24 +323,7 @@ def estimate(
         one = link.alpha_native + act_bytes / s.tp * link.beta
         comm += 2 * s.microbatches * s.chunks * one
     shard = _device_params(s, model)
-    if s.dp > 1:
-        intra = s.dp * s.tp <= cluster.per_node
-        grads = shard * grad_b
-        gather = _collective(cluster, shard * param_b, s.dp, "all_gather", intra)
-        scatter = _collective(cluster, grads, s.dp, "reduce_scatter", intra)
-        m = s.microbatches if s.pp == 1 else 1  # a pipeline's micro-batches are not accumulation
-        if s.zero == 0:
-            dp_time = _collective(cluster, grads, s.dp, "all_reduce", intra)
-        elif s.zero == 1:
-            dp_time = scatter + gather
-        elif s.zero == 2:  # no full gradient is kept: each accumulated micro-batch reduce-scatters
-            dp_time = m * scatter + gather
-        else:  # and each micro-batch gathers the parameters for its forward and its backward
-            dp_time = m * (scatter + 2 * gather)
-        if s.pp == 1 and cluster.overlap:  # beside the backward (ZeRO-3's gathers: forward too)
-            window = compute if s.zero == 3 else compute * (0.75 if s.recompute else 2 / 3)
-            dp_time = max(0.0, dp_time - window)
-        comm += dp_time
+    comm += _data_parallel_time(s, cluster, shard, compute, precision)
     offload = 0.0
     if s.offload:
         part = shard / s.dp
