@@ -163,7 +163,6 @@ def _cases() -> None:
     )
     # v=4: eight one-layer chunks balanced by parameters (None: p*v stages), m=2 one group
     _check(ctx, "pipeline", schedule="interleaved", virtual_stages=4, microbatches=2)
-    _check(ctx, "hybrid", pp=2, schedule="interleaved", virtual_stages=2, microbatches=4)
     with pytest.raises(ValueError, match="multiple of 2"):
         tessera.setup(
             _chain(),
