@@ -47,8 +47,8 @@ from tessera.viz import plot_loss
 
 
 def test_schedules_are_lists_of_actions():
-    assert SCHEDULES == ("naive", "gpipe", "1f1b")
-    for name in SCHEDULES:
+    assert SCHEDULES == ("naive", "gpipe", "1f1b", "interleaved")
+    for name in SCHEDULES[:3]:  # (interleaved: v chunks, tests/test_pipeline_interleaved.py)
         stages = schedule(name, 2, 3)
         for actions in stages:  # every stage runs each micro-batch's F then its B, once
             assert all(isinstance(a, Action) for a in actions)
