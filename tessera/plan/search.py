@@ -2,10 +2,9 @@
 
 `plan(model, cluster, batch=B, microbatch=b)` enumerates data parallelism (ZeRO 0-3, offload cpu
 or nvme), tensor parallelism t (groups that tile a node), pipeline parallelism p (m = B / (dp b)
-micro-batches, GPipe, 1F1B or interleaved: the last is planned only, tessera's pipeline runs
-naive, gpipe and 1f1b) and their mixes, with and without full activation recomputation, and
-returns an `Estimate` per strategy, best first: those that fit before those that do not, then by
-predicted step time. A device holds Ψ / (t p) parameters, plus what every tensor-parallel rank
+micro-batches, GPipe, 1F1B or interleaved with v = 2 chunks per device) and their mixes, with
+and without full activation recomputation, and returns an `Estimate` per strategy, best first:
+those that fit before those that do not, then by predicted step time. A device holds Ψ / (t p) parameters, plus what every tensor-parallel rank
 keeps whole (`ModelSpec.tensor_replicated_params`: layer norms, row-parallel biases, position
 embedding), before ZeRO splits them over dp.
 
@@ -243,10 +242,11 @@ def _memory(
 
 def _bubble(s: Strategy, cluster: Cluster) -> float:
     """The bubble over compute: (p - 1)/(v m) on devices of their own, less where the devices
-    share cores and an idle stage lends its core to the busy ones (not planned for the
-    interleaved schedule, which tessera does not run)."""
+    share cores and an idle stage lends its core to the busy ones; there the interleaved
+    schedule is priced as 1F1B, its shorter bubble buying nothing: the cores an idle stage
+    lends are used either way (BENCHMARKS.md, "pipeline_interleaved": no gain on 2 cores)."""
     shared = cluster.shared_cores
-    if s.pp == 1 or shared is None or s.chunks > 1 or s.dp * s.tp * s.pp <= shared:
+    if s.pp == 1 or shared is None or s.dp * s.tp * s.pp <= shared:
         return bubble_fraction(s.pp, s.microbatches, s.chunks)
     return bubble_fraction_on_shared_cores(s.pp, s.microbatches, s.dp * s.tp, shared)
 
