@@ -1,12 +1,12 @@
 """Every strategy that applies to a model on a cluster, its memory per device and its step time.
 
-`plan(model, cluster, batch=B, microbatch=b)` enumerates data parallelism (ZeRO 0-3, offload cpu
-or nvme), tensor parallelism t (groups that tile a node), pipeline parallelism p (m = B / (dp b)
-micro-batches, GPipe, 1F1B or interleaved with v = 2 chunks per device) and their mixes, with
-and without full activation recomputation, and returns an `Estimate` per strategy, best first:
-those that fit before those that do not, then by predicted step time. A device holds Ψ / (t p) parameters, plus what every tensor-parallel rank
-keeps whole (`ModelSpec.tensor_replicated_params`: layer norms, row-parallel biases, position
-embedding), before ZeRO splits them over dp.
+`plan(model, cluster, batch=B, microbatch=b)` enumerates data parallelism (ZeRO 0-3, offload cpu or
+nvme), tensor parallelism t (groups that tile a node), pipeline parallelism p (m = B / (dp b)
+micro-batches, GPipe, 1F1B or interleaved with v = 2 chunks per device) and their mixes, with and
+without full activation recomputation, and returns an `Estimate` per strategy, best first: those
+that fit before those that do not, then by predicted step time. A device holds Ψ / (t p)
+parameters, plus what every tensor-parallel rank keeps whole (`ModelSpec.tensor_replicated_params`:
+layer norms, row-parallel biases, position embedding), before ZeRO splits them over dp.
 
 Two ways to price a step, after what the rate X per device means:
 * `achieved_flops` X is an end-to-end throughput, as Narayanan et al. 2021 report theirs (model
