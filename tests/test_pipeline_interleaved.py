@@ -236,3 +236,24 @@ def _hybrid_cases() -> None:
 @pytest.mark.slow
 def test_interleaved_on_the_hybrid_mesh_equals_a_plain_loop(run_ranks):
     run_ranks(_hybrid_cases, 4)
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        ({"schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}, "multiple of pp"),
+        ({"virtual_stages": 2}, "with --schedule interleaved"),
+        ({"schedule": "interleaved"}, "with --schedule interleaved"),  # v = 1: no chunks
+        (
+            {"schedule": "interleaved", "virtual_stages": 3, "microbatches": 4},
+            "4 GPT blocks cannot fill 6 chunks",
+        ),
+    ],
+)
+def test_tessera_train_refuses_bad_interleaving_before_any_rank_starts(layer, message):
+    from tessera.errors import ConfigError
+    from tessera.train import build_config
+
+    base = {"strategy": "pipeline", "nproc": 2, "model": {"n_layer": 4}}
+    with pytest.raises(ConfigError, match=message):
+        build_config(base, layer)

@@ -468,12 +468,11 @@ class TrainConfig:
         model, v = self.model, self.virtual_stages
         if (self.schedule == "interleaved") != (v > 1) or v < 1:
             raise ConfigError(f"--virtual-stages {v}: >= 2 with --schedule interleaved, else 1")
-        if v > 1 and (
-            self.microbatches % pp or (self.model_factory is None and model.n_layer < pp * v)
-        ):
+        if v > 1 and self.microbatches % pp:
+            raise ConfigError(f"interleaved: microbatches must be a multiple of pp ({pp})")
+        if v > 1 and self.model_factory is None and model.n_layer < pp * v:
             raise ConfigError(
-                f"interleaved: microbatches ({self.microbatches}) must be a multiple of pp ({pp}) "
-                f"and the GPT's blocks ({model.n_layer}) fill pp x v = {pp * v} chunks"
+                f"interleaved: {model.n_layer} GPT blocks cannot fill {pp * v} chunks"
             )
         if self.model_factory is None and model.n_head % tp:
             raise ConfigError(
