@@ -18,6 +18,7 @@ from tessera.data_parallel.ddp import DataParallel
 from tessera.optim.cpu_adam import CPUAdam
 from tessera.optim.offload import ADAM_OPTIONS, host_optimizer
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
+from tessera.zero.groups import OptimizerGroups
 from tessera.zero.materialize import InitFn, prepare_meta, refuse_meta
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.policy import OffloadPolicy, ZeroPolicy
@@ -190,15 +191,16 @@ def shard(
     if policy.units is not None:
         extra["units"] = policy.units
     offload = policy.offload
+    groups = OptimizerGroups(model, make_optimizer)  # on the model's own parameters
     if offload is not None:
         assert isinstance(offload, OffloadPolicy)  # ZeroPolicy turned a device name into one
         after = offload.delayed_update_after
         check_delayed_update(offload.delayed_update, after, offload=offload.device, stage=stage)
         precision = policy.mixed_precision
-        make_optimizer = _host_factory(stage, model, make_optimizer, precision, offload)
+        groups.host = _host_spec(stage, model, groups.user, precision, offload)
         if offload.params:
             extra["offload_params"] = True  # host_optimizer allowed it for stage 3 only
-        if make_optimizer.keywords.get("swap_params"):  # NVMeAdam keeps the masters
+        if groups.host[1].get("swap_params"):  # NVMeAdam keeps the masters
             extra["swap_masters"] = True
         if offload.delayed_update:
             extra["delayed_update"] = True
@@ -206,7 +208,7 @@ def shard(
         if offload.device == "cpu":  # CPUAdam streams the masters and gradient slices
             extra["host_huge_pages"] = True
     optimizer = STAGES[stage](
-        model, make_optimizer, group=group, mixed_precision=policy.mixed_precision, **extra
+        model, groups, group=group, mixed_precision=policy.mixed_precision, **extra
     )
     model._tessera_zero = optimizer  # full_state_dict(model) finds the shards here
     return optimizer
@@ -219,30 +221,34 @@ def _group_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
-def _host_factory(
+def _host_spec(
     stage: int,
     model: nn.Module,
-    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    user: torch.optim.Optimizer,
     mixed_precision: str | None,
     offload: OffloadPolicy,
-) -> partial:
-    """The user's optimizer as `CPUAdam` / `NVMeAdam` with the same hyper-parameters.
+) -> tuple[type, dict[str, Any], tuple[str, ...]]:
+    """The user's optimizer as `CPUAdam` / `NVMeAdam`: (class, kwargs, per-group keys).
 
-    The factory is asked once, on a one-element probe, which class and options it uses, so the
-    user's choice is read, not copied. Options other than Adam's four pass only where set to a
-    non-default value (`amsgrad=True`, say), and are then refused by `host_optimizer`.
+    The user's optimizer (built on the model's parameters) is read, not copied: its class and
+    defaults give the host optimizer's options; each of its groups keeps its own values of the
+    keys returned (Adam's four; every option of a `CPUAdam`). Options other than Adam's four
+    pass only where set to a non-default value in some group (`amsgrad=True`, say), and are
+    then refused by `host_optimizer`.
     """
-    probe = make_optimizer([nn.Parameter(torch.zeros(1))])
-    if type(probe) is CPUAdam:
-        options = dict(probe.defaults)
+    if type(user) is CPUAdam:
+        options = dict(user.defaults)
+        keys = tuple(user.defaults)
     else:
-        options = {k: probe.defaults[k] for k in ADAM_OPTIONS if k in probe.defaults}
-        options.update({k: True for k in ("amsgrad", "maximize") if probe.defaults.get(k)})
+        options = {k: user.defaults[k] for k in ADAM_OPTIONS if k in user.defaults}
+        flags = ("amsgrad", "maximize")
+        options.update({k: True for k in flags for g in user.param_groups if g.get(k)})
+        keys = ADAM_OPTIONS
     optimizer_class, kwargs = host_optimizer(
         offload.device,
         stage,
         model,
-        type(probe),
+        type(user),
         options,
         nvme_dir=offload.nvme_dir,
         nvme_buffer_mb=offload.nvme_buffer_mb,
@@ -251,7 +257,9 @@ def _host_factory(
     )
     if offload.device == "cpu":  # how CPUAdam stores the moments
         kwargs = {**kwargs, **offload.optimizer_options()}
-    return partial(optimizer_class, **kwargs)
+    if optimizer_class is not CPUAdam or type(user) is not CPUAdam:
+        keys = tuple(k for k in keys if k in ADAM_OPTIONS)
+    return optimizer_class, kwargs, keys
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -241,6 +241,11 @@ def _check_compatible(optimizer: Any, meta: dict[str, Any]) -> None:
     _, extras = _parameter_keys(optimizer)
     for key in sorted(set(extras) ^ set(meta["extra_keys"])):
         raise CheckpointError(f"checkpoint is from another model: buffer {key!r} differs")
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"checkpoint is from another optimizer: it has {len(meta['param_groups'])} parameter "
+            f"groups, this optimizer {len(optimizer.param_groups)}"
+        )
     saved = set(meta["param_groups"][0]) if meta["param_groups"] else set()
     current = {k for k in optimizer.param_groups[0] if k != "params"}
     if saved != current:
@@ -346,8 +351,12 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
         if kinds or scalars:
             inner_state[index] = {**scalars, **kinds}
     # torch's base state_dict, for the groups' layout: NVMeAdam's own reads every moment whole.
+    # It numbers the masters group by group, which need not be the flats' (bucket) order.
     inner = torch.optim.Optimizer.state_dict(optimizer.optimizer)
-    inner["state"] = inner_state
+    held = [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+    number = {id(master): position for position, master in enumerate(held)}
+    flats = optimizer.flats
+    inner["state"] = {number[id(flats[i].master)]: value for i, value in inner_state.items()}
     for group, saved in zip(inner["param_groups"], metas[0]["param_groups"]):
         group.update(saved)
     optimizer.optimizer.load_state_dict(inner)

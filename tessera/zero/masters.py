@@ -38,7 +38,7 @@ class HeldMasters:
     ) -> tuple[list[FlatShard], Any]:
         """The flats (each with its master), then the inner optimizer over the masters."""
         flats = [zero._make_flat(bucket, sources) for bucket in zero.reducer.buckets]
-        return flats, make_optimizer([flat.master for flat in flats])
+        return flats, make_optimizer([flat.master for flat in flats])  # masters in bucket order
 
     def step(self, zero: ZeroOptimizer) -> None:
         """The inner optimizer's step on the masters, each with its gradient slice."""
@@ -95,9 +95,11 @@ class SwappedMasters:
     def step(self, zero: ZeroOptimizer) -> None:
         """The streamed step: gradients in their own dtype, converted chunk by chunk, and each
         updated chunk published into the stage's target."""
+        flats = {id(flat.master): flat for flat in zero.flats}
+        ordered = [flats[id(master)] for master in zero.optimizer.params]  # by optimizer group
         zero.optimizer.step(
-            grads=zero.gradient_slices(),
-            publish=[zero._publish_target(flat) for flat in zero.flats],
+            grads=[zero._gradient_slice(flat) for flat in ordered],
+            publish=[zero._publish_target(flat) for flat in ordered],
         )
 
     def value(self, zero: ZeroOptimizer, flat: FlatShard) -> torch.Tensor:

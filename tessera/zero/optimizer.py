@@ -49,6 +49,7 @@ from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import current_context
 from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
+from tessera.zero.groups import OptimizerGroups
 from tessera.zero.masters import HeldMasters, SwappedMasters
 from tessera.zero.materialize import storageless
 from tessera.zero.memory import storage_bytes
@@ -104,6 +105,10 @@ class ZeroOptimizer:
         self.timeout_s = current_context().timeout_s
         self.mixed_precision = mixed_precision
         _check_collaborators(delayed_update, delayed_update_after, swap_masters)
+        if not isinstance(make_optimizer, OptimizerGroups):  # stage 3 reads them earlier
+            make_optimizer = OptimizerGroups(module, make_optimizer)
+        self.groups = make_optimizer
+        """The user's optimizer groups: which group holds each parameter (`zero.groups`)."""
         self.delayed: DelayedUpdate | None = None
         """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
         if delayed_update:
@@ -152,7 +157,7 @@ class ZeroOptimizer:
         )
         """Where the masters live: builds the flats and the inner optimizer, runs the step."""
         self.flats: list[FlatShard] = []
-        self.flats, self.optimizer = self.masters.build(self, sources, make_optimizer)
+        self.flats, self.optimizer = self.masters.build(self, sources, self._inner_optimizer)
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
             module.register_forward_hook(self._after_forward),
@@ -169,9 +174,26 @@ class ZeroOptimizer:
             return host_zeros((numel,), dtype)
         return torch.zeros(numel, dtype=dtype, device=device)
 
-    def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int] | None]:
-        """Trainable parameters in bucket order, and their units (stage 3 overrides)."""
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad], None
+    def _sharded_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters ZeRO shards: trainable ones that a group of the optimizer holds."""
+        return [
+            (n, p) for n, p in self.module.named_parameters()
+            if p.requires_grad and self.groups.holds(p)
+        ]  # fmt: skip
+
+    def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[Any] | None]:
+        """Sharded parameters in bucket order, and their units: a bucket never mixes two
+        optimizer groups (stage 3 also splits by module unit). Sorted by descending group, so
+        that buckets (assigned in reverse) come in group order, each in reverse module order."""
+        named = self._sharded_parameters()
+        named.sort(key=lambda item: -self.groups.group[id(item[1])])  # stable
+        return named, [self.groups.group[id(p)] for _, p in named]
+
+    def _inner_optimizer(self, masters: list[nn.Parameter]) -> Any:
+        """The inner optimizer over `masters` (one per bucket, in order), each in its
+        bucket's group, with that group's hyper-parameters (`OptimizerGroups.build`)."""
+        buckets = self.reducer.buckets
+        return self.groups.build(masters, [self.groups.group[id(b.params[0])] for b in buckets])
 
     def _make_flat(
         self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None

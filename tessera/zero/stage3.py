@@ -51,6 +51,7 @@ from tessera.data_parallel.bucket import Bucket, assign_buckets
 from tessera.memory.residency import ResidencyScheduler, in_backward
 from tessera.runtime.wait import wait_or_raise
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
+from tessera.zero.groups import OptimizerGroups
 from tessera.zero.materialize import PendingInit, materialize_shards
 from tessera.zero.optimizer import FlatShard, ZeroOptimizer, _check_same_model
 from tessera.zero.partition import padded_numel, shard_range
@@ -100,6 +101,9 @@ class ZeroStage3(ZeroOptimizer):
         self._shards: list[torch.Tensor] = []
         self._initial: dict[int, tuple[list[str], torch.Tensor]] | None = None
         """A meta-device model's first values: per bucket, its names and this rank's slice."""
+        if not isinstance(make_optimizer, OptimizerGroups):  # read before the layout
+            make_optimizer = OptimizerGroups(module, make_optimizer)
+        self.groups = make_optimizer
         if meta_init is not None:
             self._initial = self._materialize(module, meta_init, group)
         # One bucket per unit, whatever its size: the cap never splits one.
@@ -188,16 +192,18 @@ class ZeroStage3(ZeroOptimizer):
         flat.flat_param.untyped_storage().resize_(0)
         return flat
 
-    def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[int]]:
-        """Root parameters first, then each unit's, in module order; tied ones go to the root."""
-        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+    def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[Any]]:
+        """Root parameters first, then each unit's, in module order; tied ones go to the root.
+        Within a unit, one bucket per optimizer group (a bucket never mixes two)."""
+        named = self._sharded_parameters()
         self._owner = parameter_owners(self.module, self._units)
-        named.sort(key=lambda item: self._owner[id(item[1])])  # stable: module order kept
+        group = self.groups.group
+        named.sort(key=lambda item: (self._owner[id(item[1])], group[id(item[1])]))  # stable
         self._size_of_unit: dict[int, int] = {}
         for _, param in named:
             unit = self._owner[id(param)]
             self._size_of_unit[unit] = self._size_of_unit.get(unit, 0) + 1
-        return named, [self._owner[id(p)] for _, p in named]
+        return named, [(self._owner[id(p)], group[id(p)]) for _, p in named]
 
     def _hook_modules(self) -> None:
         """Hook every module that holds trainable parameters directly, every unit, the root."""
@@ -206,7 +212,7 @@ class ZeroStage3(ZeroOptimizer):
         for sub in self.module.modules():
             owned = {
                 self._owner[id(p)] for p in sub._parameters.values() if p is not None
-                and id(p) in self._owner and p.requires_grad
+                and p.requires_grad and self.groups.holds(p)
             }  # fmt: skip
             if id(sub) in unit_of_module:
                 owned.add(unit_of_module[id(sub)])
