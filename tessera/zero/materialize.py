@@ -22,7 +22,19 @@ tensors in its `reset_parameters()` and modules are constructed in the order the
 (torch.nn's Linear, Embedding, LayerNorm, Conv, BatchNorm), or the model's construction draws
 nothing and then runs `for m in model.modules(): init_fn(m)` (the demo GPT: `GPT.init_module`).
 A model that re-initialises weights after construction any other way gets the walk's values, not
-its own. A tied parameter gets the value of the last init in module order that writes it.
+its own.
+
+A tied parameter (an embedding shared with the LM head) is written by the init of every module
+that holds it. Built whole, it keeps the value of the module that made it: the tie assigns one
+module's parameter to another (`head.weight = embed.weight`, as Hugging Face's `tie_weights`
+does), and the other module's own tensor, drawn at its construction, is dropped. So under
+`reset_parameters()` the walk keeps the value of the first module in `named_modules()` order
+that holds it (the one registered, hence constructed, first): a later holder's reset still runs,
+drawing the same random numbers as its constructor did (a tied tensor has the same shape), and
+its value is put back. With `init_fn` the last init in module order wins, as it does for
+`for m in model.modules(): init_fn(m)` on the model built whole. (A model that ties the other
+way, `embed.weight = head.weight` with the head registered later, is not told apart: it gets the
+embedding's value.)
 
 Every tensor of the walk must be written by its init: a parameter or buffer left untouched
 (`_version` unchanged, and the buffer not replaced) is refused by name. This is how a buffer
@@ -193,6 +205,13 @@ class _Walk:
     def initialise(self, prefix: str, sub: nn.Module) -> None:
         """Give `sub` its memory, run its init, check that its buffers were written."""
         before = dict(sub._parameters)
+        tied = []  # reset_parameters: parameters an earlier module made keep their value
+        if self.pending.init_fn is None:
+            tied = [
+                (param, param.detach().clone()) for param in before.values()
+                if param is not None and id(param) in self.version
+                and param.untyped_storage().nbytes()
+            ]  # fmt: skip
         buffers = self.give_memory(prefix, sub)
         reset = getattr(sub, "reset_parameters", None)
         with torch.no_grad():
@@ -200,6 +219,8 @@ class _Walk:
                 self.pending.init_fn(sub)
             elif callable(reset):
                 reset()
+            for param, value in tied:
+                param.copy_(value)
         for name, param in before.items():
             if sub._parameters.get(name) is not param:
                 raise ValueError(
