@@ -590,11 +590,13 @@ def test_train_config_offload_and_activation_checkpointing(tmp_path):
     from tessera.train import build_config
     from tessera.train.engine_setup import policy_options
     from tessera.train.loop import make_optimizer
-    from tessera.zero.api import _host_factory
+    from tessera.zero.api import _host_spec
 
     def _offload_optimizer(stage, module, make, config):  # the trainer's translation, as used
         offload = policy_options(config)["offload"]
-        return _host_factory(stage, module, make, config.mixed_precision, offload)
+        user = make(module.parameters())  # ZeRO reads the user's optimizer on the model
+        host_class, kwargs, _ = _host_spec(stage, module, user, config.mixed_precision, offload)
+        return partial(host_class, **kwargs)
 
     base = {"nproc": 2, "steps": 1}
     config = build_config(

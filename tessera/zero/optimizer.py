@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from tessera import comm
 from tessera.clip import clip_grad_norm
@@ -48,6 +47,7 @@ from tessera.data_parallel.reducer import Reducer
 from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import current_context
 from tessera.runtime.wait import wait_or_raise
+from tessera.zero.bf16_forward import Bf16Forward
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
 from tessera.zero.groups import OptimizerGroups
 from tessera.zero.masters import HeldMasters, SwappedMasters
@@ -158,9 +158,10 @@ class ZeroOptimizer:
         """Where the masters live: builds the flats and the inner optimizer, runs the step."""
         self.flats: list[FlatShard] = []
         self.flats, self.optimizer = self.masters.build(self, sources, self._inner_optimizer)
+        self._bf16 = Bf16Forward(named[0][1].device.type) if mixed_precision == "bf16" else None
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
-            module.register_forward_hook(self._after_forward),
+            module.register_forward_hook(self._after_forward, always_call=True),
         ]
 
     # -- construction -------------------------------------------------------------------------
@@ -240,16 +241,14 @@ class ZeroOptimizer:
 
     # -- hooks ------------------------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Start a reduction round; under bf16 run the forward under autocast (`bf16_forward`)."""
         if torch.is_grad_enabled() and self.reducer.sync_enabled:
             self.reducer.prepare_for_backward()
-        if self.mixed_precision == "bf16":
-            return tree_map(_to_bf16, args)
-        return None
+        return self._bf16.enter(args) if self._bf16 is not None else None
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.mixed_precision == "bf16":
-            return tree_map(_to_fp32, output)
-        return None
+        """bf16: leave the forward's autocast (also when it raised); outputs in fp32."""
+        return self._bf16.exit(output) if self._bf16 is not None else None
 
     def _reduce_bucket(self, bucket: Bucket) -> None:
         """Reduce one bucket's gradients (on the communication stream); per stage."""
@@ -466,18 +465,6 @@ def _check_collaborators(delayed_update: bool, after: int, swap_masters: bool) -
             "delayed_update cannot run with the masters in files (offload='nvme'): the "
             "swapped step streams them through shared buffers on the training thread"
         )
-
-
-def _to_bf16(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(torch.bfloat16)
-    return value
-
-
-def _to_fp32(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
-        return value.float()
-    return value
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

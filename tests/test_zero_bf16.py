@@ -1,0 +1,140 @@
+"""bf16 and fp16 with a frozen layer and a dict batch of float inputs, under ZeRO and DDP.
+
+ZeRO's bf16 keeps bf16 weights; a frozen layer (not sharded) stays fp32 and a keyword argument
+is not cast, and both once met bf16 activations: "mat1 and mat2 must have the same dtype". On 2
+ranks, each with half the batch, `tessera.setup(..., precision="bf16" | "fp16")` of ddp,
+torch-ddp and zero1-3 trains a model with a frozen first layer on a dict batch whose float
+`scale` is a keyword argument, 3 SGD steps. Against the plain fp32 loop written here, the budget
+is derived from the low precision's rounding, as in `test_precision`: after T SGD steps the
+weights differ by lr * sum_t (g_t' - g_t), and each gradient element is a chain of at most
+ROUNDINGS roundings of relative error <= u, so ||w' - w|| <= lr * ROUNDINGS * u * sum_t ||g_t||
+(plus 16 float32 ulps of the weights). A plain autocast loop, written here too, must fall within
+the same budget (the bound is not too tight for a correct run), and every run must differ from
+fp32 (the low precision is used). The frozen layer must come back fp32 and unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tessera
+from tests._tolerance import FP32_ULP
+
+LR, STEPS, ROWS = 0.05, 3, 8
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
+"""Half of each format's machine epsilon: the relative error of one rounding to nearest."""
+ROUNDINGS = 3 * 6 + 2 * 2 + 2 + 1
+"""Low-precision roundings on the longest path to one weight gradient: each of the three Linears
+rounds its input, its weight and its output in forward and the incoming gradient, the other
+factor and the product in backward (6); each tanh its output and its gradient (2); the product
+with `scale` its result and its gradient (2); the reduction the averaged gradient (1)."""
+STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KINDS = ("pair", "dict")
+
+
+class FrozenBase(nn.Module):
+    """A frozen first layer (a pretrained base), then trained layers; takes a dict batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(5, 16)
+        self.adapter = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+        self.base.requires_grad_(False)
+
+    def forward(self, features: torch.Tensor, scale: Any = None, labels: Any = None) -> Any:
+        h = torch.tanh(self.base(features))
+        h = h * scale if scale is not None else h
+        return self.head(torch.tanh(self.adapter(h)))
+
+
+def _model() -> FrozenBase:
+    torch.manual_seed(0)
+    return FrozenBase()
+
+
+def _batch(step: int, kind: str) -> Any:
+    """A dict batch (float `scale` a keyword argument) or an (inputs, targets) pair."""
+    g = torch.Generator().manual_seed(20 + step)
+    batch = {
+        "features": torch.randn(ROWS, 5, generator=g),
+        "scale": 0.5 + torch.rand(ROWS, 1, generator=g),
+        "labels": torch.randint(0, 3, (ROWS,), generator=g),
+    }
+    return batch if kind == "dict" else (batch["features"], batch["labels"])
+
+
+def _half(batch: Any, rank: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: v.tensor_split(2)[rank] for k, v in batch.items()}
+    return tuple(t.tensor_split(2)[rank] for t in batch)
+
+
+def _loss(output: torch.Tensor, targets: Any) -> torch.Tensor:
+    labels = targets["labels"] if isinstance(targets, dict) else targets
+    return F.cross_entropy(output.float(), labels)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _ranks() -> dict[tuple[str, str, str], dict[str, torch.Tensor]]:
+    rank = tessera.init().rank
+    finals = {}
+    for strategy in STRATEGIES:
+        for precision in ("bf16", "fp16"):
+            for kind in KINDS:  # pair: bf16 inputs meet the frozen layer; dict: a kwarg, bf16
+                engine = tessera.setup(
+                    _model(), _sgd, strategy=strategy, loss_fn=_loss, precision=precision
+                )
+                for step in range(STEPS):
+                    engine.train_step(_half(_batch(step, kind), rank))
+                    engine.step()
+                finals[strategy, precision, kind] = engine.full_state_dict()
+                engine.close()
+    return finals
+
+
+def _plain(kind: str, dtype: torch.dtype | None) -> tuple[dict, dict[str, float]]:
+    """The whole batch in one process, under autocast to `dtype` (None: fp32); the final
+    weights and, per tensor, sum_t ||g_t||."""
+    model = _model()
+    optimizer = _sgd(model.parameters())
+    norms = dict.fromkeys(model.state_dict(), 0.0)
+    for step in range(STEPS):
+        batch = _batch(step, kind)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            output = model(**batch) if kind == "dict" else model(batch[0])
+            loss = _loss(output, batch if kind == "dict" else batch[1])
+        optimizer.zero_grad()
+        loss.backward()
+        for name, param in model.named_parameters():
+            if param.grad is not None:
+                norms[name] += param.grad.norm().item()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def test_low_precision_trains_frozen_layers_and_dict_batches_under_zero_and_ddp(run_ranks):
+    finals = run_ranks(_ranks, 2)[0]
+    plain = {k: (_plain(k, None), {p: _plain(k, d)[0] for p, d in DTYPES.items()}) for k in KINDS}
+    start = _model().state_dict()
+    runs = {**finals, **{("plain autocast", p, k): plain[k][1][p] for p in DTYPES for k in KINDS}}
+    assert len(runs) == 4 * len(STRATEGIES) + 4
+    for (strategy, precision, kind), state in runs.items():
+        fp32, norms = plain[kind][0]
+        assert any(not torch.equal(state[k], fp32[k]) for k in state), (strategy, precision, kind)
+        for name in ("base.weight", "base.bias"):  # frozen: fp32 and untouched
+            assert state[name].dtype == torch.float32, (strategy, precision, kind, name)
+            assert torch.equal(state[name], start[name]), (strategy, precision, kind, name)
+        for name, value in state.items():
+            budget = LR * ROUNDINGS * UNIT_ROUNDOFF[precision] * norms[name]
+            budget += 16 * FP32_ULP * fp32[name].norm().item()
+            error = (value.double() - fp32[name].double()).norm().item()
+            assert error <= budget, (strategy, precision, kind, name, error, budget)
