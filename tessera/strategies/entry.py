@@ -58,8 +58,9 @@ def setup(
 ) -> Engine:
     """Wrap `model` for training under `strategy`; return its `Engine`.
 
-    `optimizer` is a factory `params -> torch.optim.Optimizer` (the strategy decides over which
-    parameters: ZeRO builds it over this rank's shards). `loss_fn` follows the batch rule of
+    `optimizer` is a factory `params -> torch.optim.Optimizer`, called on the model's own
+    parameters (its groups by shape or identity are kept: ZeRO steps its shards with each
+    group's hyper-parameters, `tessera.zero.groups`). `loss_fn` follows the batch rule of
     `tessera.strategies.batch`: `loss_fn(output, targets)` for `(inputs, targets)` batches,
     `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`). `grad_clip` > 0
     clips the global gradient norm in `engine.step()`. `grad_accum` K > 1 accumulates: each

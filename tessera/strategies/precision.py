@@ -19,10 +19,11 @@ What each precision means, whatever the strategy:
   scales the loss, `step` unscales the gradients, checks them for inf/nan over every rank, and
   skips the step (halving the scale) when any rank found one; clipping sees unscaled gradients.
 
-ZeRO keeps its own bf16 path (bf16 parameter buffers, fp32 master shards): `precision="bf16"`
-under zero1-3 sets the policy's `mixed_precision="bf16"` rather than adding autocast on top,
-so `tessera.setup(..., precision="bf16")`, `mixed_precision="bf16"` and the trainer's
-`--mixed-precision bf16` are one and the same run.
+ZeRO keeps its own bf16 path (bf16 parameter buffers, fp32 master shards, and its forward under
+autocast for what is not sharded: frozen layers, keyword inputs, `tessera.zero.bf16_forward`):
+`precision="bf16"` under zero1-3 sets the policy's `mixed_precision="bf16"` rather than the
+engine's autocast, so `tessera.setup(..., precision="bf16")`, `mixed_precision="bf16"` and the
+trainer's `--mixed-precision bf16` are one and the same run.
 """
 
 from __future__ import annotations

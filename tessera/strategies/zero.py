@@ -1,8 +1,11 @@
 """`strategy="zero1" | "zero2" | "zero3"`: ZeRO over the default group, with offload.
 
-The optimizer factory is called on this rank's master shards only (`tessera.zero.shard`), so
-`engine.optimizer` is the torch optimizer over the shards: its `param_groups`' lr is the one the
-ZeRO step uses, also under the delayed update (the step in flight holds its own copy).
+The optimizer factory is called on the model's own parameters, as under every other strategy;
+ZeRO reads its `param_groups` and keeps each group's hyper-parameters for that group's shards
+(`tessera.zero.groups`). `engine.optimizer` is then the torch optimizer over this rank's master
+shards, one group per user group, in order: its `param_groups`' lr is the one the ZeRO step
+uses (a scheduler may set each group's), also under the delayed update (the step in flight holds
+its own copy).
 
 Checkpoints are sharded: `save(folder)` has every rank write its shard into `folder/zero/`
 beside `engine.pt` (rank 0's, which names the shard folder), so a run saved on 4 ranks loads on

@@ -166,11 +166,12 @@ def shard(
     Stage 3 materialises a meta-device `model` on `device` (default: the group's), one unit at a
     time (`tessera.zero.materialize`); stages 1 and 2 refuse one.
 
-    `make_optimizer(params)` builds the user's optimizer; it is called on this rank's master
-    shards only. Under `policy.offload` it is read once, on a one-element probe, for its class
-    and hyper-parameters, which become `CPUAdam` / `NVMeAdam` with the same values
-    (`tessera.optim.offload.host_optimizer`); `offload.device="cpu"` also puts the buffers the
-    host step streams on huge pages. Collective over `group`.
+    `make_optimizer(params)` builds the user's optimizer; it is called once on the model's own
+    parameters, and its groups are kept: each bucket holds one group's parameters and its
+    master shard steps with that group's hyper-parameters (`tessera.zero.groups`). Under
+    `policy.offload` its class and each group's hyper-parameters become `CPUAdam` / `NVMeAdam`
+    with the same values (`tessera.optim.offload.host_optimizer`); `offload.device="cpu"` also
+    puts the buffers the host step streams on huge pages. Collective over `group`.
     """
     if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage!r}")

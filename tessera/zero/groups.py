@@ -14,7 +14,8 @@ replaced by the masters of that group's buckets (its hyper-parameters, group ord
 the user's, so a learning-rate scheduler that sets a different lr per group works unchanged), or,
 under offload, the host optimizer (`CPUAdam` / `NVMeAdam`) built with the same groups. A trainable
 parameter that no group holds is left out of ZeRO, as a frozen one is: plain PyTorch never steps
-it either.
+it either. A tensor a group holds that is not the module's (`module` is one pipeline stage, the
+factory picked a head it lacks by identity) is dropped, as the pipeline does without ZeRO.
 """
 
 from __future__ import annotations
@@ -45,13 +46,10 @@ class OptimizerGroups:
         """`id(parameter)` -> index of the group that holds it."""
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                if id(param) not in names:
-                    raise ValueError(
-                        f"the optimizer's param_groups[{index}] holds a tensor of shape "
-                        f"{tuple(param.shape)} that is not a parameter of the model: ZeRO shards "
-                        "the model's parameters, build the optimizer over those"
-                    )
-                self.group[id(param)] = index
+                # A tensor of another module (a factory that picks the head by identity, run
+                # on a pipeline stage without it) is not this module's to shard or step.
+                if id(param) in names:
+                    self.group[id(param)] = index
         self.host: tuple[type, dict[str, Any], Sequence[str]] | None = None
         """Under offload: (class, keyword arguments, group keys taken from each user group)."""
 

@@ -4,7 +4,10 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 (SC 2020). Every stage keeps, per gradient bucket (`tessera.data_parallel.bucket`), one flat
 parameter buffer whose views are the module's parameters, padded to a multiple of the world size
 (`partition.py`); rank r owns slice r. The inner `torch.optim` optimizer sees only this rank's
-slices (the "master" shards), so its state is 1/N of the whole. A step is
+slices (the "master" shards), so its state is 1/N of the whole. It is the user's optimizer,
+built on the model's parameters and then given the masters in their place: a bucket never mixes
+two of its parameter groups, so each master steps with its group's hyper-parameters
+(`tessera.zero.groups`). A step is
 
     per bucket: gradient slice (reduced by the stage) -> master.grad
     inner optimizer step on the slices
