@@ -53,6 +53,13 @@ class OptimizerGroups:
         self.host: tuple[type, dict[str, Any], Sequence[str]] | None = None
         """Under offload: (class, keyword arguments, group keys taken from each user group)."""
 
+    @classmethod
+    def of(cls, module: nn.Module, make_optimizer: Any) -> OptimizerGroups:
+        """`make_optimizer` itself if it is one already, else read from it."""
+        if isinstance(make_optimizer, cls):
+            return make_optimizer
+        return cls(module, make_optimizer)
+
     def __len__(self) -> int:
         return len(self.user.param_groups)
 
@@ -81,7 +88,8 @@ class OptimizerGroups:
                 {**{k: v for k, v in group.items() if k != "params"}, "params": params}
                 for params, group in zip(split, optimizer.param_groups)
             ]
-            return type(optimizer)(specs, **optimizer.defaults)
+            self.user = type(optimizer)(specs, **optimizer.defaults)  # the old state goes
+            return self.user
         for params, group in zip(split, optimizer.param_groups):
             group["params"] = params  # no state yet: the masters simply take their place
         return optimizer

@@ -108,10 +108,7 @@ class ZeroOptimizer:
         self.timeout_s = current_context().timeout_s
         self.mixed_precision = mixed_precision
         _check_collaborators(delayed_update, delayed_update_after, swap_masters)
-        if not isinstance(make_optimizer, OptimizerGroups):  # stage 3 reads them earlier
-            make_optimizer = OptimizerGroups(module, make_optimizer)
-        self.groups = make_optimizer
-        """The user's optimizer groups: which group holds each parameter (`zero.groups`)."""
+        self.groups = OptimizerGroups.of(module, make_optimizer)  # (stage 3 read them first)
         self.delayed: DelayedUpdate | None = None
         """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
         if delayed_update:

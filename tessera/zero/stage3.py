@@ -101,9 +101,7 @@ class ZeroStage3(ZeroOptimizer):
         self._shards: list[torch.Tensor] = []
         self._initial: dict[int, tuple[list[str], torch.Tensor]] | None = None
         """A meta-device model's first values: per bucket, its names and this rank's slice."""
-        if not isinstance(make_optimizer, OptimizerGroups):  # read before the layout
-            make_optimizer = OptimizerGroups(module, make_optimizer)
-        self.groups = make_optimizer
+        self.groups = make_optimizer = OptimizerGroups.of(module, make_optimizer)  # for layout
         if meta_init is not None:
             self._initial = self._materialize(module, meta_init, group)
         # One bucket per unit, whatever its size: the cap never splits one.
