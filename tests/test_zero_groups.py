@@ -8,7 +8,8 @@ against a plain loop in this test on the whole batch (the same factory on a plai
   parameter is its gradient, so this checks both the gradient and that each group got its lr;
 - 3 AdamW steps with groups by shape and by identity, and under offload="cpu" and "nvme" (the
   host optimizer keeps the groups), and a scheduler that sets another lr per group;
-- resume: 2 AdamW steps, save, a fresh engine loads, 1 more step equals 3 straight.
+- resume: 2 AdamW steps, save, a fresh engine loads, 1 more step equals 3 straight;
+- hybrid's ZeRO inside pipeline stages (`zero=2` over its dp group) with groups by shape.
 A single group hides the bug (every group's hyper-parameters differ here by a factor >= 5),
 and the plain loop's own float32 error bounds the comparison (`_tolerance`).
 """
@@ -112,6 +113,10 @@ def _ranks(nvme_dir: str, save_dir: str) -> dict[str, Any]:
         scheduler = _per_group_schedule(engine.optimizer)
         _train(engine, range(STEPS), scheduler)
         out[f"{strategy} identity+schedule"] = engine.full_state_dict()
+    # ZeRO inside a pipeline stage (hybrid's zero=1|2 over its dp group) keeps them too.
+    engine = _setup("hybrid", by_shape, dp=2, microbatches=2, zero=2)
+    _train(engine, range(STEPS))
+    out["hybrid-zero2 shape"] = engine.full_state_dict()
     for strategy, offload in (("zero2", "cpu"), ("zero3", "cpu"), ("zero1", "nvme")):
         where = {"nvme_dir": nvme_dir} if offload == "nvme" else {}
         engine = _setup(strategy, by_shape, offload=OffloadPolicy(device=offload, **where))
