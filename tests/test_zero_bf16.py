@@ -11,6 +11,12 @@ ROUNDINGS roundings of relative error <= u, so ||w' - w|| <= lr * ROUNDINGS * u 
 (plus 16 float32 ulps of the weights). A plain autocast loop, written here too, must fall within
 the same budget (the bound is not too tight for a correct run), and every run must differ from
 fp32 (the low precision is used). The frozen layer must come back fp32 and unchanged.
+
+BatchNorm under ZeRO's bf16 (fp32 running statistics beside bf16 weights) once crashed too
+("expected scalar type BFloat16 but found Float"): a model with one trains under ddp and zero1-3
+in bf16 and is compared, as `_tolerance` does, with a plain autocast loop that does what two
+data-parallel ranks do (each half normalised on its own, the gradients averaged), its own bf16
+error against float64 bounding ours; its BatchNorm parameters come back fp32.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tessera
-from tests._tolerance import FP32_ULP
+from tests._tolerance import FP32_ULP, check_close
 
 LR, STEPS, ROWS = 0.05, 3, 8
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11}
@@ -84,7 +90,7 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def _ranks() -> dict[tuple[str, str, str], dict[str, torch.Tensor]]:
+def _ranks() -> tuple[dict, dict]:
     rank = tessera.init().rank
     finals = {}
     for strategy in STRATEGIES:
@@ -98,7 +104,54 @@ def _ranks() -> dict[tuple[str, str, str], dict[str, torch.Tensor]]:
                     engine.step()
                 finals[strategy, precision, kind] = engine.full_state_dict()
                 engine.close()
+    return finals, _batch_norm_ranks(rank)
+
+
+class Normed(nn.Module):
+    """A Linear, BatchNorm (fp32 running statistics), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.Tanh())
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def _normed(dtype: torch.dtype = torch.float32) -> Normed:
+    torch.manual_seed(1)
+    return Normed().to(dtype)
+
+
+def _batch_norm_ranks(rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    """bf16 with BatchNorm: its statistics are fp32 buffers beside bf16 activations."""
+    finals = {}
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        engine = tessera.setup(_normed(), _sgd, strategy=strategy, loss_fn=_loss, precision="bf16")
+        for step in range(STEPS):
+            engine.train_step(_half(_batch(step, "pair"), rank))
+            engine.step()
+        finals[strategy] = engine.full_state_dict()
+        engine.eval_step(_half(_batch(0, "pair"), rank))  # eval mode: the running statistics
+        engine.close()
     return finals
+
+
+def _batch_norm_plain(dtype: torch.dtype, autocast: bool) -> dict[str, torch.Tensor]:
+    """Two ranks' data parallelism in one process: BatchNorm normalises each half on its
+    own, the gradient is the mean of the halves' (a ddp rank keeps its own statistics)."""
+    model = _normed(dtype)
+    optimizer = _sgd(model.parameters())
+    for step in range(STEPS):
+        x, y = _batch(step, "pair")
+        optimizer.zero_grad()
+        for rows in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x.tensor_split(2)[rows].to(dtype))
+            (_loss(out, y.tensor_split(2)[rows]) / 2).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def _plain(kind: str, dtype: torch.dtype | None) -> tuple[dict, dict[str, float]]:
@@ -122,7 +175,7 @@ def _plain(kind: str, dtype: torch.dtype | None) -> tuple[dict, dict[str, float]
 
 
 def test_low_precision_trains_frozen_layers_and_dict_batches_under_zero_and_ddp(run_ranks):
-    finals = run_ranks(_ranks, 2)[0]
+    finals, batch_norm = run_ranks(_ranks, 2)[0]
     plain = {k: (_plain(k, None), {p: _plain(k, d)[0] for p, d in DTYPES.items()}) for k in KINDS}
     start = _model().state_dict()
     runs = {**finals, **{("plain autocast", p, k): plain[k][1][p] for p in DTYPES for k in KINDS}}
@@ -138,3 +191,11 @@ def test_low_precision_trains_frozen_layers_and_dict_batches_under_zero_and_ddp(
             budget += 16 * FP32_ULP * fp32[name].norm().item()
             error = (value.double() - fp32[name].double()).norm().item()
             assert error <= budget, (strategy, precision, kind, name, error, budget)
+    # BatchNorm: against the plain autocast loop, as `_tolerance` compares (its own bf16 error,
+    # measured against float64, bounds ours); its parameters stay fp32 (as FSDP keeps them).
+    oracle = _batch_norm_plain(torch.float32, autocast=True)
+    reference = _batch_norm_plain(torch.float64, autocast=False)
+    for strategy, state in batch_norm.items():
+        assert state["layers.1.weight"].dtype == torch.float32, strategy
+        ours = {name: state[name] for name in reference}
+        check_close(ours, oracle, reference, what=f"{strategy} bf16 BatchNorm")

@@ -11,6 +11,11 @@ convolution is cast to bf16 where it is used, as under every other strategy's bf
 (`tessera.strategies.precision`), and the bf16 weights pass through unchanged. Positional float
 inputs are still cast up front (what autocast would do at their first product anyway), keyword
 arguments are left alone (a float label must not be rounded), and float outputs come back fp32.
+
+BatchNorm's parameters stay fp32 (`kept_in_fp32`, as FSDP's mixed precision keeps `_BatchNorm`
+in full precision): its running statistics are fp32 buffers, and torch's batch norm takes bf16
+inputs with fp32 weight and statistics, but not bf16 weight with fp32 statistics. They are
+sharded in fp32 buckets of their own (a bucket holds one dtype).
 """
 
 from __future__ import annotations
@@ -18,9 +23,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["Bf16Forward"]
+from tessera.zero.materialize import storageless
+
+__all__ = ["Bf16Forward", "kept_in_fp32", "to_bf16_storageless"]
+
+
+def kept_in_fp32(module: nn.Module, mixed_precision: str | None) -> set[int]:
+    """`id` of each parameter that bf16 leaves fp32: BatchNorm's (none without bf16)."""
+    if mixed_precision != "bf16":
+        return set()
+    norms = [sub for sub in module.modules() if isinstance(sub, nn.modules.batchnorm._BatchNorm)]
+    return {id(p) for sub in norms for p in sub._parameters.values() if p is not None}
+
+
+def to_bf16_storageless(named: list[tuple[str, nn.Parameter]], kept: set[int]) -> None:
+    """Each parameter not `kept` becomes bf16 with no memory (its flat buffer fills it)."""
+    for _, param in named:
+        if id(param) not in kept:
+            param.data = storageless(param.shape, torch.bfloat16, param.device)
 
 
 class Bf16Forward:

@@ -50,11 +50,10 @@ from tessera.data_parallel.reducer import Reducer
 from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import current_context
 from tessera.runtime.wait import wait_or_raise
-from tessera.zero.bf16_forward import Bf16Forward
+from tessera.zero.bf16_forward import Bf16Forward, kept_in_fp32, to_bf16_storageless
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
 from tessera.zero.groups import OptimizerGroups
 from tessera.zero.masters import HeldMasters, SwappedMasters
-from tessera.zero.materialize import storageless
 from tessera.zero.memory import storage_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
 
@@ -109,6 +108,7 @@ class ZeroOptimizer:
         self.mixed_precision = mixed_precision
         _check_collaborators(delayed_update, delayed_update_after, swap_masters)
         self.groups = OptimizerGroups.of(module, make_optimizer)  # (stage 3 read them first)
+        self._fp32_kept = kept_in_fp32(module, mixed_precision)
         self.delayed: DelayedUpdate | None = None
         """The one-step delayed update (ZeRO-Offload's DPU), or None: every step in place."""
         if delayed_update:
@@ -131,9 +131,8 @@ class ZeroOptimizer:
         # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
         # originals are freed as the flats fill (memory at set-up: about one model, not two).
         sources = {id(p): p.detach() for _, p in named}
-        if mixed_precision == "bf16":
-            for _, param in named:  # filled from `sources` by _make_flat: untouched until then
-                param.data = storageless(param.shape, torch.bfloat16, param.device)
+        if mixed_precision == "bf16":  # filled from `sources` by _make_flat: untouched till then
+            to_bf16_storageless(named, self._fp32_kept)
         world = self.world
         self.reducer = Reducer(
             named,
@@ -184,11 +183,13 @@ class ZeroOptimizer:
 
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[Any] | None]:
         """Sharded parameters in bucket order, and their units: a bucket never mixes two
-        optimizer groups (stage 3 also splits by module unit). Sorted by descending group, so
-        that buckets (assigned in reverse) come in group order, each in reverse module order."""
+        optimizer groups (stage 3 also splits by module unit), nor bf16 parameters with those
+        kept fp32. Sorted by descending group, so that buckets (assigned in reverse) come in
+        group order, each in reverse module order."""
         named = self._sharded_parameters()
-        named.sort(key=lambda item: -self.groups.group[id(item[1])])  # stable
-        return named, [self.groups.group[id(p)] for _, p in named]
+        key = {id(p): (-self.groups.group[id(p)], id(p) in self._fp32_kept) for _, p in named}
+        named.sort(key=lambda item: key[id(item[1])])  # stable
+        return named, [key[id(p)] for _, p in named]
 
     def _inner_optimizer(self, masters: list[nn.Parameter]) -> Any:
         """The inner optimizer over `masters` (one per bucket, in order), each in its

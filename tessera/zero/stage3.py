@@ -50,6 +50,7 @@ from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket, assign_buckets
 from tessera.memory.residency import ResidencyScheduler, in_backward
 from tessera.runtime.wait import wait_or_raise
+from tessera.zero.bf16_forward import kept_in_fp32
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
 from tessera.zero.groups import OptimizerGroups
 from tessera.zero.materialize import PendingInit, materialize_shards
@@ -102,6 +103,7 @@ class ZeroStage3(ZeroOptimizer):
         self._initial: dict[int, tuple[list[str], torch.Tensor]] | None = None
         """A meta-device model's first values: per bucket, its names and this rank's slice."""
         self.groups = make_optimizer = OptimizerGroups.of(module, make_optimizer)  # for layout
+        self._fp32_kept = kept_in_fp32(module, mixed_precision)
         if meta_init is not None:
             self._initial = self._materialize(module, meta_init, group)
         # One bucket per unit, whatever its size: the cap never splits one.
@@ -192,16 +194,17 @@ class ZeroStage3(ZeroOptimizer):
 
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[Any]]:
         """Root parameters first, then each unit's, in module order; tied ones go to the root.
-        Within a unit, one bucket per optimizer group (a bucket never mixes two)."""
+        Within a unit, one bucket per optimizer group (and dtype, `kept_in_fp32`)."""
         named = self._sharded_parameters()
         self._owner = parameter_owners(self.module, self._units)
-        group = self.groups.group
-        named.sort(key=lambda item: (self._owner[id(item[1])], group[id(item[1])]))  # stable
+        group, fp32 = self.groups.group, self._fp32_kept
+        key = {id(p): (self._owner[id(p)], group[id(p)], id(p) in fp32) for _, p in named}
+        named.sort(key=lambda item: key[id(item[1])])  # stable: module order kept
         self._size_of_unit: dict[int, int] = {}
         for _, param in named:
             unit = self._owner[id(param)]
             self._size_of_unit[unit] = self._size_of_unit.get(unit, 0) + 1
-        return named, [(self._owner[id(p)], group[id(p)]) for _, p in named]
+        return named, [key[id(p)] for _, p in named]
 
     def _hook_modules(self) -> None:
         """Hook every module that holds trainable parameters directly, every unit, the root."""
