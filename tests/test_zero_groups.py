@@ -8,7 +8,8 @@ against a plain loop in this test on the whole batch (the same factory on a plai
   parameter is its gradient, so this checks both the gradient and that each group got its lr;
 - 3 AdamW steps with groups by shape and by identity, and under offload="cpu" and "nvme" (the
   host optimizer keeps the groups), and a scheduler that sets another lr per group;
-- resume: 2 AdamW steps, save, a fresh engine loads, 1 more step equals 3 straight;
+- resume: 2 AdamW steps, save, a fresh engine loads, 1 more step equals 3 straight (a
+  checkpoint is refused by an optimizer with another number of groups);
 - hybrid's ZeRO inside pipeline stages (`zero=2` over its dp group) with groups by shape.
 A single group hides the bug (every group's hyper-parameters differ here by a factor >= 5),
 and the plain loop's own float32 error bounds the comparison (`_tolerance`).
@@ -18,12 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import tessera
+from tessera.errors import CheckpointError
 from tessera.zero import OffloadPolicy
 from tests._tolerance import check_close
 
@@ -137,6 +140,9 @@ def _ranks(nvme_dir: str, save_dir: str) -> dict[str, Any]:
         fresh.load(f"{save_dir}/{strategy}")
         _train(fresh, range(2, STEPS))
         out[f"{strategy} shape resumed"] = fresh.full_state_dict()
+    one_group = _setup("zero2", lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    with pytest.raises(CheckpointError, match="it has 2 parameter groups, this optimizer 1"):
+        one_group.load(f"{save_dir}/zero2")
     return out
 
 
