@@ -60,6 +60,9 @@ class ZeroEngine(Engine):
     ) -> None:
         policy = policy if policy is not None else ZeroPolicy()
         self.stage = stage
+        self._user_dtypes = {key: t.dtype for key, t in module.state_dict().items()}
+        """The dtype of each tensor of the user's model: what `full_state_dict` (and so `export`)
+        gives back, whatever ZeRO keeps (fp32 masters, of bf16 parameters too)."""
         self.zero = shard(module, optimizer_factory, stage=stage, policy=policy, device=ctx.device)
         """The ZeRO optimizer (`ZeroStage1/2/3`): reduce-scatter, sharded step, all-gather."""
         super().__init__(
@@ -106,8 +109,12 @@ class ZeroEngine(Engine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model gathered from the shards, on every rank (collective); under the
-        delayed update the masters after every step taken, the one in flight included."""
-        return full_state_dict(self.module)
+        delayed update the masters after every step taken, the one in flight included. Each
+        tensor in the user's model's dtype: a bf16 parameter's fp32 master is rounded to bf16 (as
+        single-process training keeps it); under `precision="bf16"` the fp32 masters of an fp32
+        model stay fp32."""
+        state = full_state_dict(self.module)
+        return {key: t.to(self._user_dtypes.get(key, t.dtype)) for key, t in state.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """The full model only (collective): the optimizer state stays in shards (`save`)."""
