@@ -11,7 +11,7 @@ Oracles are plain PyTorch loops written here. What is checked:
 * on 2 ranks, bf16 and fp16 runs of single, ddp, torch-ddp, zero2, zero3, pipeline, tensor,
   hybrid and local-sgd stay within a tolerance derived from the unit roundoff of the fp32
   oracle, and differ from their fp32 run (the low precision is really used); an inf on one
-  rank alone makes every rank skip;
+  rank alone makes every rank skip (`test_precision_skip.py`, which asserts it within seconds);
 * the trainer takes `--mixed-precision fp16` for a non-ZeRO strategy and writes `loss_scale`
   and `skipped` to metrics.jsonl.
 """
@@ -202,8 +202,8 @@ other factor and the product in backward (6); tanh rounds its output and its gra
 reduction rounds the averaged gradient once more (1)."""
 
 
-def _rank_runs(poison_rank: int):
-    """On every rank: 3 SGD steps per (strategy, precision); then the one-rank-inf checks."""
+def _rank_runs():
+    """On every rank: 3 SGD steps per (strategy, precision)."""
     ctx = tessera.init()
     inputs, targets = _batch()
     mine = slice(ctx.rank * ROWS // 2, (ctx.rank + 1) * ROWS // 2)
@@ -220,25 +220,7 @@ def _rank_runs(poison_rank: int):
                 engine.step()
             finals[strategy, precision] = engine.full_state_dict()
             engine.close()
-    skips = {}
-    for strategy in ("zero2", "pipeline"):  # each rank holds different gradients
-        engine = tessera.setup(
-            _mlp(), _adamw, strategy=strategy, loss_fn=F.cross_entropy, precision="fp16",
-            ctx=ctx, **STRATEGIES[strategy],
-        )  # fmt: skip
-        engine.train_step((inputs[mine], targets[mine]))
-        engine.step()  # a clean first step: the optimizer state exists
-        before = engine.full_state_dict()
-        scale = engine.loss_scale
-        engine.train_step((inputs[mine], targets[mine]))
-        if ctx.rank == poison_rank:  # this rank's own gradients only
-            grad = next(g for g in engine.local_gradients() if g is not None)
-            grad.view(-1)[0] = math.inf
-        engine.step()
-        unchanged = _equal(before, engine.full_state_dict())
-        skips[strategy] = (unchanged, engine.skipped_steps, engine.loss_scale / scale)
-        engine.close()
-    return finals, skips
+    return finals
 
 
 def _oracle_sgd() -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -255,9 +237,7 @@ def _oracle_sgd() -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return model.state_dict(), grad_norms
 
 
-def test_every_strategy_in_bf16_and_fp16_stays_near_fp32_and_an_inf_on_one_rank_skips_all(
-    run_ranks,
-):
+def test_every_strategy_in_bf16_and_fp16_stays_near_fp32(run_ranks):
     """The tolerance. With SGD the weights after T steps are w0 - lr * sum_t g_t, so the
     low-precision run differs from fp32 by lr * sum_t (g_t' - g_t). Each gradient element is a
     chain of at most ROUNDINGS roundings, each of relative error <= u (the unit roundoff), so to
@@ -268,7 +248,7 @@ def test_every_strategy_in_bf16_and_fp16_stays_near_fp32_and_an_inf_on_one_rank_
     (x 2^16), weights stepped in low precision (u * ||w|| >> lr * u * sum ||g|| here), a
     gradient not averaged (x 2). (SGD, not Adam: Adam divides by sqrt(v), which turns the
     rounding of a near-zero gradient into an update of full size.)"""
-    finals, skips = run_ranks(_rank_runs, 2, 1)[0]
+    finals = run_ranks(_rank_runs, 2)[0]
     oracle, grad_norms = _oracle_sgd()
     for (strategy, precision), state in finals.items():
         if precision == "fp32":
@@ -280,8 +260,6 @@ def test_every_strategy_in_bf16_and_fp16_stays_near_fp32_and_an_inf_on_one_rank_
             budget += 16 * FP32_ULP * oracle[name].norm().item()
             error = (value.double() - oracle[name].double()).norm().item()
             assert error <= budget, (strategy, precision, name, error, budget)
-    for strategy, (unchanged, skipped, ratio) in skips.items():
-        assert (unchanged, skipped, ratio) == (True, 1, 0.5), strategy
 
 
 # ----- the trainer ----------------------------------------------------------------------------
