@@ -1,4 +1,5 @@
-"""`activation_bytes_per_layer`, every branch, against a hand count of the tensors a layer keeps.
+"""The planner's closed forms, every branch: activation memory against a tensor-by-tensor hand count
+of Korthikanti et al. 2022, and the branches without recomputation of Narayanan et al. 2021.
 
 The oracle is Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
 (2022), section 4.1, written out here tensor by tensor (16-bit values: 2 bytes per element,
@@ -109,3 +110,27 @@ def test_gpt3_at_t8_in_the_papers_units():
             s, b, h, a, t=degree, sequence_parallel=sp, recompute=recompute
         )
         assert got / sbh == pytest.approx(units, rel=1e-12), (degree, sp, recompute)
+
+
+def test_the_no_recomputation_branches_of_time_and_flops():
+    """Narayanan et al. 2021, equations (3) and (4), the branch without recomputation: the
+    backward pass is twice the forward, so 3 passes of 2 FLOPs per multiply-add (72 B s l h^2,
+    the logit layer's V/(12 l h) term) against 4 with recomputation (96, V/(16 l h)); days 6 T P
+    / (n X) against 8 T P / (n X). Counted here for GPT-3 175B (l 96, h 12288, V 51200, s 2048)."""
+    from tessera.plan.formulas import flops_per_iteration, flops_per_token, training_days
+
+    s, l, h, V = 2048, 96, 12288, 51200  # noqa: E741 - the paper's symbol
+    forward = 24 * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))  # one sequence's forward
+    logits = 2 * s * h * V  # the logit layer's forward, never recomputed
+    assert flops_per_iteration(1, s, l, h, V, recompute=False) == pytest.approx(3 * forward)
+    # with recomputation: one more forward of everything but the logit layer
+    assert flops_per_iteration(1, s, l, h, V) == pytest.approx(4 * forward - logits)
+    assert flops_per_token(s, l, h, V) == pytest.approx(3 * forward / s)  # MFU's: no recompute
+    assert flops_per_token(s, l, h, V, recompute=True) == pytest.approx((4 * forward - logits) / s)
+    tokens, params, n, rate = 300e9, 175e9, 1024, 140e12
+    assert training_days(tokens, params, n, rate, recompute=False) == pytest.approx(
+        6 * tokens * params / (n * rate) / 86400
+    )
+    assert training_days(tokens, params, n, rate) == pytest.approx(
+        8 * tokens * params / (n * rate) / 86400
+    )
