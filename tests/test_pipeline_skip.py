@@ -2,7 +2,8 @@
 
 A value made in stage 0 and used only in stage 2 (a skip connection over the middle stage) must
 travel through stage 1, which does not use it; so must a value used by two later stages that are
-not the next one, and a value of the middle of a 4-stage cut used only by the last. The oracle is
+not the next one, a value of the middle of a 4-stage cut used only by the last, and a value only
+the model's output returns. The oracle is
 the same model run whole in the test: the chained stages (one process, any number of stages)
 must give its output and gradients exactly, and `tessera.setup(..., strategy="pipeline")` on 3
 ranks its loss, gradients and SGD step (float64 yardstick, `_tolerance.check_close`).
@@ -52,12 +53,30 @@ class Long(nn.Module):
         return self.s3(h) + early + mid + x
 
 
+class Aux(nn.Module):
+    """A stage-0 value that no stage computes with, only the model's output returns (an
+    auxiliary output: hidden states a user's loss reads), beside the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        early = torch.tanh(self.a(x))
+        aux = early * 2  # made in stage 0, read by no stage
+        return {"logits": self.c(torch.relu(self.b(early))), "aux": aux}
+
+
 def _chain(model: nn.Module, split: list[str], x: torch.Tensor) -> tuple[list, torch.Tensor]:
     stages, _ = trace_stages(model, split, x)
     received: tuple = ()
     for stage in stages[:-1]:
         received = stage.run(x, received)
     return stages, stages[-1].run(x, received)
+
+
+def _values(out: torch.Tensor | dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return list(out.values()) if isinstance(out, dict) else [out]
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -72,8 +91,8 @@ def _check_chain(factory: type, split: list[str]) -> list:
     stages, out = _chain(model, split, x)
     want = whole(x)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    out.square().sum().backward()  # the stages train the model's own parameters
-    want.square().sum().backward()
+    sum(v.square().sum() for v in _values(out)).backward()  # the model's own parameters train
+    sum(v.square().sum() for v in _values(want)).backward()
     mine, theirs = _grads(model), _grads(whole)
     for name in theirs:
         torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=0, msg=name)
@@ -91,6 +110,11 @@ def test_values_used_by_two_later_stages_and_by_the_last_only_reach_them():
     stages = _check_chain(Long, ["s1", "s2", "s3"])
     # stage 1 forwards `early`; stage 2 forwards `early` and `mid` (with its own h)
     assert [len(s.receives) for s in stages] == [0, 2, 3, 3]
+
+
+def test_a_value_only_the_models_output_returns_reaches_the_last_stage():
+    stages = _check_chain(Aux, ["b", "c"])
+    assert [len(s.receives) for s in stages] == [0, 2, 2]  # `aux` rides along to the end
 
 
 def _skip_on_three_ranks() -> None:
