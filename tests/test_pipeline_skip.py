@@ -3,10 +3,10 @@
 A value made in stage 0 and used only in stage 2 (a skip connection over the middle stage) must
 travel through stage 1, which does not use it; so must a value used by two later stages that are
 not the next one, a value of the middle of a 4-stage cut used only by the last, and a value only
-the model's output returns. The oracle is
-the same model run whole in the test: the chained stages (one process, any number of stages)
-must give its output and gradients exactly, and `tessera.setup(..., strategy="pipeline")` on 3
-ranks its loss, gradients and SGD step (float64 yardstick, `_tolerance.check_close`).
+the model's output returns. The oracle is the same model run whole in the test: the chained stages
+(one process, any number of stages) must give its output and gradients exactly, and
+`tessera.setup(..., strategy="pipeline")` on 3 ranks its loss, gradients and SGD step (float64
+yardstick, `_tolerance.check_close`).
 """
 
 from __future__ import annotations
