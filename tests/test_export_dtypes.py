@@ -134,3 +134,29 @@ def test_every_strategy_exports_the_models_dtypes(run_ranks, tmp_path, nproc):
     SGD step: every dtype still the user's, the buffers untouched (ZeRO keeps fp32 masters of
     the bf16 and fp16 parameters: the export gives them back in the model's dtype)."""
     run_ranks(_export_every_strategy, nproc, str(tmp_path))
+
+
+def test_a_bf16_hugging_face_model_exports_as_bf16_in_both_formats(tmp_path):
+    """`format="hf"` (save_pretrained) and `"safetensors"` of a transformers model held in
+    bf16: every key's dtype and value is the model's, and `from_pretrained` reads the folder
+    back equal (and in bf16)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=5,
+    )  # fmt: skip
+    model = BertModel(config).to(torch.bfloat16)
+    want = copy.deepcopy(model.state_dict())
+    engine = tessera.setup(model, lambda p: torch.optim.SGD(p, lr=0.1), strategy="single")
+    for format in ("hf", "safetensors"):
+        engine.export(tmp_path / format, format)
+        loaded = load_file(tmp_path / format / "model.safetensors")
+        assert sorted(loaded) == sorted(want), format
+        for key, tensor in loaded.items():
+            assert tensor.dtype == want[key].dtype and torch.equal(tensor, want[key]), (format, key)
+    again = BertModel.from_pretrained(tmp_path / "hf")
+    assert again.dtype == torch.bfloat16
+    for key, tensor in again.state_dict().items():
+        assert tensor.dtype == want[key].dtype and torch.equal(tensor, want[key]), key
