@@ -1,12 +1,13 @@
 """fp16: an inf in one rank's gradients makes every rank skip the step, asserted within seconds.
 
 Each rank holds its own gradients (DDP after its reduction, ZeRO's reduced slices, a pipeline
-stage's, a tensor-parallel shard's); an inf is written into one rank's only. Every rank must then
-skip: parameters and optimizer state unchanged, one skipped step, the scale halved. A rank that
-steps while another skips leaves the two waiting on different collectives, which would end only
-at the spawn's deadline. So each rank reports what it saw through a file (no collective) right
-after its step, with the collectives' timeout short, and the ranks stop at the first strategy
-where the reports disagree: a wrong decision fails an assertion naming the rank and the strategy.
+stage's, a tensor-parallel shard's, local SGD's unreduced ones); an inf is written into one rank's
+only. Every rank must then skip: parameters and optimizer state unchanged, one skipped step, the
+scale halved. A rank that steps while another skips leaves the two waiting on different
+collectives, which would end only at the spawn's deadline. So each rank reports what it saw
+through a file (no collective) right after its step, with the collectives' timeout short, and the
+ranks stop at the first strategy where the reports disagree: a wrong decision fails an assertion
+naming the rank and the strategy.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ after it (the report is written first by the rank that skipped, read by a short 
 
 STRATEGIES: dict[str, dict[str, Any]] = {  # the ones whose step has no collective first
     "ddp": {},
+    "torch-ddp": {},
     "pipeline": {"microbatches": 2},
     "tensor": {"plan": {"0": "column", "2": "row"}},
     "zero3": {},
     "hybrid": {"dp": 2, "microbatches": 2},
     "zero1": {},
     "zero2": {},
+    "local-sgd": {"average_every": 1},  # each rank its own gradients; then the average
 }
 
 
