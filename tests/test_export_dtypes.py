@@ -112,6 +112,10 @@ def _export_every_strategy(out: str) -> None:
         engine.train_step((inputs[rows], targets[rows]))
         engine.step()
         engine.export(Path(out) / strategy / "after.safetensors")
+        saved = engine.state_dict()["model"]  # what a user saves by hand: the same dtypes
+        assert {k: t.dtype for k, t in saved.items()} == {k: t.dtype for k, t in want.items()}, (
+            strategy
+        )
         engine.close()
         if ctx.rank == 0:
             _check(Path(out) / strategy / "before.safetensors", want)

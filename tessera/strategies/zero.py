@@ -118,7 +118,7 @@ class ZeroEngine(Engine):
 
     def state_dict(self) -> dict[str, Any]:
         """The full model only (collective): the optimizer state stays in shards (`save`)."""
-        return self.precision_state({"model": full_state_dict(self.module)})
+        return self.precision_state({"model": self.full_state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Not possible: a ZeRO engine's optimizer state is sharded; restore with `load`."""
