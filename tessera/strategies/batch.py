@@ -8,9 +8,20 @@ Two kinds of batch, the two conventions of PyTorch code:
 * an `(inputs, targets)` pair: `loss_fn(model(inputs), targets)`; a pair has no loss of its
   own, so `loss_fn` is required.
 
-Anything else is refused with one message. Micro-batches (a pipeline's) cut every tensor on
-dim 0; model-parallel engines gather the ranks' shards of a batch back into the global batch
-the same way.
+Anything else is refused with one message. Micro-batches (a pipeline's, gradient
+accumulation's) cut every tensor on dim 0 (a 0-dim tensor, a flag, goes whole into each);
+model-parallel engines gather the ranks' shards of a batch back into the global batch the same
+way.
+
+What a loss averages over (`item_counter`): a micro-batch's loss is weighted by its share of the
+batch's *items*, not of its rows, so that the weighted sum is the whole batch's loss also for a
+loss averaged over tokens with padding or `ignore_index` (a Hugging Face causal LM's labels hold
+-100 where no token counts). The items are the rows unless the loss says otherwise: a `loss_fn`
+with a `count_items(targets)` attribute (the same second argument the loss gets: the targets of a
+pair, the batch of a dict) declares them; `nn.CrossEntropyLoss` / `nn.NLLLoss` (mean reduction)
+count their targets that differ from `ignore_index` (weighted by class `weight` when set); the
+model's own loss of a dict batch counts `labels != -100`, one position fewer per row for a causal
+LM (a class named `*ForCausalLM` / `*LMHeadModel`: Hugging Face shifts its labels by one).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 __all__ = [
     "Batch",
@@ -27,6 +39,8 @@ __all__ = [
     "check_grad_accum",
     "compute_loss",
     "gather_batch",
+    "item_counter",
+    "loss_targets",
     "model_loss",
     "no_loss_message",
     "split_for_accumulation",
@@ -83,10 +97,15 @@ def compute_loss(
     )
 
 
-def _map_tensors(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Any:
+def _map_rows(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`fn` over every tensor of `batch` that has rows; 0-dim tensors and others go unchanged."""
+
+    def one(v: Any) -> Any:
+        return fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+
     if isinstance(batch, Mapping):
-        return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return type(batch)(fn(v) if isinstance(v, torch.Tensor) else v for v in batch)
+        return {k: one(v) for k, v in batch.items()}
+    return type(batch)(one(v) for v in batch)
 
 
 def _rows(batch: Batch) -> int:
@@ -105,7 +124,7 @@ def split_microbatches(batch: Batch, m: int) -> list[Any]:
     if m < 1 or rows % m:
         raise ValueError(f"a batch of {rows} rows does not split into {m} equal micro-batches")
     size = rows // m
-    return [_map_tensors(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(m)]
+    return [_map_rows(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(m)]
 
 
 def check_grad_accum(k: Any) -> None:
@@ -114,13 +133,18 @@ def check_grad_accum(k: Any) -> None:
         raise ValueError(f"grad_accum must be an int >= 1 (1: no accumulation), got {k!r}")
 
 
-def split_for_accumulation(batch: Batch, k: int) -> list[tuple[Any, float]]:
+def split_for_accumulation(
+    batch: Batch, k: int, count: Callable[[Any], float | None] | None = None
+) -> list[tuple[Any, float]]:
     """Cut `batch` into `k` micro-batches of as equal rows as can be; each with its share.
 
-    The share is the micro-batch's fraction of the rows: the sum of `share * mean loss` over the
-    micro-batches is the whole batch's mean loss (for a loss averaged over rows), so the
-    gradients of the shares' weighted losses add up to the whole batch's gradient. Sizes differ
-    by at most one row when `k` does not divide the rows; fewer rows than `k` is refused.
+    The share is the micro-batch's fraction of the items its loss averages over (`count`, from
+    `item_counter`; without it, or where it returns None, the rows): the sum of `share * mean
+    loss` over the micro-batches is the whole batch's mean loss, so the gradients of the shares'
+    weighted losses add up to the whole batch's gradient. A micro-batch without items (every
+    label ignored) is left out: its mean loss is 0/0, and it adds nothing to the batch's.
+    Sizes differ by at most one row when `k` does not divide the rows; fewer rows than `k` is
+    refused. Counting reads the labels on the host (one sync per step, only with `count`).
     """
     check_grad_accum(k)
     if k == 1:  # the batch as given, whatever it holds (the batch rule judges it)
@@ -136,10 +160,68 @@ def split_for_accumulation(batch: Batch, k: int) -> list[tuple[Any, float]]:
     parts, start = [], 0
     for index in range(k):
         end = start + size + (index < extra)
-        micro = _map_tensors(batch, lambda t, a=start, b=end: t[a:b])
-        parts.append((micro, (end - start) / rows))
+        parts.append((_map_rows(batch, lambda t, a=start, b=end: t[a:b]), float(end - start)))
         start = end
-    return parts
+    return _shares(parts, count)
+
+
+def _shares(parts: list[tuple[Any, float]], count: Callable[[Any], Any] | None) -> list:
+    """Each part's weight (its rows) replaced by its fraction of the items (or of the rows)."""
+    items = [count(loss_targets(micro)) for micro, _ in parts] if count is not None else []
+    if items and all(n is not None for n in items) and sum(items) > 0:
+        parts = [(micro, float(n)) for (micro, _), n in zip(parts, items) if n > 0]
+    total = sum(weight for _, weight in parts)
+    return [(micro, weight / total) for micro, weight in parts]
+
+
+def loss_targets(batch: Batch) -> Any:
+    """What the loss compares the output with: a pair's targets, a dict batch itself."""
+    return batch if isinstance(batch, Mapping) else batch[1]
+
+
+def _causal_lm(module: nn.Module | None) -> bool:
+    """A Hugging Face causal LM, whose own loss drops each row's first label (it shifts)."""
+    name = type(module).__name__
+    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+def _labels_count(labels: Any, shift: bool, ignore_index: int = -100) -> float | None:
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() == 0:
+        return None  # regression targets, or no labels: the rows are the items
+    if shift:
+        labels = labels[..., 1:]
+    return float((labels != ignore_index).sum())
+
+
+def item_counter(loss_fn: LossFn | None, module: nn.Module | None = None) -> Callable | None:
+    """`targets -> how many items the loss averages over` (see the module docstring), or None
+    where they are the rows. `targets` is the loss's second argument (a dict batch itself)."""
+    declared = getattr(loss_fn, "count_items", None)
+    if callable(declared):
+        return lambda targets: float(declared(targets))
+    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and loss_fn.reduction == "mean":
+        return lambda targets: _class_count(loss_fn, targets)
+    if loss_fn is None:  # the model's own loss of a dict batch
+        shift = _causal_lm(module)
+
+        def own(batch: Any) -> float | None:
+            if not isinstance(batch, Mapping):
+                return None
+            if isinstance(batch.get("shift_labels"), torch.Tensor):  # given shifted already
+                return _labels_count(batch["shift_labels"], shift=False)
+            return _labels_count(batch.get("labels"), shift)
+
+        return own
+    return None
+
+
+def _class_count(loss_fn: nn.CrossEntropyLoss | nn.NLLLoss, targets: Any) -> float | None:
+    """The divisor of a mean class loss: targets not ignored, each by its class weight."""
+    count = _labels_count(targets, shift=False, ignore_index=loss_fn.ignore_index)
+    if count is None or loss_fn.weight is None:
+        return count
+    kept = targets[targets != loss_fn.ignore_index]
+    return float(loss_fn.weight.to(kept.device)[kept].sum())
 
 
 _META = 10

@@ -33,6 +33,8 @@ __all__ = [
 class DDPEngine(Engine):
     """tessera's `DataParallel`: bulk-synchronous, gradients averaged every step."""
 
+    items_over_ranks = True  # gradients averaged over ranks: Engine._items_scale
+
     def __init__(
         self,
         module: nn.Module,

@@ -15,7 +15,8 @@ the gradients and skips the step on inf/nan on any rank (`loss_scale`, `skipped_
 `train_step` is one unit (not forward, then backward) because a pipeline interleaves the
 forwards and backwards of its micro-batches inside one step, and because gradient accumulation
 (`tessera.setup(..., grad_accum=K)`) runs K forward/backward passes inside it: the rank's batch is
-cut into K micro-batches, each loss weighted by its share of the rows (so the gradient is the
+cut into K micro-batches, each loss weighted by its share of what the loss averages over (the
+rows, or the tokens not ignored: `tessera.strategies.batch.item_counter`; so the gradient is the
 whole batch's), and the gradients are reduced over ranks once, in the last backward (the others
 run under `no_sync()`). The batch follows the batch rule of `tessera.strategies.batch`.
 `engine.optimizer` is a real `torch.optim.Optimizer` (under ZeRO the one over this rank's
@@ -42,7 +43,14 @@ from torch import nn
 from tessera._atomic import write_atomically
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
-from tessera.strategies.batch import Batch, LossFn, compute_loss, split_for_accumulation
+from tessera.strategies.batch import (
+    Batch,
+    LossFn,
+    compute_loss,
+    item_counter,
+    loss_targets,
+    split_for_accumulation,
+)
 from tessera.strategies.evaluation import evaluating
 from tessera.strategies.precision import DTYPES, autocast_context, sum_flag
 
@@ -80,6 +88,10 @@ class Engine:
 
     grad_accum = 1
     """Micro-batches per `train_step` (gradient accumulation); `tessera.setup` sets it."""
+    items_over_ranks = False
+    """True where each rank computes on its own part of the global batch and the gradients are
+    averaged over all ranks (data parallelism): a loss averaged over items is then weighted by
+    this rank's share of the global batch's items (`_items_scale`)."""
 
     def __init__(
         self,
@@ -196,18 +208,36 @@ class Engine:
         """Forward and backward of this rank's `batch` (the batch rule); return its loss.
 
         With `grad_accum` K > 1 the batch is cut into K micro-batches (`split_for_accumulation`),
-        each backward takes its loss times its share of the rows, all but the last run under
+        each backward takes its loss times its share of the items (rows, or tokens counted), all but the last run under
         `no_sync()`, and the returned loss is the shares' weighted mean: the whole batch's.
         """
-        parts = split_for_accumulation(batch, self.grad_accum)
+        count = item_counter(self.loss_fn, self.module)
+        parts = split_for_accumulation(batch, self.grad_accum, count)
+        scale = self._items_scale(batch, count)
         total = 0.0
         for index, (micro, share) in enumerate(parts):
             last = index == len(parts) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._micro_loss(micro)
-                self.backward(loss if len(parts) == 1 else loss * share)
+                weight = share * scale
+                self.backward(loss if weight == 1.0 else loss * weight)
             total += share * float(loss.detach())
         return total
+
+    def _items_scale(self, batch: Batch, count: Any) -> float:
+        """Data parallelism averages the ranks' gradients; where the loss averages over items
+        that differ in number between ranks (tokens not ignored), this rank's loss is scaled by
+        `world * its items / all ranks' items`, so the average is the global batch's loss (what
+        Hugging Face's Trainer does with `average_tokens_across_devices`). One all-reduce of a
+        number per step, only for such a loss; 1.0 otherwise."""
+        if not self.items_over_ranks or self.ctx.world_size == 1 or count is None:
+            return 1.0
+        mine = count(loss_targets(batch))
+        if mine is None:
+            return 1.0
+        items = torch.tensor([float(mine)], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(items)
+        return self.ctx.world_size * float(mine) / float(items) if float(items) > 0 else 1.0
 
     def eval_step(self, batch: Batch) -> float:
         """The loss of `batch` without training: the float `train_step` would return for it.

@@ -27,6 +27,8 @@ __all__ = ["NoOptions", "TorchDDPEngine", "build"]
 class TorchDDPEngine(Engine):
     """`torch.nn.parallel.DistributedDataParallel` around the user's model."""
 
+    items_over_ranks = True  # gradients averaged over ranks: Engine._items_scale
+
     def __init__(
         self,
         module: nn.Module,

@@ -46,6 +46,7 @@ class ZeroEngine(Engine):
     """A ZeRO stage (1, 2 or 3) around the user's model."""
 
     sharded_checkpoint = True
+    items_over_ranks = True  # gradients averaged over ranks: Engine._items_scale
 
     def __init__(
         self,
