@@ -208,8 +208,9 @@ class Engine:
         """Forward and backward of this rank's `batch` (the batch rule); return its loss.
 
         With `grad_accum` K > 1 the batch is cut into K micro-batches (`split_for_accumulation`),
-        each backward takes its loss times its share of the items (rows, or tokens counted), all but the last run under
-        `no_sync()`, and the returned loss is the shares' weighted mean: the whole batch's.
+        each backward takes its loss times its share of the items (rows, or tokens counted), all
+        but the last run under `no_sync()`, and the returned loss is the shares' weighted mean:
+        the whole batch's. Data-parallel engines also weigh the ranks by their items.
         """
         count = item_counter(self.loss_fn, self.module)
         parts = split_for_accumulation(batch, self.grad_accum, count)
