@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -301,10 +302,13 @@ def _parser() -> argparse.ArgumentParser:
     """
     from tessera.train.config import TrainConfig
 
-    parser = argparse.ArgumentParser(
+    # no abbreviations (`--strat zero2` is an error, not --strategy): a flag added later must not
+    # change what an old command line means, and a typo must not pick a flag by its prefix
+    strict = functools.partial(argparse.ArgumentParser, allow_abbrev=False)
+    parser = strict(
         prog="tessera", description="Distributed training, every strategy in readable Python."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=strict)
 
     train = commands.add_parser(
         "train",
@@ -417,7 +421,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     checkpoint = commands.add_parser("checkpoint", help="work with checkpoints")
-    actions = checkpoint.add_subparsers(dest="action", required=True)
+    actions = checkpoint.add_subparsers(dest="action", required=True, parser_class=strict)
     merge = actions.add_parser(
         "consolidate",
         help="merge a ZeRO run's sharded checkpoint into one plain safetensors state dict",

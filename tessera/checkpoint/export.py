@@ -7,6 +7,10 @@
   loads with `from_pretrained`.
 - `hf`: `module.save_pretrained(path, state_dict=state)`: the folder `transformers`'
   `AutoModel*.from_pretrained(path)` reads (its config.json and safetensors weights).
+
+Both are written beside their final name and renamed into it once complete
+(`tessera._atomic.replace_atomically`): an export killed half-way leaves no half file under the
+name a loader opens, and the files get the mode a plain `open` gives.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from tessera._atomic import replace_atomically
 
 __all__ = ["EXPORT_FORMATS", "export_model", "untied"]
 
@@ -67,14 +73,16 @@ def export_model(
                 f"format hf writes a transformers model with save_pretrained; "
                 f"{type(module).__name__} is not one (use format safetensors)"
             )
-        path.mkdir(parents=True, exist_ok=True)
-        module.save_pretrained(path, state_dict=untied(state), safe_serialization=True)
-        return path
+        weights = untied(state)
+        return replace_atomically(
+            path,
+            lambda tmp: module.save_pretrained(tmp, state_dict=weights, safe_serialization=True),
+        )
     from safetensors.torch import save_file
 
     file = path if path.suffix == ".safetensors" else path / WEIGHTS_FILE
-    file.parent.mkdir(parents=True, exist_ok=True)
-    save_file(untied(state), str(file), metadata={"format": "pt"})
+    weights = untied(state)
+    replace_atomically(file, lambda tmp: save_file(weights, str(tmp), metadata={"format": "pt"}))
     if _is_hf(module) and file.parent == path:
-        module.config.to_json_file(str(path / "config.json"))
+        replace_atomically(path / "config.json", lambda tmp: module.config.to_json_file(str(tmp)))
     return file

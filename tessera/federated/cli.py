@@ -122,7 +122,9 @@ def add_subcommands(commands) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m tessera.federated`."""
-    parser = argparse.ArgumentParser(prog="tessera fl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tessera fl", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return args.handler(args)
