@@ -52,7 +52,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = 
                 action=argparse.BooleanOptionalAction,
             )
             continue
-        kind = {int: int, float: float}.get(annotation, str)
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
+        kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
         if field.name == "nproc":
             kind = _nproc_value
         parser.add_argument(

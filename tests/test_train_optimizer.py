@@ -65,8 +65,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _plain(optimizer: str) -> dict[str, torch.Tensor]:
     model = _model()
     if optimizer == "rmsprop":
+        weights = [p for p in model.parameters() if p.dim() > 1]  # biases are not decayed
+        biases = [p for p in model.parameters() if p.dim() == 1]
+        groups = [{"params": weights}, {"params": biases, "weight_decay": 0.0}]
         opt = torch.optim.RMSprop(
-            model.parameters(), lr=0.01, weight_decay=0.1, alpha=0.9, momentum=0.5, centered=True
+            groups, lr=0.01, weight_decay=0.1, alpha=0.9, momentum=0.5, centered=True
         )
     else:
         opt = SignDescent(model.parameters(), lr=0.01)

@@ -92,7 +92,8 @@ def expected_lr(step: int, config: TrainConfig) -> float:
 
 class _AdamW:
     """AdamW (Loshchilov & Hutter) as the trainer configures it: betas (0.9, 0.95), eps 1e-8,
-    decoupled weight decay on every parameter, bias-corrected moments."""
+    decoupled weight decay on parameters of 2+ dims only (not biases, norms), bias-corrected
+    moments."""
 
     def __init__(self, params: list[torch.Tensor], weight_decay: float) -> None:
         self.params, self.weight_decay, self.t = params, weight_decay, 0
@@ -106,7 +107,8 @@ class _AdamW:
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).add_(g * g, alpha=1 - b2)
-            p.mul_(1 - lr * self.weight_decay)
+            if p.dim() >= 2:  # biases and norm weights are not decayed
+                p.mul_(1 - lr * self.weight_decay)
             m_hat, v_hat = m / (1 - b1**self.t), v / (1 - b2**self.t)
             p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
 

@@ -103,12 +103,16 @@ class TrainConfig:
     )
     lr: float = _option(3e-3, "Peak learning rate, reached after warmup_steps.")
     warmup_steps: int = _option(10, "Linear learning-rate warmup, in steps.")
-    decay_steps: int = _option(
-        450,
-        "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant. "
-        "Independent of --steps, so that extending a run by --resume changes nothing before.",
+    decay_steps: int | None = _option(
+        None,
+        "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant; unset: "
+        "steps - warmup_steps (the whole run; config.yaml records it, a --resume keeps it).",
     )
-    weight_decay: float = _option(0.1, "Decoupled weight decay of AdamW (ignored by SGD).")
+    weight_decay: float = _option(
+        0.1,
+        "Decoupled weight decay of AdamW (ignored by SGD), on parameters of 2+ dims only: "
+        "biases and norm weights are not decayed (as Hugging Face's Trainer).",
+    )
     grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
     bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
@@ -244,6 +248,8 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.decay_steps is None:  # the decay spans the run (recorded: a resume keeps it)
+            object.__setattr__(self, "decay_steps", max(0, self.steps - self.warmup_steps))
         if self.strategy not in STRATEGIES and self.strategy not in OWN_ENTRY_POINTS:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}; choose one of "

@@ -4,11 +4,15 @@
 `--optimizer` is `adamw`, `sgd` or a user's `PKG.MODULE:CLASS` (any `torch.optim.Optimizer`
 subclass, imported like `--model`'s factory: `tessera.data.imports`); it is built with `lr` and,
 where its signature takes it, `weight_decay`, then `--optimizer-args` (a JSON object) on top.
+The weight decay applies to parameters of 2+ dims only (two parameter groups, built the torch
+way: `decay_groups`); biases and norm weights are not decayed, as in Hugging Face's Trainer.
+The decay of the schedule spans the run: `--decay-steps` defaults to `--steps` minus the warmup
+(`TrainConfig` settles it, and config.yaml records the number, so a resume keeps it).
 `--lr-schedule` is `cosine`, `linear` or `constant` after a linear warmup, or a user's
 `PKG.MODULE:FN` whose `FN(step)` is the multiplier of `--lr` at the 0-based step. Every schedule
 is a function of the step only: a resumed run sets exactly the rate of the run that never
-stopped. Under ZeRO the optimizer is built over the flat shards whatever its class (`offload`
-turns AdamW/Adam into `CPUAdam`); any element-wise `torch.optim` class trains through that path.
+stopped. Under ZeRO (`offload` turns AdamW/Adam into `CPUAdam`) any element-wise `torch.optim`
+class trains.
 
 Everything here that can be refused is refused before a rank starts: the spelling in the config
 (`check_optimizer_options`), the import and one construction on a dummy parameter and one call
@@ -39,6 +43,7 @@ __all__ = [
     "OPTIMIZERS",
     "check_optimizer_and_schedule",
     "check_optimizer_options",
+    "decay_groups",
     "lr_at",
     "lr_factor",
     "make_optimizer",
@@ -110,9 +115,26 @@ def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], di
     return cls, {"lr": config.lr, **kwargs, **parse_optimizer_args(config.optimizer_args)}
 
 
+def decay_groups(params: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """`params` as two torch parameter groups: tensors of 2+ dims (weight matrices, embeddings,
+    convolution kernels) decay by `weight_decay`, 1-D and 0-D ones (biases, norm gains, scales)
+    by 0, the default of Hugging Face's Trainer and nanoGPT: decaying a norm's gain towards 0
+    or a bias shrinks what no regularisation asked for. An empty group is left out."""
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params  # the caller's own groups: kept as they are
+    matrices = [p for p in params if p.dim() >= 2]
+    vectors = [p for p in params if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}] if matrices else []
+    return groups + ([{"params": vectors, "weight_decay": 0.0}] if vectors else [])
+
+
 def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    """The optimizer the config names, over `params` (at the peak lr: the schedule scales it)."""
+    """The optimizer the config names, over `params` (at the peak lr: the schedule scales it);
+    where it takes a weight decay, only parameters of 2+ dims get it (`decay_groups`)."""
     cls, kwargs = optimizer_spec(config)
+    if "weight_decay" in kwargs:
+        return cls(decay_groups(params, kwargs["weight_decay"]), **kwargs)
     return cls(params, **kwargs)
 
 
