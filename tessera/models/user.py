@@ -20,7 +20,13 @@ from torch import nn
 from tessera.data.imports import load_reference
 from tessera.errors import ConfigError
 
-__all__ = ["HF_PREFIX", "build_hf_model", "model_factory", "read_model_config"]
+__all__ = [
+    "HF_PREFIX",
+    "build_hf_model",
+    "model_factory",
+    "read_model_config",
+    "unknown_config_keys",
+]
 
 HF_PREFIX = "hf:"
 
@@ -64,6 +70,27 @@ def _build_hf(cls: Any, values: dict[str, Any]) -> nn.Module:
         return cls.from_config(AutoConfig.for_model(model_type, **settings))
     settings = {k: v for k, v in values.items() if k != "model_type"}
     return cls(cls.config_class(**settings))
+
+
+def unknown_config_keys(spec: str, values: dict[str, Any]) -> list[str]:
+    """The keys of an `hf:` model's config values that its config class does not know.
+
+    A config class takes any keyword and keeps it as an attribute, so a misspelt key
+    (`num_hiden_layers`) builds the default model silently; a key is known when the class's
+    default config has that attribute (its own fields, the common ones, `attribute_map`
+    aliases such as GPT-2's `n_layer`). Hugging Face's `from_pretrained` warns the same way.
+    """
+    cls = _hf_class(spec[len(HF_PREFIX) :])
+    settings = {k: v for k, v in values.items() if k != "model_type"}
+    if cls.__name__.startswith("Auto"):
+        from transformers import AutoConfig
+
+        if "model_type" not in values:
+            return []  # refused when built, with its own message
+        default = AutoConfig.for_model(values["model_type"])
+    else:
+        default = cls.config_class()
+    return sorted(key for key in settings if not hasattr(default, key))
 
 
 def _call_factory(factory: Callable[[], Any], spec: str) -> nn.Module:

@@ -88,6 +88,8 @@ class Engine:
 
     grad_accum = 1
     """Micro-batches per `train_step` (gradient accumulation); `tessera.setup` sets it."""
+    strategy_name: str | None = None
+    """The strategy `tessera.setup` built this engine for; `save` records it, `load` names it."""
     items_over_ranks = False
     """True where each rank computes on its own part of the global batch and the gradients are
     averaged over all ranks (data parallelism): a loss averaged over items is then weighted by
@@ -337,6 +339,8 @@ class Engine:
             folder.mkdir(parents=True, exist_ok=True)
         self._barrier()
         payload = self.save_files(folder)
+        if self.strategy_name is not None:
+            payload = {**payload, "strategy": self.strategy_name}
         if self.ctx.is_main:
             buffer = io.BytesIO()
             torch.save(payload, buffer)
@@ -351,7 +355,17 @@ class Engine:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: not a folder written by Engine.save")
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        self.load_files(folder, payload)
+        try:
+            self.load_files(folder, payload)
+        except KeyError as exc:  # every rank reads the same payload: all raise, none waits
+            saved = payload.get("strategy", "another strategy")
+            mine = self.strategy_name or type(self).__name__
+            raise ValueError(
+                f"{folder} was saved by {saved}, whose files this {mine} engine cannot read (it "
+                f"looks for {exc}); load it with strategy {saved}, or start this engine from its "
+                "model weights (`full_state_dict()` there, `load_state_dict` into the model "
+                "before tessera.setup)"
+            ) from None
         self._barrier()
 
     def export(self, path: str | Path, format: str = "safetensors") -> Path:

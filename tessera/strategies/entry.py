@@ -110,6 +110,7 @@ def setup(
     build = STRATEGIES[strategy]
     engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
     engine.grad_accum = grad_accum
+    engine.strategy_name = strategy
 
     if precision != "fp32":
         engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)

@@ -16,6 +16,7 @@ anyway), so the meta path never refuses a model the CPU path would accept.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from tessera.errors import ConfigError
-from tessera.models.user import HF_PREFIX
+from tessera.models.user import HF_PREFIX, read_model_config, unknown_config_keys
 from tessera.strategies.batch import compute_loss, no_loss_message
 from tessera.train.config import TrainConfig
 from tessera.train.optimizers import check_optimizer_and_schedule
@@ -64,6 +65,39 @@ def _check_split(model: nn.Module, config: TrainConfig) -> None:
             raise ConfigError(
                 f"--split {name!r}: {type(model).__name__} has no module of that name{hint}"
             )
+
+
+def _warn_unknown_config_keys(config: TrainConfig) -> None:
+    """Warn of `--model-config` keys the `hf:` class does not know (a typo builds defaults)."""
+    spec = config.model_factory or ""
+    if not spec.startswith(HF_PREFIX) or config.model_config is None:
+        return
+    unknown = unknown_config_keys(spec, read_model_config(config.model_config))
+    if unknown:
+        warnings.warn(
+            f"--model-config {config.model_config}: {spec[len(HF_PREFIX) :]}'s config does not "
+            f"know {unknown}: they are kept as attributes but configure nothing (a typo?)",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _check_vocabulary(model: nn.Module, workload: Workload, config: TrainConfig) -> None:
+    """A model whose input embedding has fewer rows than the data's tokenizer has tokens would
+    fail with an IndexError at the first batch holding a larger id: refuse it here."""
+    tokenizer = (workload.identity.get("workload") or {}).get("tokenizer") or {}
+    vocab = tokenizer.get("vocab_size") or len(tokenizer.get("chars") or "")
+    try:
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if vocab and isinstance(embedding, nn.Embedding) and embedding.num_embeddings < vocab:
+        raise ConfigError(
+            f"--model {config.model_factory} embeds {embedding.num_embeddings} token ids "
+            f"(vocab_size) but the tokenizer of --data {config.data} has {vocab} tokens: set "
+            f"vocab_size to at least {vocab}"
+            + (" in --model-config" if config.model_config else "")
+        )
 
 
 def _forward_failed(config: TrainConfig, batch: Any, exc: Exception) -> ConfigError:
@@ -133,11 +167,13 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     check_optimizer_and_schedule(config)  # --optimizer(-args), --lr-schedule: built, called
     if config.model_factory is None:
         return None
+    _warn_unknown_config_keys(config)
     workload = build_workload(config)
     meta = _builds_on_meta(config)
     model = _build(workload, config, meta=meta)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"--model {config.model_factory} built a {type(model).__name__}")
+    _check_vocabulary(model, workload, config)
     if config.split is not None:
         _check_split(model, config)
     if config.activation_checkpointing:

@@ -16,9 +16,13 @@ from typing import Any
 from tessera.checkpoint import series
 from tessera.errors import CheckpointError, ConfigError
 from tessera.train.config import TrainConfig, job_world_size, load_yaml
-from tessera.train.resume_rules import check_resume_config, check_resume_world
+from tessera.train.resume_rules import (
+    check_resume_config,
+    check_resume_world,
+    config_differences,
+)
 
-__all__ = ["check_resume", "config_layers_for_resume"]
+__all__ = ["check_fresh_out", "check_resume", "config_layers_for_resume"]
 
 
 def config_layers_for_resume(run_dir: str | Path) -> dict[str, Any]:
@@ -44,9 +48,44 @@ def check_resume(config: TrainConfig, run_dir: str | Path) -> None:
     if (run_dir / "config.yaml").is_file():
         check_resume_config(load_yaml(run_dir / "config.yaml"), config, where=str(run_dir))
     complete = series.complete_checkpoints(run_dir)
+    done = series.checkpoint_step(complete[0]) if complete else 0
+    if config.steps < done:
+        raise ConfigError(
+            f"cannot resume {run_dir} with --steps {config.steps}: it has done {done} steps "
+            f"(its newest checkpoint); --steps is the total to reach, give at least {done}"
+        )
     if complete:
         try:
             saved_world = int(series.read_manifest(complete[0])["world_size"])
         except (CheckpointError, KeyError, ValueError):
             return  # the ranks fall back to an older checkpoint, and check that one
         check_resume_world(config.strategy, saved_world, job_world_size(config.nproc))
+
+
+def _logged_steps(run_dir: Path) -> int:
+    """Step records in the run folder's metrics.jsonl (0 without one)."""
+    from tessera.train.metrics import read_metrics  # (light: json lines)
+
+    return len(read_metrics(run_dir / "metrics.jsonl"))
+
+
+def check_fresh_out(config: TrainConfig, run_dir: str | Path) -> None:
+    """Before a new run (no --resume) writes into `run_dir`: refuse to replace another run.
+
+    A folder holding a checkpoint is refused by the caller (resume it instead). One that logged
+    steps but holds no checkpoint (the run died before its first) may be started over by the
+    same config, which redoes that same run; another config (another model, other data) would
+    replace it without a word, so it is refused, naming the keys that differ.
+    """
+    run_dir = Path(run_dir)
+    logged = _logged_steps(run_dir)
+    if not logged:
+        return
+    saved = run_dir / "config.yaml"
+    differing = config_differences(load_yaml(saved), config) if saved.is_file() else ["config"]
+    if differing:
+        raise ConfigError(
+            f"{run_dir} holds another run ({logged} logged steps in metrics.jsonl, no checkpoint;"
+            f" differing: {', '.join(differing)}): choose another --out, or delete that folder "
+            "to replace it"
+        )

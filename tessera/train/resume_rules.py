@@ -14,6 +14,7 @@ __all__ = [
     "WORLD_SIZE_FREE_STRATEGIES",
     "check_resume_config",
     "check_resume_world",
+    "config_differences",
 ]
 
 RESUME_MAY_CHANGE = frozenset(
@@ -58,6 +59,17 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def config_differences(saved: dict[str, Any], config: TrainConfig) -> list[str]:
+    """`key (saved -> now)` for every key outside RESUME_MAY_CHANGE that differs (keys the
+    saved config lacks are not compared)."""
+    old, new = _flatten(saved), _flatten(config_to_dict(config))
+    return [
+        f"{key} ({old[key]!r} -> {new[key]!r})"
+        for key in sorted(old.keys() & new.keys())
+        if key not in RESUME_MAY_CHANGE and old[key] != new[key]
+    ]
+
+
 def check_resume_config(saved: dict[str, Any], config: TrainConfig, where: str) -> None:
     """Refuse to resume a run saved with another config, naming every differing key.
 
@@ -65,12 +77,7 @@ def check_resume_config(saved: dict[str, Any], config: TrainConfig, where: str) 
     keys in RESUME_MAY_CHANGE may differ, and keys a saved config lacks (it predates them) are
     not compared.
     """
-    old, new = _flatten(saved), _flatten(config_to_dict(config))
-    differing = [
-        f"{key} ({old[key]!r} -> {new[key]!r})"
-        for key in sorted(old.keys() & new.keys())
-        if key not in RESUME_MAY_CHANGE and old[key] != new[key]
-    ]
+    differing = config_differences(saved, config)
     if differing:
         raise ConfigError(
             f"cannot resume {where}: it was saved with another config; differing keys: "

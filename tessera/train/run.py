@@ -35,7 +35,7 @@ from tessera.train.restarts import (
     restarted_by_torchrun,
     supervise,
 )
-from tessera.train.resume import check_resume
+from tessera.train.resume import check_fresh_out, check_resume
 
 __all__ = ["print_summary", "run_training"]
 
@@ -83,6 +83,8 @@ def _choose_run_dir(config: TrainConfig, resume: bool) -> Path:
                 f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                 "or choose another --out"
             )
+        if not resume:
+            check_fresh_out(config, run_dir)
         return run_dir
     if _under_torchrun():
         # Every rank must agree on the folder: derive it from the job id torchrun shares.
