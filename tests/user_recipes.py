@@ -27,3 +27,45 @@ class Probe(nn.Module):
 
 def probe() -> nn.Module:
     return Probe()
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm between its two convolutions, and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def conv_net() -> nn.Module:
+    return ConvNet()
+
+
+class Images(torch.utils.data.Dataset):
+    """(image (3, 8, 8), class in [0, 4)) pairs."""
+
+    def __init__(self, size: int = 32) -> None:
+        generator = torch.Generator().manual_seed(2)
+        self.x = torch.randn(size, 3, 8, 8, generator=generator)
+        self.y = torch.randint(0, 4, (size,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index], self.y[index]
+
+
+def images() -> Images:
+    return Images()
+
+
+def cross_entropy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output, targets)

@@ -28,6 +28,7 @@ from tessera.tensor_parallel.mappings import (
 )
 from tessera.tensor_parallel.parallelize import (
     STYLES,
+    check_plan,
     full_state_dict,
     load_full_state_dict,
     parallelize,
@@ -53,6 +54,7 @@ __all__ = [
     "TensorPolicy",
     "VocabParallelEmbedding",
     "builtin_plan",
+    "check_plan",
     "copy_to_tensor_parallel",
     "full_state_dict",
     "gather_from_tensor_parallel",

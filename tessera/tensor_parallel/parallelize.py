@@ -52,7 +52,7 @@ from tessera.tensor_parallel.heads import HeadSplit, head_split_of
 from tessera.tensor_parallel.layers import _Parallel, shard
 from tessera.tensor_parallel.styles import KINDS, STYLES, Group, Kind
 
-__all__ = ["STYLES", "full_state_dict", "load_full_state_dict", "parallelize"]
+__all__ = ["STYLES", "check_plan", "full_state_dict", "load_full_state_dict", "parallelize"]
 
 
 @dataclass
@@ -193,6 +193,39 @@ def _check_divisible(targets: list[_Target], size: int) -> None:
             )
 
 
+def _check_norms_between(module: nn.Module, targets: list[_Target], paired: set[str]) -> None:
+    """ValueError for a channel norm (BatchNorm, InstanceNorm, GroupNorm) registered between a
+    column conv whose output stays split and its row conv: it holds every channel's statistics
+    and parameters but would see this rank's share of the channels."""
+    names = [name for name in (t.name for t in targets) if name in paired]
+    rows = [t.name for t in targets if t.style == "row" and isinstance(t.module, nn.Conv2d)]
+    order = list(dict(module.named_modules()))
+    norms = (nn.modules.batchnorm._NormBase, nn.GroupNorm)
+    for column in names:
+        start = order.index(column)
+        end = min((order.index(r) for r in rows if order.index(r) > start), default=len(order))
+        for name in order[start + 1 : end]:
+            sub = module.get_submodule(name)
+            if isinstance(sub, norms) and not name.startswith(column + "."):
+                raise ValueError(
+                    f"{name}: a {type(sub).__name__} after the column-parallel conv {column} "
+                    f"normalises all its channels, but between {column} and the row conv after "
+                    f"it each rank holds only its share of them; leave the pair out of the plan "
+                    f"(or split a conv pair without a norm between)"
+                )
+
+
+def check_plan(module: nn.Module, plan: Mapping[str, str], size: int) -> None:
+    """Every check `parallelize` runs before it replaces anything, for a tensor-parallel size of
+    `size`, without a process group: a launcher refuses a bad plan before any rank starts.
+    ValueError with the first problem; `module` is left as it was."""
+    targets = _match_plan(module, plan)
+    _match_heads(module, targets, size)
+    _check_divisible(targets, size)
+    _check_ties(module, targets)
+    _check_norms_between(module, targets, _pair_convolutions(targets))
+
+
 def parallelize(module: nn.Module, plan: Mapping[str, str], *, group: Group = None) -> nn.Module:
     """Replace the submodules `plan` names by tensor-parallel versions in place; return `module`.
 
@@ -204,6 +237,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group: Group = No
     _check_divisible(targets, size)
     _check_ties(module, targets)
     paired = _pair_convolutions(targets)
+    _check_norms_between(module, targets, paired)
     for target in targets:
         parent_name, _, child = target.name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module

@@ -26,7 +26,7 @@ from torch import nn
 from tessera.errors import ConfigError
 from tessera.models.user import HF_PREFIX, read_model_config, unknown_config_keys
 from tessera.strategies.batch import compute_loss, no_loss_message
-from tessera.train.config import TrainConfig
+from tessera.train.config import TrainConfig, job_world_size, read_tp_plan
 from tessera.train.optimizers import check_optimizer_and_schedule
 from tessera.train.workload import Workload, build_workload
 
@@ -98,6 +98,54 @@ def _check_vocabulary(model: nn.Module, workload: Workload, config: TrainConfig)
             f"vocab_size to at least {vocab}"
             + (" in --model-config" if config.model_config else "")
         )
+
+
+def _parallel_degrees(config: TrainConfig) -> tuple[int, int]:
+    """(pipeline stages, tensor-parallel size) of this run, from the config and the world."""
+    world = job_world_size(config.nproc)
+    if config.strategy == "pipeline":
+        return world, 1
+    if config.strategy == "tensor":
+        return 1, world
+    if config.strategy == "hybrid":
+        return config.pp or world // (config.dp * config.tp), config.tp
+    return 1, 1
+
+
+def _check_model_parallel(model: nn.Module, config: TrainConfig) -> None:
+    """What the pipeline and tensor engines would refuse on every rank, refused here naming the
+    flags: a model they cannot cut without --split, a split without --tp-plan, a plan that
+    does not fit the model (`tessera.tensor_parallel.check_plan`)."""
+    from tessera.tensor_parallel import builtin_plan, check_plan
+
+    pp, tp = _parallel_degrees(config)
+    name, spec = type(model).__name__, config.model_factory
+    if pp > 1 and config.split is None:
+        if not isinstance(model, nn.Sequential):
+            children = [n for n, _ in model.named_children()][:6]
+            raise ConfigError(
+                f"--strategy {config.strategy} cuts --model {spec} (a {name}) into {pp} stages: "
+                f"give --split with the {pp - 1} module name(s) where stages 2..{pp} start, "
+                f"comma-separated (its top-level modules: {children})"
+            )
+        if len(model) < pp:
+            raise ConfigError(
+                f"--model {spec} is an nn.Sequential of {len(model)} layers: it cannot fill "
+                f"{pp} pipeline stages (use fewer ranks)"
+            )
+    if tp > 1:
+        plan = read_tp_plan(config.tp_plan) if config.tp_plan else builtin_plan(model)
+        if plan is None:
+            raise ConfigError(
+                f"--strategy {config.strategy} splits layers over {tp} ranks: --model {spec} "
+                f"(a {name}) has no built-in plan, give --tp-plan FILE (JSON/YAML "
+                "{module-name pattern: column|row|embedding})"
+            )
+        try:
+            check_plan(model, plan, tp)
+        except ValueError as exc:
+            where = f"--tp-plan {config.tp_plan}" if config.tp_plan else f"{name}'s built-in plan"
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 def _forward_failed(config: TrainConfig, batch: Any, exc: Exception) -> ConfigError:
@@ -176,6 +224,8 @@ def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     _check_vocabulary(model, workload, config)
     if config.split is not None:
         _check_split(model, config)
+    if not meta:  # (zero3 on meta: no model parallelism)
+        _check_model_parallel(model, config)
     if config.activation_checkpointing:
         from tessera.memory import checkpoint_activations
 
