@@ -74,3 +74,15 @@ def test_setup_refuses_a_norm_inside_a_split_conv_pair_and_leaves_the_model():
     check_plan(model, {"head": "column"}, 2)
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
         check_plan(model, {"head": "column"}, 3)
+
+
+def test_a_rank_failing_on_its_own_leaves_no_hang_records(tmp_path, capsys):
+    """Rank 1 raises a ValueError building the model; rank 0, waiting for it in DDP's first
+    broadcast, is stopped (or sees the link close). Nothing hung: no hang-rank-N.json stays."""
+    out = tmp_path / "run"
+    argv = ["train", "--nproc", "2", "--batch-size", "8", "--no-progress", "--out", str(out),
+            "--model", "user_recipes:fails_on_rank_one", *PAIRS, "--strategy", "ddp"]  # fmt: skip
+    assert main(argv) == 2
+    assert "this model cannot be built on rank 1" in capsys.readouterr().err
+    assert (out / "config.yaml").is_file()  # the ranks ran
+    assert sorted(p.name for p in out.glob("hang-rank-*.json")) == []

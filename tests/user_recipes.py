@@ -69,3 +69,13 @@ def images() -> Images:
 
 def cross_entropy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output, targets)
+
+
+def fails_on_rank_one() -> nn.Module:
+    """Builds in the launcher (its preflight) and on rank 0; rank 1 raises, as a model whose
+    code breaks on one machine would, while rank 0 goes on into the engine's first collective."""
+    import os
+
+    if os.environ.get("RANK") == "1":
+        raise ValueError("this model cannot be built on rank 1")
+    return nn.Linear(6, 2)

@@ -153,6 +153,28 @@ def _failure(exc: RankFailedError | LaunchTimeout, world: int) -> Failure:
     return Failure(world, exc.rank, text[:300], lost=lost, permanent=kind == "ConfigError")
 
 
+_COMMUNICATION_ERRORS = ("CollectiveTimeout", "CollectiveMismatch", "PeerLostError")
+"""Failures that are the ranks' waits on each other: the records of the others then matter."""
+
+
+def _drop_stop_records(run_dir: Path, exc: RankFailedError | LaunchTimeout, since: float) -> None:
+    """Remove the flight records (`hang-rank-N.json`) this launch's other ranks wrote when one
+    rank failed on its own (a ValueError in its model, say): stopped by the launcher's SIGTERM,
+    or seeing the failed rank's connection close, they record a hang where nothing hung. After
+    a timeout, a lost rank or a communication error they stay: they are the diagnosis."""
+    if not isinstance(exc, RankFailedError) or not exc.remote_traceback:
+        return
+    kind = str(exc).splitlines()[0].removeprefix(f"rank {exc.rank} failed: ").split(":")[0]
+    if kind in _COMMUNICATION_ERRORS or kind in ("RuntimeError", "TimeoutError"):
+        return  # gloo reports a broken or timed-out collective as a RuntimeError
+    for record in Path(run_dir).glob("hang-rank-*.json"):
+        try:
+            if record.stat().st_mtime >= since:
+                record.unlink()
+        except OSError:
+            continue
+
+
 def has_checkpoint(run_dir: Path) -> bool:
     """Whether a restart can resume the run folder: its config is there and a checkpoint verifies.
 
@@ -191,6 +213,7 @@ def supervise(
     world, restart = config.nproc, None
     while True:
         run_config = config if world == config.nproc else dataclasses.replace(config, nproc=world)
+        started = time.time() - 1.0  # (file times may round down)
         try:
             return launch(
                 train_worker,
@@ -204,6 +227,7 @@ def supervise(
         except (RankFailedError, LaunchTimeout) as exc:
             failure = _failure(exc, world)
             failures.append(failure)
+            _drop_stop_records(run_dir, exc, started)
             if max_restarts == 0:
                 raise  # no restarts asked for: the launcher's own error, unchanged
             if len(failures) > max_restarts or failure.permanent:
