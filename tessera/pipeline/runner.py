@@ -65,7 +65,6 @@ class _Step:
     inputs: list[Any]  # micro-batches of the model's inputs (every stage that has them)
     targets: list[Any]  # micro-batches of the targets (last stage)
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    weights: list[float] = field(default_factory=list)  # each micro-batch's share (last stage)
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     # by (chunk, micro-batch): the tuples received (they need grads), sent (or the loss)
     stage_inputs: dict[tuple[int, int], tuple] = field(default_factory=dict)
@@ -75,14 +74,6 @@ class _Step:
     position: int = 0  # index of the current action
     in_specs: dict[int, list[messages.TensorSpec]] = field(default_factory=dict)  # by chunk
     meta_sent: set[int] = field(default_factory=set)  # chunks whose shapes went out
-
-
-def _shares(sizes: list[int], targets: list[Any], count: Callable | None) -> list[float]:
-    """Each micro-batch's weight: its fraction of the items `count` finds, else of the rows."""
-    items = [count(t) for t in targets] if count is not None else []
-    if items and all(n is not None for n in items) and sum(items) > 0:
-        return [float(n) / sum(items) for n in items]
-    return [size / sum(sizes) for size in sizes]
 
 
 class Pipeline:
@@ -270,7 +261,6 @@ class Pipeline:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         before_weight_pass: Callable[[list[nn.Parameter]], None] | None = None,
-        count: Callable[[Any], float | None] | None = None,
     ) -> float:
         """Forward and backward of all micro-batches; return the batch's mean loss on every rank.
 
@@ -282,8 +272,6 @@ class Pipeline:
         optimizer. `before_weight_pass(ready)` runs once the schedule is done, before the W pass,
         with the parameters whose gradients are already complete: the others arrive during the W
         pass (through their gradient hooks), which is when a bucketed reducer may reduce them.
-        Each micro-batch's loss is weighted by its share of the rows, or, with `count(targets)`
-        (the items a micro-batch's loss averages over: tokens not ignored), of the items.
         """
         if self.split is not None:
             if inputs is None:
@@ -302,8 +290,6 @@ class Pipeline:
             targets=split_rows(targets, sizes) if self.is_last else [],
             loss_fn=loss_fn,
         )
-        if self.is_last:
-            step.weights = _shares(step.sizes, step.targets, count)
         self.timeline = []
         if self.deferral is not None:
             self.deferral.clear()
@@ -400,7 +386,7 @@ class Pipeline:
             out = self._chunks[c].run(inputs, received)
         if self._last(c):
             # weight by the micro-batch's share: the sum is the whole batch's mean loss
-            out = step.loss_fn(out, step.targets[i]) * step.weights[i]
+            out = step.loss_fn(out, step.targets[i]) * (step.sizes[i] / sum(step.sizes))
             step.loss += out.detach()
             step.outputs[(c, i)] = out
             self._record("F", i, began, c)

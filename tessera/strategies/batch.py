@@ -40,6 +40,7 @@ __all__ = [
     "compute_loss",
     "gather_batch",
     "item_counter",
+    "items_weighted",
     "loss_targets",
     "model_loss",
     "no_loss_message",
@@ -213,6 +214,25 @@ def item_counter(loss_fn: LossFn | None, module: nn.Module | None = None) -> Cal
 
         return own
     return None
+
+
+def items_weighted(loss_fn: LossFn, count: Callable | None, targets: Any) -> LossFn:
+    """`loss_fn` for a pipeline, which weighs each micro-batch's loss by its share of the rows:
+    times `(its items / the batch's items) / (its rows / the batch's rows)`, so the weights are
+    the shares of the items (`count`: `item_counter`). `loss_fn` itself where the items are the
+    rows or `targets` is not on this stage (None: not the last)."""
+    total = count(targets) if count is not None and targets is not None else None
+    if not total:
+        return loss_fn
+    from tessera.pipeline.microbatch import batch_rows  # the rows as the pipeline counts them
+
+    rows = batch_rows(targets)
+
+    def weighted(output: Any, micro: Any) -> torch.Tensor:
+        items = count(micro) or 0.0  # (None where the batch had items: not this rule's batch)
+        return loss_fn(output, micro) * (items * rows / (total * batch_rows(micro)))
+
+    return weighted
 
 
 def _class_count(loss_fn: nn.CrossEntropyLoss | nn.NLLLoss, targets: Any) -> float | None:

@@ -46,13 +46,8 @@ from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
-from tessera.strategies.batch import (
-    LossFn,
-    gather_batch,
-    item_counter,
-    model_loss,
-    no_loss_message,
-)
+from tessera.strategies import batch as rule
+from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
@@ -234,14 +229,15 @@ class PipelineEngine(Engine):
         scale = self.loss_scale or 1.0
         if self.loss_scaler is not None:
             loss_fn = _scaled_loss(loss_fn, scale)
-        count = item_counter(self.loss_fn, self.module)  # micro-batches weighted by their items
+        counter = rule.item_counter(self.loss_fn, self.module)  # micro-batches by their items
+        loss_fn = rule.items_weighted(loss_fn, counter, targets)
         if self.dp_sync is None:
             with self.autocast():
-                return self.pipe.train_step(inputs, targets, loss_fn, count=count) / scale
+                return self.pipe.train_step(inputs, targets, loss_fn) / scale
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
         with self.autocast():
             loss = self.pipe.train_step(
-                inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm, count=count
+                inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm
             )
         loss /= scale
         self.comm_seconds = self.dp_sync.finish()
