@@ -232,15 +232,15 @@ class Engine:
         that differ in number between ranks (tokens not ignored), this rank's loss is scaled by
         `world * its items / all ranks' items`, so the average is the global batch's loss (what
         Hugging Face's Trainer does with `average_tokens_across_devices`). One all-reduce of a
-        number per step, only for such a loss; 1.0 otherwise."""
+        number per step (on the world's communication stream, in order with the engine's own
+        collectives), only for such a loss; 1.0 otherwise."""
         if not self.items_over_ranks or self.ctx.world_size == 1 or count is None:
             return 1.0
         mine = count(loss_targets(batch))
         if mine is None:
             return 1.0
-        items = torch.tensor([float(mine)], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(items)
-        return self.ctx.world_size * float(mine) / float(items) if float(items) > 0 else 1.0
+        total = float(sum_flag(torch.tensor([float(mine)], dtype=torch.float64)))  # in order
+        return self.ctx.world_size * float(mine) / total if total > 0 else 1.0
 
     def eval_step(self, batch: Batch) -> float:
         """The loss of `batch` without training: the float `train_step` would return for it.
