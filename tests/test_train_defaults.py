@@ -5,7 +5,8 @@ Through `tessera train` with `user_recipes:probe`, whose `gain` (1-D, a norm's w
 `mixer` (2-D) get exactly zero gradients: under AdamW a zero gradient moves nothing, so the
 weight decay alone changes them, by the factor `1 - lr_t * weight_decay` per step. The expected
 learning rates are the documented schedule computed here: linear warmup, then a cosine to lr/10
-over `--steps - --warmup-steps` steps (the old default decayed over 450 steps whatever --steps).
+over `--steps - --warmup-steps` steps (the old default decayed over 450 steps whatever --steps);
+a `--resume` to more steps stretches what is left of it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _lr(step: int, decay: int) -> float:
     return LR * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def test_decay_spans_steps_and_spares_vectors_then_resume_keeps_it(tmp_path):
+def test_decay_spans_steps_and_spares_vectors_then_resume_stretches_it(tmp_path):
     run = tmp_path / "run"
     args = [
         "train", "--model", "user_recipes:probe", "--data", "user_workloads:pairs",
@@ -47,7 +48,8 @@ def test_decay_spans_steps_and_spares_vectors_then_resume_keeps_it(tmp_path):
     assert torch.equal(state["gain"], torch.ones(4))  # 1-D: not decayed
     shrink = math.prod(1 - lr * WD for lr in expected)  # 2-D: decayed every step
     torch.testing.assert_close(state["mixer"], torch.full((3, 3), shrink), rtol=1e-6, atol=0)
-    # extending the run keeps the schedule it recorded (decay over 4 steps): at the floor now
+    # extending the run stretches the rest of its decay over the new --steps
     assert main([*args, "--steps", str(STEPS + 2), "--resume", str(run)]) == 0
     lrs = [record["lr"] for record in read_metrics(run / "metrics.jsonl")]
-    assert lrs[STEPS:] == pytest.approx([LR * 0.1] * 2, rel=1e-12, abs=0)
+    stretched = [_lr(step, STEPS + 2 - WARMUP) for step in (STEPS, STEPS + 1)]
+    assert lrs[STEPS:] == pytest.approx(stretched, rel=1e-12, abs=0)

@@ -25,7 +25,10 @@ from tessera.train.export import checkpoint_model_state
 from tessera.train.metrics import read_events, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--batch-size", "8", "--no-progress", "--lr", "0.01", "--warmup-steps", "2"]
+# --decay-steps pinned: a --model's default decay spans its --steps, so a run extended by --resume
+# would follow another schedule than one run straight to the same step
+SMALL = ["--batch-size", "8", "--no-progress", "--lr", "0.01", "--warmup-steps", "2",
+         "--decay-steps", "450"]  # fmt: skip
 WORKLOADS = {
     # (inputs, targets) items and a user loss
     "ddp": ["--model", "user_workloads:mlp", "--data", "user_workloads:pairs",

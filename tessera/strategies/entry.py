@@ -62,7 +62,9 @@ def setup(
     parameters (its groups by shape or identity are kept: ZeRO steps its shards with each
     group's hyper-parameters, `tessera.zero.groups`). `loss_fn` follows the batch rule of
     `tessera.strategies.batch`: `loss_fn(output, targets)` for `(inputs, targets)` batches,
-    `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`). `grad_clip` > 0
+    `loss_fn(output, batch)` for dict batches (default: the model's own `.loss`); a loss averaged
+    over tokens is weighted by its tokens across micro-batches and ranks (labels != -100,
+    `ignore_index`, or `loss_fn.count_items(targets)`: `batch.item_counter`). `grad_clip` > 0
     clips the global gradient norm in `engine.step()`. `grad_accum` K > 1 accumulates: each
     `train_step(batch)` cuts this rank's batch into K micro-batches and reduces the gradients
     over ranks once, after the last (`Engine.train_step`); a strategy whose policy has

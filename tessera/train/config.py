@@ -105,8 +105,9 @@ class TrainConfig:
     warmup_steps: int = _option(10, "Linear learning-rate warmup, in steps.")
     decay_steps: int | None = _option(
         None,
-        "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant; unset: "
-        "steps - warmup_steps (the whole run; config.yaml records it, a --resume keeps it).",
+        "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant. Unset: "
+        "--model's run spans --steps (minus warmup; a --resume to more steps stretches what is "
+        "left), the demo GPT's 450 (its --steps default: extending it changes nothing before).",
     )
     weight_decay: float = _option(
         0.1,
@@ -248,8 +249,6 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.decay_steps is None:  # the decay spans the run (recorded: a resume keeps it)
-            object.__setattr__(self, "decay_steps", max(0, self.steps - self.warmup_steps))
         if self.strategy not in STRATEGIES and self.strategy not in OWN_ENTRY_POINTS:
             raise ConfigError(
                 f"unknown strategy {self.strategy!r}; choose one of "
@@ -280,7 +279,7 @@ class TrainConfig:
             "sample_tokens",
             "grad_clip",
         ):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:  # (decay_steps None: the default)
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb", "loss_scale_init"):
             if getattr(self, name) <= 0:

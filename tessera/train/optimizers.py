@@ -6,8 +6,8 @@ subclass, imported like `--model`'s factory: `tessera.data.imports`); it is buil
 where its signature takes it, `weight_decay`, then `--optimizer-args` (a JSON object) on top.
 The weight decay applies to parameters of 2+ dims only (two parameter groups, built the torch
 way: `decay_groups`); biases and norm weights are not decayed, as in Hugging Face's Trainer.
-The decay of the schedule spans the run: `--decay-steps` defaults to `--steps` minus the warmup
-(`TrainConfig` settles it, and config.yaml records the number, so a resume keeps it).
+The decay of a `--model`'s schedule spans its run: `--decay-steps` unset is `--steps` minus the
+warmup (`decay_steps`); the demo GPT keeps its tuned 450.
 `--lr-schedule` is `cosine`, `linear` or `constant` after a linear warmup, or a user's
 `PKG.MODULE:FN` whose `FN(step)` is the multiplier of `--lr` at the 0-based step. Every schedule
 is a function of the step only: a resumed run sets exactly the rate of the run that never
@@ -44,6 +44,7 @@ __all__ = [
     "check_optimizer_and_schedule",
     "check_optimizer_options",
     "decay_groups",
+    "decay_steps",
     "lr_at",
     "lr_factor",
     "make_optimizer",
@@ -138,13 +139,29 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
     return cls(params, **kwargs)
 
 
+DEMO_DECAY_STEPS = 450
+"""The demo GPT's decay when `--decay-steps` is unset: tuned with its 450 default steps, and
+fixed, so that a demo run extended by `--resume` equals one run straight to the same step."""
+
+
+def decay_steps(config: TrainConfig) -> int:
+    """`--decay-steps`, or unset: the run's `--steps` minus the warmup for a `--model` (the
+    decay spans the run), `DEMO_DECAY_STEPS` for the demo GPT."""
+    if config.decay_steps is not None:
+        return config.decay_steps
+    if config.model_factory is None:
+        return DEMO_DECAY_STEPS
+    return max(0, config.steps - config.warmup_steps)
+
+
 def _builtin_factor(config: TrainConfig, step: int) -> float:
-    """Linear warmup to 1, then cosine or linear to 1/10 over decay_steps (0: constant)."""
+    """Linear warmup to 1, then cosine or linear to 1/10 over `decay_steps` (0: constant)."""
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant" or config.decay_steps == 0:
+    decay = decay_steps(config)
+    if config.lr_schedule == "constant" or decay == 0:
         return 1.0
-    progress = min(1.0, (step - config.warmup_steps) / config.decay_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay)
     if config.lr_schedule == "linear":
         return 1.0 - 0.9 * progress
     return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))

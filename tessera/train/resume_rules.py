@@ -20,7 +20,7 @@ __all__ = [
 RESUME_MAY_CHANGE = frozenset(
     {
         "eval_data",  # held-out data: changes no step
-        "steps",  # continue further (decay_steps, not steps, shapes the schedule)
+        "steps",  # continue further (a --model without --decay-steps: stretches its decay)
         "nproc",  # another world size: see WORLD_SIZE_FREE_STRATEGIES
         "out",  # the same folder, spelled another way
         "progress",
