@@ -106,13 +106,10 @@ class TrainConfig:
     decay_steps: int | None = _option(
         None,
         "Cosine decay to lr/10 over this many steps after warmup; 0 keeps lr constant. Unset: "
-        "--model's run spans --steps (minus warmup; a --resume to more steps stretches what is "
-        "left), the demo GPT's 450 (its --steps default: extending it changes nothing before).",
+        "--model: --steps minus warmup (a --resume further stretches it); the demo GPT: 450.",
     )
     weight_decay: float = _option(
-        0.1,
-        "Decoupled weight decay of AdamW (ignored by SGD), on parameters of 2+ dims only: "
-        "biases and norm weights are not decayed (as Hugging Face's Trainer).",
+        0.1, "AdamW's weight decay (not SGD's), on parameters of 2+ dims: not biases, norms."
     )
     grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
     bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
