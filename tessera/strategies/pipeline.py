@@ -166,6 +166,7 @@ class PipelineEngine(Engine):
                 norm_weight={id(p): w for p, w in zip(self.params, self._norm_weight)},
                 bucket_cap_mb=self.policy.bucket_cap_mb,
             )
+            self.dp_sync.find_unused_parameters = self.policy.find_unused_parameters
             return self.dp_sync.optimizer
         if dp > 1:
             self.dp_sync = StageDataParallel(
@@ -174,6 +175,7 @@ class PipelineEngine(Engine):
                 bucket_cap_mb=self.policy.bucket_cap_mb,
                 timeout_s=self.ctx.timeout_s,
             )
+            self.dp_sync.find_unused_parameters = self.policy.find_unused_parameters
             if self.precision in DTYPES:  # (a traced split: set up after use_precision)
                 self.dp_sync.ddp.reduce_in(DTYPES[self.precision])
         if built is None:
