@@ -141,7 +141,10 @@ class PipelineEngine(Engine):
     def _adopt_stage(self, built: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
         """Free other stages' tensors, set up the dp reduction, return the stage's optimizer."""
         stage = self.pipe.module
-        _release_other_stages(self.module, stage)
+        self._unheld = getattr(self.pipe.stage, "unheld", [])
+        """State keys no stage's graph uses (a traced split), kept here on stage 0."""
+        state = self.module.state_dict(keep_vars=True)
+        _release_other_stages(self.module, [stage, *[state[k] for k in self._unheld]])
         self.params = list(stage.parameters())
         split_ids = {
             id(getattr(m, name))
@@ -245,8 +248,10 @@ class PipelineEngine(Engine):
         return float(loss_sum) / dp
 
     def _eval_modules(self) -> list[nn.Module]:
-        """The model and, once cut, this rank's stage (a traced stage is a module of its own)."""
-        return [self.module, self.pipe.module] if self.pipe.ready else [self.module]
+        """The model and this rank's stage (a traced stage is a module of its own); none before
+        a traced split is cut: its training graph is traced in the modes the user left (its
+        evaluation graph in eval mode, `tessera.pipeline.trace`)."""
+        return [self.module, self.pipe.module] if self.pipe.ready else []
 
     def _eval_loss(self, batch: Any) -> float:
         """Forward only through the stages (`tessera.pipeline.evaluate`): the global batch's
@@ -332,6 +337,8 @@ class PipelineEngine(Engine):
             stage_state = full_state_dict(stage, group=self.tp_group)
         else:
             stage_state = stage.state_dict()
+        own = self.module.state_dict()
+        stage_state = {**stage_state, **{key: own[key] for key in self._unheld}}
         state = self.pipe.full_state_dict(stage_state=stage_state)
         if isinstance(self.module, GPT):
             state = gpt_state_from_sequential(state, self.module.config.n_layer)
@@ -381,6 +388,10 @@ class PipelineEngine(Engine):
                 value = shard(value, layer.shard_dims[leaf], self.tp_group, layer.chunks)
             local[key] = value
         stage.load_state_dict(local)  # (under ZeRO the slices alias these weights)
+        own = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for key in self._unheld:
+                own[key].copy_(state["model"][key])
         self.optimizer.load_state_dict(mine)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -420,14 +431,18 @@ def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
     return scaled
 
 
-def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:
-    """Free the storage of the tensors other ranks train: this rank keeps only its stage.
+def _release_other_stages(model: nn.Module, keep: list[nn.Module | torch.Tensor]) -> None:
+    """Free the storage of the tensors other ranks train: this rank keeps only `keep` (its
+    stage, and tensors no stage holds if it keeps those).
 
     Every rank builds the whole model (the same seed gives the same weights everywhere); once
     cut, the tensors of other stages move to the meta device (shape without storage). A tensor
     the stage shares, such as a tied embedding, stays.
     """
-    kept = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
+    kept = set()
+    for item in keep:
+        tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
+        kept |= {id(t) for t in tensors}
     for owner in model.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             if id(param) not in kept:
