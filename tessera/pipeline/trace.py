@@ -31,10 +31,11 @@ modules, so a tensor-parallel plan (which swaps modules) cannot apply inside the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -241,7 +242,7 @@ def trace_stages(
     allows it, so evaluation takes any row count). Both under autograd, whatever the caller's
     grad mode (an evaluation may come first).
     """
-    with torch.enable_grad():
+    with torch.enable_grad(), _no_cache(model):
         stages, _ = _cut(model, split, example, dynamic=False)
         modes = [(m, m.training) for m in model.modules()]
         model.eval()
@@ -253,11 +254,35 @@ def trace_stages(
     for stage, for_eval in zip(stages, evaluation):
         stage.for_eval = for_eval
         for_eval.rows = rows
-    held = {id(t) for stage in stages for t in (*stage.module.parameters(), *stage.module.buffers())}
+    held = {
+        id(t) for stage in stages for t in (*stage.module.parameters(), *stage.module.buffers())
+    }
     stages[0].unheld = [  # e.g. an unused head: kept by stage 0, so that no state is lost
         key for key, t in model.state_dict(keep_vars=True).items() if id(t) not in held
     ]
     return stages, [list(stage.module.parameters()) for stage in stages]
+
+
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model's `config.use_cache` off while traced (restored after).
+
+    With it on (the default of most configs) the forward returns a cache object, which
+    `torch.export` cannot trace, and training has no use for it: Hugging Face's Trainer turns
+    it off too when it trains with gradient checkpointing.
+    """
+    configs = {
+        id(c): c
+        for m in model.modules()
+        if getattr(c := getattr(m, "config", None), "use_cache", None)
+    }
+    for config in configs.values():  # (T5's decoder stack has a config of its own)
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
 
 
 def _export(model: nn.Module, split: list[str], example: Any, dynamic: bool) -> Any:
@@ -272,9 +297,11 @@ def _export(model: nn.Module, split: list[str], example: Any, dynamic: bool) -> 
         except TypeError:
             return None
         shapes = pytree.tree_map(
-            lambda t: {0: Dim.AUTO}
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
-            else None,
+            lambda t: (
+                {0: Dim.AUTO}
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+                else None
+            ),
             dict(bound),
         )
     annotate_split_points(model, {name: SplitPoint.BEGINNING for name in split})

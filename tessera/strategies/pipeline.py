@@ -85,9 +85,11 @@ class PipelineEngine(Engine):
         self.module, self.ctx, self.policy = model, ctx, policy
         self.loss_fn, self.grad_clip, self.comm_seconds = loss_fn, grad_clip, 0.0
         state = model.state_dict(keep_vars=True)
-        first: dict[int, str] = {}
-        self._canonical = {key: first.setdefault(id(t), key) for key, t in state.items()}
-        """Every state-dict key of the model -> the first key of the same tensor (tied)."""
+        keys_of: dict[int, list[str]] = {}
+        for key, tensor in state.items():
+            keys_of.setdefault(id(tensor), []).append(key)
+        self._aliases = {key: keys_of[id(t)] for key, t in state.items()}
+        """Every state-dict key of the model -> every key of the same tensor (tied), in order."""
         split = list(policy.split) if policy.split is not None else None
         if isinstance(model, GPT) and split is not None:
             split = gpt_split(split, model.config.n_layer)
@@ -343,9 +345,9 @@ class PipelineEngine(Engine):
         if isinstance(self.module, GPT):
             state = gpt_state_from_sequential(state, self.module.config.n_layer)
         # copies: on one stage nothing was gathered, and a payload must not follow the training
-        return {
-            key: state.get(key, state.get(canon)).clone() for key, canon in self._canonical.items()
-        }
+        # a tied tensor under whichever of its names a stage holds (T5: `shared.weight` is held
+        # as `encoder.embed_tokens.weight` and `lm_head.weight`)
+        return {key: _held(state, names).clone() for key, names in self._aliases.items()}
 
     def full_key(self, stage_key: str) -> str:
         """The model's own state-dict key of this rank's stage key `stage_key`."""
@@ -379,9 +381,12 @@ class PipelineEngine(Engine):
         stage = self.pipe.module
         layers = dict(stage.named_modules())
         local = {}
-        for key in stage.state_dict():
+        for key, current in stage.state_dict().items():
             full = self.full_key(key)
-            value = state["model"][full if full in state["model"] else self._canonical[full]]
+            if full not in self._aliases:  # a constant the trace lifted: not the model's state
+                local[key] = current
+                continue
+            value = _held(state["model"], self._aliases[full])
             owner, _, leaf = key.rpartition(".")
             layer = layers.get(owner)
             if isinstance(layer, _Parallel) and leaf in layer.shard_dims:
@@ -402,6 +407,14 @@ class PipelineEngine(Engine):
         """Close the links to the neighbouring stages."""
         if self.pipe.links is not None:
             self.pipe.links.close()
+
+
+def _held(state: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """The tensor of `state` under the first of `names` (one tensor's keys) it holds."""
+    for name in names:
+        if name in state:
+            return state[name]
+    raise KeyError(f"no stage holds {names[0]!r} (nor its tied names {names[1:]})")
 
 
 def _tensor_parallel(
