@@ -2,8 +2,8 @@
 
 A policy is a frozen dataclass: validated once, where it is made (a wrong value raises
 ValueError naming the field before any process group or bucket exists), and hashable, so it
-can travel in a config. `DDPPolicy` drives `DataParallel`; `TorchDDPPolicy` PyTorch's `DistributedDataParallel`;
-`LocalSGDPolicy` local SGD.
+can travel in a config. `DDPPolicy` drives `DataParallel`; `TorchDDPPolicy` PyTorch's
+`DistributedDataParallel`; `LocalSGDPolicy` local SGD.
 """
 
 from __future__ import annotations

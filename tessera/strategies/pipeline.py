@@ -454,7 +454,9 @@ def _release_other_stages(model: nn.Module, keep: list[nn.Module | torch.Tensor]
     """
     kept = set()
     for item in keep:
-        tensors = [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
+        tensors = (
+            [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
+        )
         kept |= {id(t) for t in tensors}
     for owner in model.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
