@@ -235,25 +235,29 @@ def trace_stages(
     """Trace `model` on the micro-batch `example`, cut it at `split`; every stage's runner and
     its parameters (the model's own objects), on every rank alike.
 
-    Two graphs are cut, because `torch.export` bakes the module modes into the graph: the
-    training graph (each module's mode as the user left it: dropout on, batch norm on batch
-    statistics and updating its running ones) and, as each stage's `for_eval`, the evaluation
-    graph (every module in eval mode, the rows of the micro-batch left symbolic where the model
-    allows it, so evaluation takes any row count). Both under autograd, whatever the caller's
-    grad mode (an evaluation may come first).
+    `torch.export` bakes the module modes into the graph, so a training graph that holds
+    anything a mode changes (dropout, batch norm, random draws, a buffer it updates) is cut twice:
+    the training graph (each module's mode as the user left it) and, as each stage's `for_eval`,
+    the evaluation graph (every module in eval mode, the micro-batch's rows left symbolic where
+    the model allows it, so evaluation takes any row count). A graph with none of these
+    evaluates on its training graph, which fixes the rows (`TracedStage.rows`): tracing costs
+    seconds per graph. Both under autograd, whatever the caller's grad mode (an evaluation may
+    come first).
     """
     with torch.enable_grad(), _no_cache(model):
-        stages, _ = _cut(model, split, example, dynamic=False)
-        modes = [(m, m.training) for m in model.modules()]
-        model.eval()
-        try:
-            evaluation, rows = _cut(model, split, example, dynamic=True)
-        finally:
-            for module, training in modes:
-                module.training = training
-    for stage, for_eval in zip(stages, evaluation):
-        stage.for_eval = for_eval
-        for_eval.rows = rows
+        stages, rows, by_mode = _cut(model, split, example, dynamic=False)
+        if by_mode:
+            modes = [(m, m.training) for m in model.modules()]
+            model.eval()
+            try:
+                evaluation, rows, _ = _cut(model, split, example, dynamic=True)
+            finally:
+                for module, training in modes:
+                    module.training = training
+            for stage, for_eval in zip(stages, evaluation):
+                stage.for_eval = for_eval
+    for stage in stages:
+        (stage.for_eval or stage).rows = rows
     held = {
         id(t) for stage in stages for t in (*stage.module.parameters(), *stage.module.buffers())
     }
@@ -325,8 +329,9 @@ def _export(model: nn.Module, split: list[str], example: Any, dynamic: bool) -> 
 
 def _cut(
     model: nn.Module, split: list[str], example: Any, *, dynamic: bool
-) -> tuple[list[TracedStage], int | None]:
-    """The stages of one traced graph, and the rows every micro-batch must have (None: any)."""
+) -> tuple[list[TracedStage], int | None, bool]:
+    """The stages of one traced graph, the rows every micro-batch must have (None: any), and
+    whether the graph holds an operation a module's mode changes (`_depends_on_mode`)."""
     program = _export(model, split, example, dynamic) if dynamic else None
     if program is None:
         program = _export(model, split, example, False)
@@ -360,7 +365,30 @@ def _cut(
     ]
     for stage in stages:
         _use_model_tensors(stage.module, model)
-    return stages, rows
+    return stages, rows, _depends_on_mode(program)
+
+
+_MODE_OPS = re.compile(r"dropout|bernoulli|rand|batch_norm|instance_norm")
+"""ATen operations whose result (or whose effect on buffers) eval mode may change."""
+
+
+def _depends_on_mode(program: Any) -> bool:
+    """True if the exported graph updates a buffer or runs an operation of `_MODE_OPS` (but a
+    dropout of probability 0, as a config with dropout 0 builds, changes nothing)."""
+    if program.graph_signature.buffers_to_mutate:
+        return True
+    for node in program.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        if "scaled_dot_product" in name:  # attention's own dropout
+            args = dict(enumerate(node.args))
+            if node.kwargs.get("dropout_p", args.get(4, 0.0)) != 0:
+                return True
+        if not _MODE_OPS.search(name):
+            continue
+        probability = node.args[1] if "dropout" in name and len(node.args) > 1 else None
+        if probability != 0:
+            return True
+    return False
 
 
 def _symbolic_rows(program: Any) -> bool:
