@@ -335,7 +335,9 @@ def _cut(
     program = _export(model, split, example, dynamic) if dynamic else None
     if program is None:
         program = _export(model, split, example, False)
-    rows = None if dynamic and _symbolic_rows(program) else batch_rows(example)
+    rows = batch_rows(example)
+    if (dynamic and _symbolic_rows(program)) or not _bakes_rows(program, rows):
+        rows = None
     reason = _empty_stage_error(program.graph, split, model)
     if reason is not None:
         raise ValueError(reason)
@@ -366,6 +368,23 @@ def _cut(
     for stage in stages:
         _use_model_tensors(stage.module, model)
     return stages, rows, _depends_on_mode(program)
+
+
+_SHAPE_OPS = re.compile(r"view|reshape|expand|zeros|ones|full|empty|arange|split|repeat|new_")
+"""ATen operations that take sizes: where a graph traced with fixed shapes keeps the rows."""
+
+
+def _bakes_rows(program: Any, rows: int) -> bool:
+    """True if a sizing operation of the graph takes the integer `rows` (conservatively: also
+    when another size happens to equal it), so that the graph runs only that many rows. A graph
+    without one (linear layers, convolutions, activations) runs any rows."""
+    for node in program.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        if _SHAPE_OPS.search(name):
+            leaves = pytree.tree_leaves((node.args, node.kwargs))
+            if any(type(v) is int and v == rows for v in leaves):
+                return True
+    return False
 
 
 _MODE_OPS = re.compile(r"dropout|bernoulli|rand|batch_norm|instance_norm")
