@@ -7,7 +7,7 @@ Issue 29's pipeline items, through `tessera.setup` on two stages, with models te
   running statistics as the plain model's forward of the same micro-batches does; the state
   gathers whole (`full_state_dict`);
 - a model calling one submodule twice (its two calls on two stages: the gradients summed as for
-  a tied weight), trained one SGD and three AdamW steps;
+  a tied weight) and holding one it never calls, trained one SGD and three AdamW steps;
 - a model that fixes the rows in its forward: another row count is refused in one message on
   every stage (nothing hangs);
 - a Hugging Face T5 built from a config with its defaults (`use_cache` on, tied embeddings), cut
@@ -48,11 +48,14 @@ class NormCNN(nn.Module):
 
 
 class Twice(nn.Module):
-    """`blocks.shared` is called at the start and at the end (two stages, one weight)."""
+    """`blocks.shared` is called at the start and at the end (two stages, one weight);
+    `blocks.aux`, never called, is in no stage's graph (its state must not be lost)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleDict({"shared": nn.Linear(6, 6), "mid": nn.Linear(6, 6)})
+        self.blocks = nn.ModuleDict(
+            {"shared": nn.Linear(6, 6), "mid": nn.Linear(6, 6), "aux": nn.Linear(6, 2)}
+        )
         self.head = nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
