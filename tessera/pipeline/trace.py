@@ -23,10 +23,16 @@ The frontend is called in its two steps (`torch.export.export` after `annotate_s
 output specs are needed to flatten each micro-batch and to rebuild the model's output (a Hugging
 Face `ModelOutput` with its `.loss`) on the last stage, and `pipeline()` does not keep them.
 
+Modes: `torch.export` bakes each module's mode into the graph (dropout's draws, batch norm's
+batch statistics and its running-statistics update), so a graph holding such operations is traced
+a second time in eval mode for evaluation (`trace_stages`), with the rows left symbolic where the
+model allows. A module called twice is the same module on both calls (`Pipe` names the second
+`name@1`; `model_key`). A Hugging Face config's `use_cache` is off while traced (`_no_cache`).
+
 Limits (the errors say so): the forward must be traceable by `torch.export` (no data-dependent
-Python control flow); the graph is specialised to the traced micro-batch shapes and training mode,
-so every micro-batch must have the traced shapes; the stages run ATen graphs, not the model's
-modules, so a tensor-parallel plan (which swaps modules) cannot apply inside them.
+Python control flow); the training graph is specialised to the traced micro-batch shapes, so every
+training micro-batch must have them (evaluation: see above); the stages run ATen graphs, not the
+model's modules, so a tensor-parallel plan (which swaps modules) cannot apply inside them.
 """
 
 from __future__ import annotations
