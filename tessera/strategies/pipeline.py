@@ -49,6 +49,7 @@ from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
+from tessera.strategies.stage_state import held, release_other_stages
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
 
@@ -146,7 +147,7 @@ class PipelineEngine(Engine):
         self._unheld = getattr(self.pipe.stage, "unheld", [])
         """State keys no stage's graph uses (a traced split), kept here on stage 0."""
         state = self.module.state_dict(keep_vars=True)
-        _release_other_stages(self.module, [stage, *[state[k] for k in self._unheld]])
+        release_other_stages(self.module, [stage, *[state[k] for k in self._unheld]])
         self.params = list(stage.parameters())
         split_ids = {
             id(getattr(m, name))
@@ -347,7 +348,7 @@ class PipelineEngine(Engine):
         # copies: on one stage nothing was gathered, and a payload must not follow the training
         # a tied tensor under whichever of its names a stage holds (T5: `shared.weight` is held
         # as `encoder.embed_tokens.weight` and `lm_head.weight`)
-        return {key: _held(state, names).clone() for key, names in self._aliases.items()}
+        return {key: held(state, names).clone() for key, names in self._aliases.items()}
 
     def full_key(self, stage_key: str) -> str:
         """The model's own state-dict key of this rank's stage key `stage_key`."""
@@ -386,7 +387,7 @@ class PipelineEngine(Engine):
             if full not in self._aliases:  # a constant the trace lifted: not the model's state
                 local[key] = current
                 continue
-            value = _held(state["model"], self._aliases[full])
+            value = held(state["model"], self._aliases[full])
             owner, _, leaf = key.rpartition(".")
             layer = layers.get(owner)
             if isinstance(layer, _Parallel) and leaf in layer.shard_dims:
@@ -407,14 +408,6 @@ class PipelineEngine(Engine):
         """Close the links to the neighbouring stages."""
         if self.pipe.links is not None:
             self.pipe.links.close()
-
-
-def _held(state: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    """The tensor of `state` under the first of `names` (one tensor's keys) it holds."""
-    for name in names:
-        if name in state:
-            return state[name]
-    raise KeyError(f"no stage holds {names[0]!r} (nor its tied names {names[1:]})")
 
 
 def _tensor_parallel(
@@ -442,29 +435,6 @@ def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
         return loss_fn(output, targets) * scale
 
     return scaled
-
-
-def _release_other_stages(model: nn.Module, keep: list[nn.Module | torch.Tensor]) -> None:
-    """Free the storage of the tensors other ranks train: this rank keeps only `keep` (its
-    stage, and tensors no stage holds if it keeps those).
-
-    Every rank builds the whole model (the same seed gives the same weights everywhere); once
-    cut, the tensors of other stages move to the meta device (shape without storage). A tensor
-    the stage shares, such as a tied embedding, stays.
-    """
-    kept = set()
-    for item in keep:
-        tensors = (
-            [item] if isinstance(item, torch.Tensor) else [*item.parameters(), *item.buffers()]
-        )
-        kept |= {id(t) for t in tensors}
-    for owner in model.modules():
-        for name, param in list(owner.named_parameters(recurse=False)):
-            if id(param) not in kept:
-                setattr(owner, name, nn.Parameter(param.to("meta"), param.requires_grad))
-        for name, buffer in list(owner.named_buffers(recurse=False)):
-            if id(buffer) not in kept:
-                setattr(owner, name, buffer.to("meta"))
 
 
 def build_pipeline(
