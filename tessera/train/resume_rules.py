@@ -32,7 +32,6 @@ RESUME_MAY_CHANGE = frozenset(
         "eval_batches",
         "log_with",
         "meta_init",  # the same weights either way (tessera.train.build_model); a resume loads them
-        "find_unused_parameters",  # what a step computes is the same (off: an unused one fails)
     }
 )
 """Config keys a resumed run may set differently: none changes what a step computes."""
