@@ -246,9 +246,9 @@ def trace_stages(
     the training graph (each module's mode as the user left it) and, as each stage's `for_eval`,
     the evaluation graph (every module in eval mode, the micro-batch's rows left symbolic where
     the model allows it, so evaluation takes any row count). A graph with none of these
-    evaluates on its training graph, which fixes the rows (`TracedStage.rows`): tracing costs
-    seconds per graph. Both under autograd, whatever the caller's grad mode (an evaluation may
-    come first).
+    evaluates on its training graph (tracing costs seconds per graph), which fixes the rows
+    where a sizing operation takes them (`TracedStage.rows`). Both under autograd, whatever the
+    caller's grad mode (an evaluation may come first).
     """
     with torch.enable_grad(), _no_cache(model):
         stages, rows, by_mode = _cut(model, split, example, dynamic=False)
