@@ -135,7 +135,7 @@ def _frozen_cases() -> None:
         for key in frozen:  # not one step taken: bit for bit the initial weights
             assert torch.equal(state[key], initial[key]), (what, key)
         check_close(state, oracle, exact, what=what)
-        engine.close() if hasattr(engine, "close") else None
+        engine.close()
 
 
 def test_a_frozen_layer_stays_frozen_under_tensor_and_hybrid(run_ranks):
