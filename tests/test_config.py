@@ -171,7 +171,7 @@ def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeyp
     policies = {name: registry.policy_class(name).__name__ for name in declared}
     assert policies == {
         "single": "NoOptions",
-        "torch-ddp": "NoOptions",
+        "torch-ddp": "TorchDDPPolicy",
         "ddp": "DDPPolicy",
         "local-sgd": "LocalSGDPolicy",
         "zero1": "ZeroPolicy",

@@ -130,6 +130,7 @@ class DataParallel(nn.Module):
             group=group,
             engine_kind="DataParallel",
         )
+        self.reducer.drop_unused_gradients = find_unused_parameters
 
     def reduce_in(self, dtype: torch.dtype) -> None:
         """Average every bucket in `dtype` from now on (mixed precision: half the bytes); the

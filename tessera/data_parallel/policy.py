@@ -2,14 +2,15 @@
 
 A policy is a frozen dataclass: validated once, where it is made (a wrong value raises
 ValueError naming the field before any process group or bucket exists), and hashable, so it
-can travel in a config. `DDPPolicy` drives `DataParallel`; `LocalSGDPolicy` local SGD.
+can travel in a config. `DDPPolicy` drives `DataParallel`; `TorchDDPPolicy` PyTorch's
+`DistributedDataParallel`; `LocalSGDPolicy` local SGD.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DDPPolicy", "LocalSGDPolicy"]
+__all__ = ["DDPPolicy", "LocalSGDPolicy", "TorchDDPPolicy"]
 
 
 def _check_algorithm(algorithm: str) -> None:
@@ -30,11 +31,32 @@ class DDPPolicy:
     """Gradient bucket size in MB: a bucket's all-reduce starts once its gradients are ready."""
     algorithm: str = "auto"
     """All-reduce algorithm of `tessera.comm` (`auto` chooses by the cost model)."""
+    find_unused_parameters: bool = False
+    """PyTorch DDP's knob: after each forward, find the parameters its output does not reach
+    (an unused head) and average them as zero gradients; off, such a parameter is an error."""
 
     def __post_init__(self) -> None:
         if isinstance(self.bucket_cap_mb, bool) or not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
         _check_algorithm(self.algorithm)
+        _check_flag("find_unused_parameters", self.find_unused_parameters)
+
+
+@dataclass(kw_only=True, frozen=True)
+class TorchDDPPolicy:
+    """PyTorch's own `DistributedDataParallel` (the anchor): the one knob a model may need."""
+
+    find_unused_parameters: bool = False
+    """Passed to `DistributedDataParallel` (its meaning: parameters the forward's output does
+    not reach are reduced as zero gradients)."""
+
+    def __post_init__(self) -> None:
+        _check_flag("find_unused_parameters", self.find_unused_parameters)
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -100,6 +100,11 @@ class Reducer:
         """False inside `no_sync()`: gradients accumulate locally, nothing is launched."""
         self.exposed_comm_s = 0.0
         """Seconds the end of the last backward waited for reductions still in flight."""
+        self.drop_unused_gradients = False
+        """True (DataParallel's `find_unused_parameters`): at the end of each round a parameter
+        that no rank used keeps no gradient (`drop_globally_unused`)."""
+        self._group = group
+        self._unused_here: set[int] = set()  # ids: no gradient on this rank in this round
         self._handles = [
             param.register_post_accumulate_grad_hook(self._on_gradient) for _, param in named_params
         ]
@@ -147,6 +152,7 @@ class Reducer:
     def prepare_for_backward(self, unused: Sequence[nn.Parameter] = ()) -> None:
         """Start a new reduction round; `unused` parameters count as arrived (zero gradient)."""
         self._start_round(from_forward=True)
+        self._unused_here = {id(p) for p in unused if p.grad is None}
         for param in unused:
             bucket, position = self._where[id(param)]
             self._ensure_buffer(bucket)
@@ -173,6 +179,7 @@ class Reducer:
         self._callback_queued = False
         self._round_ended = False
         self._round_from_forward = from_forward
+        self._unused_here = set()
         for bucket in self.buckets:
             bucket.reset()
 
@@ -247,6 +254,29 @@ class Reducer:
                 f"does not use them every step, {advice}."
             )
         self.wait()
+        if self.drop_unused_gradients:
+            self.drop_globally_unused()
+
+    def drop_globally_unused(self) -> None:
+        """Set `.grad` to None on the parameters no rank of the group used in this round.
+
+        Their averaged gradient is zero, but a zero gradient is not what one process has: its
+        `.grad` stays None and the optimizer skips the parameter (no weight decay, no moment
+        update). PyTorch DDP leaves a globally unused parameter's gradient untouched for the same
+        reason. Collective: one all-reduce of a flag per parameter.
+        """
+        params = [p for bucket in self.buckets for p in bucket.params]
+        used = torch.tensor(
+            [int(id(p) not in self._unused_here) for p in params], device=params[0].device
+        )
+
+        def count(flags: torch.Tensor) -> None:
+            dist.all_reduce(flags, group=self._group)
+
+        self.stream.run(count, used, label=self.engine.label(), what="unused-parameter flags")
+        for param, users in zip(params, used.tolist()):
+            if users == 0:
+                param.grad = None
 
     def wait(self) -> None:
         """Block until every launched bucket is reduced; re-raise a failed reduction."""

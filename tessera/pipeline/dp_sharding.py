@@ -49,12 +49,29 @@ class _ArmedForWeightPass:
     """A gradient reducer kept silent during a pipeline's schedule and armed for its W pass."""
 
     reducer: Reducer
+    find_unused_parameters = False
+    """True: a trainable parameter with no gradient when armed is averaged as zero; False: an
+    error naming it (PyTorch DDP's meaning of the knob)."""
 
     def arm(self, ready: list[nn.Parameter]) -> None:
-        """Before the W pass: `ready` gradients are complete; the rest arrive through hooks."""
+        """Before the W pass: `ready` gradients are complete; the rest arrive through hooks.
+        A frozen parameter among `ready` has no gradient and no place in the buckets: skipped."""
+        ready = [p for p in ready if p.requires_grad]
+        if not self.find_unused_parameters:
+            ids = {id(p) for p in ready}
+            unused = [name for name, p in self._names() if p.grad is None and id(p) in ids]
+            if unused:
+                raise RuntimeError(
+                    f"stage parameters received no gradient in this step: "
+                    f"{', '.join(unused[:8])}{' ...' if len(unused) > 8 else ''}. If the model "
+                    "does not use them every step, pass find_unused_parameters=True."
+                )
         self.reducer.sync_enabled = True
         self.reducer.exposed_comm_s = 0.0
         self.reducer.prepare_for_backward(unused=ready)
+
+    def _names(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, p) for b in self.reducer.buckets for name, p in zip(b.names, b.params)]
 
     def finish(self) -> float:
         """After the step's backward: wait for every bucket's reduction, silence the reducer.
@@ -91,6 +108,14 @@ class StageDataParallel(_ArmedForWeightPass):
         )
         self.reducer = self.ddp.reducer
         self.reducer.sync_enabled = False  # silent during the schedule's micro-batches
+
+    def finish(self) -> float:
+        """As the base's; with `find_unused_parameters` a parameter no dp peer used then keeps
+        no gradient, as on one process (ZeRO steps its flat slices whole: a zero gradient)."""
+        seconds = super().finish()
+        if self.find_unused_parameters:
+            self.reducer.drop_globally_unused()
+        return seconds
 
 
 class StageZero(_ArmedForWeightPass):

@@ -87,10 +87,19 @@ class HybridPolicy:
     """Gradient bucket size of the dp reduction inside each stage."""
     defer_weight_grads: bool | None = None
     """As `PipelinePolicy.defer_weight_grads`."""
+    find_unused_parameters: bool = False
+    """dp > 1: a stage parameter that gets no gradient in a step (an unused head) is left out
+    (`.grad` None on every replica, as on one process), as with PyTorch DDP's knob of this name;
+    off, it is an error naming it. With zero=1/2 it steps with a zero gradient (weight decay
+    applies), as ZeRO steps its flat slices whole."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split", _split(self.split))
         _check_pipeline(self.microbatches, self.schedule, self.virtual_stages)
+        if not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(
+                f"find_unused_parameters must be True or False, got {self.find_unused_parameters!r}"
+            )
         for axis in ("dp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:

@@ -23,29 +23,50 @@ The frontend is called in its two steps (`torch.export.export` after `annotate_s
 output specs are needed to flatten each micro-batch and to rebuild the model's output (a Hugging
 Face `ModelOutput` with its `.loss`) on the last stage, and `pipeline()` does not keep them.
 
+Modes: `torch.export` bakes each module's mode into the graph (dropout's draws, batch norm's
+batch statistics and its running-statistics update), so a graph holding such operations is traced
+a second time in eval mode for evaluation (`trace_stages`), with the rows left symbolic where the
+model allows. A module called twice is the same module on both calls (`Pipe` names the second
+`name@1`; `model_key`). A Hugging Face config's `use_cache` is off while traced (`_no_cache`).
+
 Limits (the errors say so): the forward must be traceable by `torch.export` (no data-dependent
-Python control flow); the graph is specialised to the traced micro-batch shapes and training mode,
-so every micro-batch must have the traced shapes; the stages run ATen graphs, not the model's
-modules, so a tensor-parallel plan (which swaps modules) cannot apply inside them.
+Python control flow); the training graph is specialised to the traced micro-batch shapes, so every
+training micro-batch must have them (evaluation: see above); the stages run ATen graphs, not the
+model's modules, so a tensor-parallel plan (which swaps modules) cannot apply inside them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import operator
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import fx, nn
+from torch import SymInt, fx, nn
 from torch.distributed.pipelining._IR import (
     MultiUseParameterConfig,
     Pipe,
     SplitPoint,
     annotate_split_points,
 )
+from torch.export import Dim
 
-__all__ = ["TracedStage", "check_split", "trace_stages"]
+from tessera.pipeline.microbatch import batch_rows
+
+__all__ = ["TracedStage", "check_split", "model_key", "trace_stages"]
+
+_CALL_SUFFIX = re.compile(r"@\d+(?=\.|$)")
+
+
+def model_key(name: str) -> str:
+    """The model's own name of a traced stage's parameter or buffer: `Pipe` names the modules
+    of a module's second, third... call `shared@1`, `shared@2` (the same module, so the same
+    tensors); the model knows them as `shared`."""
+    return _CALL_SUFFIX.sub("", name)
 
 
 def check_split(model: nn.Module, split: Sequence[str], num_stages: int) -> list[str]:
@@ -110,6 +131,18 @@ class TracedStage:
         """Names of the values this stage receives from the previous one, in message order."""
         self.sends = _boundary(nodes, stage_of, index, num_stages)
         """Names of the values this stage sends to the next one, in message order."""
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        self._ints = {  # received sizes (a symbolic graph's SymInt): they travel as tensors
+            arg
+            for arg, node in zip(self._args, placeholders)
+            if isinstance(node.meta.get("val"), (int, SymInt))
+        }
+        self.for_eval: TracedStage | None = None
+        """This stage of the graph traced in eval mode (`trace_stages`): what evaluation runs."""
+        self.rows: int | None = None
+        """The rows every micro-batch must have (the traced ones); None: any."""
+        self.unheld: list[str] = []
+        """State keys of the model no stage's graph uses (stage 0 keeps them)."""
 
     @property
     def output_fields(self) -> list[str]:
@@ -118,8 +151,9 @@ class TracedStage:
         return [str(k) for k in context] if isinstance(context, (list, tuple)) else []
 
     def full_key(self, key: str) -> str:
-        """A stage's state-dict key is the model's own (PyTorch keeps the qualified names)."""
-        return key
+        """A stage's state-dict key is the model's own (PyTorch keeps the qualified names, with
+        `@N` for a module's later calls: `model_key`)."""
+        return model_key(key)
 
     def flat_inputs(self, inputs: Any) -> list[Any]:
         """The micro-batch's leaves in the traced order (ValueError if its structure differs)."""
@@ -138,13 +172,20 @@ class TracedStage:
         """Run the stage on one micro-batch."""
         env: dict[str, Any] = dict(zip(self._inputs, self.flat_inputs(inputs)))
         env.update(zip(self.receives, received))
-        result = self.module(*[env[a] for a in self._args])
+        result = self.module(*[int(env[a]) if a in self._ints else env[a] for a in self._args])
         env[self._call] = result
         for name, position in self._items:
             env[name] = result[position]
         if self.sends:
-            return tuple(env[name] for name in self.sends)
+            values = [env[name] for name in self.sends]
+            device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+            return tuple(_as_tensor(v, device) for v in values)
         return pytree.tree_unflatten([env[name] for name in self._outputs], self.out_spec)
+
+
+def _as_tensor(value: Any, device: torch.device | None) -> torch.Tensor:
+    """A value crossing a stage boundary as a tensor (a symbolic size is a Python int here)."""
+    return value if isinstance(value, torch.Tensor) else torch.tensor(value, device=device)
 
 
 def _boundary(nodes: list[fx.Node], stage_of: dict[str, int], s: int, num_stages: int) -> list:
@@ -198,24 +239,111 @@ def trace_stages(
     model: nn.Module, split: list[str], example: Any
 ) -> tuple[list[TracedStage], list[list[nn.Parameter]]]:
     """Trace `model` on the micro-batch `example`, cut it at `split`; every stage's runner and
-    its parameters (the model's own objects), on every rank alike."""
+    its parameters (the model's own objects), on every rank alike.
+
+    `torch.export` bakes the module modes into the graph, so a training graph that holds
+    anything a mode changes (dropout, batch norm, random draws, a buffer it updates) is cut twice:
+    the training graph (each module's mode as the user left it) and, as each stage's `for_eval`,
+    the evaluation graph (every module in eval mode, the micro-batch's rows left symbolic where
+    the model allows it, so evaluation takes any row count). A graph with none of these
+    evaluates on its training graph (tracing costs seconds per graph), which fixes the rows
+    where a sizing operation takes them (`TracedStage.rows`). Both under autograd, whatever the
+    caller's grad mode (an evaluation may come first).
+    """
+    with torch.enable_grad(), _no_cache(model):
+        stages, rows, by_mode = _cut(model, split, example, dynamic=False)
+        if by_mode:
+            modes = [(m, m.training) for m in model.modules()]
+            model.eval()
+            try:
+                evaluation, rows, _ = _cut(model, split, example, dynamic=True)
+            finally:
+                for module, training in modes:
+                    module.training = training
+            for stage, for_eval in zip(stages, evaluation):
+                stage.for_eval = for_eval
+    for stage in stages:
+        (stage.for_eval or stage).rows = rows
+    held = {
+        id(t) for stage in stages for t in (*stage.module.parameters(), *stage.module.buffers())
+    }
+    stages[0].unheld = [  # e.g. an unused head: kept by stage 0, so that no state is lost
+        key for key, t in model.state_dict(keep_vars=True).items() if id(t) not in held
+    ]
+    return stages, [list(stage.module.parameters()) for stage in stages]
+
+
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model's `config.use_cache` off while traced (restored after).
+
+    With it on (the default of most configs) the forward returns a cache object, which
+    `torch.export` cannot trace, and training has no use for it: Hugging Face's Trainer turns
+    it off too when it trains with gradient checkpointing.
+    """
+    configs = {
+        id(c): c
+        for m in model.modules()
+        if getattr(c := getattr(m, "config", None), "use_cache", None)
+    }
+    for config in configs.values():  # (T5's decoder stack has a config of its own)
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
+
+
+def _export(model: nn.Module, split: list[str], example: Any, dynamic: bool) -> Any:
+    """`torch.export` of `model` annotated at `split` (dim 0 of the batch symbolic if `dynamic`:
+    None if the model does not allow it)."""
     args, kwargs = call_args(example)
+    shapes = None
+    if dynamic:
+        rows = batch_rows(example)
+        try:
+            bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+        except TypeError:
+            return None
+        shapes = pytree.tree_map(
+            lambda t: (
+                {0: Dim.AUTO}
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows
+                else None
+            ),
+            dict(bound),
+        )
     annotate_split_points(model, {name: SplitPoint.BEGINNING for name in split})
     try:
-        try:
-            program = torch.export.export(model, args, kwargs)
-        except Exception as exc:
-            raise ValueError(
-                f"{type(model).__name__} cannot be split at {split}: torch.export could not "
-                f"trace its forward ({type(exc).__name__}: {str(exc).splitlines()[0]}). A model "
-                "split at named modules needs a forward without data-dependent Python control "
-                "flow; an nn.Sequential split at its top-level layers needs no tracing"
-            ) from exc
+        return torch.export.export(model, args, kwargs, dynamic_shapes=shapes)
+    except Exception as exc:
+        if dynamic:
+            return None  # traced again with the rows fixed
+        raise ValueError(
+            f"{type(model).__name__} cannot be split at {split}: torch.export could not "
+            f"trace its forward ({type(exc).__name__}: {str(exc).splitlines()[0]}). A model "
+            "split at named modules needs a forward without data-dependent Python control "
+            "flow; an nn.Sequential split at its top-level layers needs no tracing"
+        ) from exc
     finally:
         for name in split:  # undo annotate_split_points: the user's modules stay as they were
             module = model.get_submodule(name)
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_orig_forward", None)
+
+
+def _cut(
+    model: nn.Module, split: list[str], example: Any, *, dynamic: bool
+) -> tuple[list[TracedStage], int | None, bool]:
+    """The stages of one traced graph, the rows every micro-batch must have (None: any), and
+    whether the graph holds an operation a module's mode changes (`_depends_on_mode`)."""
+    program = _export(model, split, example, dynamic) if dynamic else None
+    if program is None:
+        program = _export(model, split, example, False)
+    rows = batch_rows(example)
+    if (dynamic and _symbolic_rows(program)) or not _bakes_rows(program, rows):
+        rows = None
     reason = _empty_stage_error(program.graph, split, model)
     if reason is not None:
         raise ValueError(reason)
@@ -245,7 +373,56 @@ def trace_stages(
     ]
     for stage in stages:
         _use_model_tensors(stage.module, model)
-    return stages, [list(stage.module.parameters()) for stage in stages]
+    return stages, rows, _depends_on_mode(program)
+
+
+_SHAPE_OPS = re.compile(r"view|reshape|expand|zeros|ones|full|empty|arange|split|repeat|new_")
+"""ATen operations that take sizes: where a graph traced with fixed shapes keeps the rows."""
+
+
+def _bakes_rows(program: Any, rows: int) -> bool:
+    """True if a sizing operation of the graph takes the integer `rows` (conservatively: also
+    when another size happens to equal it), so that the graph runs only that many rows. A graph
+    without one (linear layers, convolutions, activations) runs any rows."""
+    for node in program.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        if _SHAPE_OPS.search(name):
+            leaves = pytree.tree_leaves((node.args, node.kwargs))
+            if any(type(v) is int and v == rows for v in leaves):
+                return True
+    return False
+
+
+_MODE_OPS = re.compile(r"dropout|bernoulli|rand|batch_norm|instance_norm")
+"""ATen operations whose result (or whose effect on buffers) eval mode may change."""
+
+
+def _depends_on_mode(program: Any) -> bool:
+    """True if the exported graph updates a buffer or runs an operation of `_MODE_OPS` (but a
+    dropout of probability 0, as a config with dropout 0 builds, changes nothing)."""
+    if program.graph_signature.buffers_to_mutate:
+        return True
+    for node in program.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else ""
+        if "scaled_dot_product" in name:  # attention's own dropout
+            args = dict(enumerate(node.args))
+            if node.kwargs.get("dropout_p", args.get(4, 0.0)) != 0:
+                return True
+        if not _MODE_OPS.search(name):
+            continue
+        probability = node.args[1] if "dropout" in name and len(node.args) > 1 else None
+        if probability != 0:
+            return True
+    return False
+
+
+def _symbolic_rows(program: Any) -> bool:
+    """True if the exported graph left dim 0 of its batched inputs symbolic."""
+    for node in program.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and value.dim() and isinstance(value.shape[0], SymInt):
+            return True
+    return False
 
 
 def _use_model_tensors(stage: nn.Module, model: nn.Module) -> None:
@@ -260,12 +437,13 @@ def _use_model_tensors(stage: nn.Module, model: nn.Module) -> None:
     for kind, own in (("parameter", params), ("buffer", buffers)):
         named = stage.named_parameters if kind == "parameter" else stage.named_buffers
         for name, tensor in list(named(remove_duplicate=False)):
-            if name not in own:  # (a buffer may be a constant the trace lifted)
+            key = model_key(name)
+            if key not in own:  # (a buffer may be a constant the trace lifted)
                 if kind == "parameter":
                     raise ValueError(f"traced stage parameter {name!r} is not one of the model's")
                 continue
-            if tensor is not own[name]:
+            if tensor is not own[key]:
                 owner, _, leaf = name.rpartition(".")
                 module = stage.get_submodule(owner)
                 table = module._parameters if kind == "parameter" else module._buffers
-                table[leaf] = own[name]
+                table[leaf] = own[key]

@@ -53,6 +53,7 @@ class DDPEngine(Engine):
             module,
             bucket_cap_mb=policy.bucket_cap_mb,
             algorithm=policy.algorithm,
+            find_unused_parameters=policy.find_unused_parameters,
             timeout_s=ctx.timeout_s,
         )
 

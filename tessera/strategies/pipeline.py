@@ -50,6 +50,7 @@ from tessera.strategies import batch as rule
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
+from tessera.strategies.stage_state import held, release_other_stages
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
 
@@ -86,9 +87,11 @@ class PipelineEngine(Engine):
         self.module, self.ctx, self.policy = model, ctx, policy
         self.loss_fn, self.grad_clip, self.comm_seconds = loss_fn, grad_clip, 0.0
         state = model.state_dict(keep_vars=True)
-        first: dict[int, str] = {}
-        self._canonical = {key: first.setdefault(id(t), key) for key, t in state.items()}
-        """Every state-dict key of the model -> the first key of the same tensor (tied)."""
+        keys_of: dict[int, list[str]] = {}
+        for key, tensor in state.items():
+            keys_of.setdefault(id(tensor), []).append(key)
+        self._aliases = {key: keys_of[id(t)] for key, t in state.items()}
+        """Every state-dict key of the model -> every key of the same tensor (tied), in order."""
         split = list(policy.split) if policy.split is not None else None
         if isinstance(model, GPT) and split is not None:
             split = gpt_split(split, model.config.n_layer)
@@ -142,7 +145,10 @@ class PipelineEngine(Engine):
     def _adopt_stage(self, built: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
         """Free other stages' tensors, set up the dp reduction, return the stage's optimizer."""
         stage = self.pipe.module
-        _release_other_stages(self.module, stage)
+        self._unheld = getattr(self.pipe.stage, "unheld", [])
+        """State keys no stage's graph uses (a traced split), kept here on stage 0."""
+        state = self.module.state_dict(keep_vars=True)
+        release_other_stages(self.module, [stage, *[state[k] for k in self._unheld]])
         self.params = list(stage.parameters())
         split_ids = {
             id(getattr(m, name))
@@ -167,6 +173,7 @@ class PipelineEngine(Engine):
                 norm_weight={id(p): w for p, w in zip(self.params, self._norm_weight)},
                 bucket_cap_mb=self.policy.bucket_cap_mb,
             )
+            self.dp_sync.find_unused_parameters = self.policy.find_unused_parameters
             return self.dp_sync.optimizer
         if dp > 1:
             self.dp_sync = StageDataParallel(
@@ -175,6 +182,7 @@ class PipelineEngine(Engine):
                 bucket_cap_mb=self.policy.bucket_cap_mb,
                 timeout_s=self.ctx.timeout_s,
             )
+            self.dp_sync.find_unused_parameters = self.policy.find_unused_parameters
             if self.precision in DTYPES:  # (a traced split: set up after use_precision)
                 self.dp_sync.ddp.reduce_in(DTYPES[self.precision])
         if built is None:
@@ -246,8 +254,10 @@ class PipelineEngine(Engine):
         return float(loss_sum) / dp
 
     def _eval_modules(self) -> list[nn.Module]:
-        """The model and, once cut, this rank's stage (a traced stage is a module of its own)."""
-        return [self.module, self.pipe.module] if self.pipe.ready else [self.module]
+        """The model and this rank's stage (a traced stage is a module of its own); none before
+        a traced split is cut: its training graph is traced in the modes the user left (its
+        evaluation graph in eval mode, `tessera.pipeline.trace`)."""
+        return [self.module, self.pipe.module] if self.pipe.ready else []
 
     def _eval_loss(self, batch: Any) -> float:
         """Forward only through the stages (`tessera.pipeline.evaluate`): the global batch's
@@ -333,13 +343,15 @@ class PipelineEngine(Engine):
             stage_state = full_state_dict(stage, group=self.tp_group)
         else:
             stage_state = stage.state_dict()
+        own = self.module.state_dict()
+        stage_state = {**stage_state, **{key: own[key] for key in self._unheld}}
         state = self.pipe.full_state_dict(stage_state=stage_state)
         if isinstance(self.module, GPT):
             state = gpt_state_from_sequential(state, self.module.config.n_layer)
         # copies: on one stage nothing was gathered, and a payload must not follow the training
-        return {
-            key: state.get(key, state.get(canon)).clone() for key, canon in self._canonical.items()
-        }
+        # a tied tensor under whichever of its names a stage holds (T5: `shared.weight` is held
+        # as `encoder.embed_tokens.weight` and `lm_head.weight`)
+        return {key: held(state, names).clone() for key, names in self._aliases.items()}
 
     def full_key(self, stage_key: str) -> str:
         """The model's own state-dict key of this rank's stage key `stage_key`."""
@@ -373,15 +385,22 @@ class PipelineEngine(Engine):
         stage = self.pipe.module
         layers = dict(stage.named_modules())
         local = {}
-        for key in stage.state_dict():
+        for key, current in stage.state_dict().items():
             full = self.full_key(key)
-            value = state["model"][full if full in state["model"] else self._canonical[full]]
+            if full not in self._aliases:  # a constant the trace lifted: not the model's state
+                local[key] = current
+                continue
+            value = held(state["model"], self._aliases[full])
             owner, _, leaf = key.rpartition(".")
             layer = layers.get(owner)
             if isinstance(layer, _Parallel) and leaf in layer.shard_dims:
                 value = shard(value, layer.shard_dims[leaf], self.tp_group, layer.chunks)
             local[key] = value
         stage.load_state_dict(local)  # (under ZeRO the slices alias these weights)
+        own = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for key in self._unheld:
+                own[key].copy_(state["model"][key])
         self.optimizer.load_state_dict(mine)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -419,23 +438,6 @@ def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
         return loss_fn(output, targets) * scale
 
     return scaled
-
-
-def _release_other_stages(model: nn.Module, stage: nn.Module) -> None:
-    """Free the storage of the tensors other ranks train: this rank keeps only its stage.
-
-    Every rank builds the whole model (the same seed gives the same weights everywhere); once
-    cut, the tensors of other stages move to the meta device (shape without storage). A tensor
-    the stage shares, such as a tied embedding, stays.
-    """
-    kept = {id(t) for t in list(stage.parameters()) + list(stage.buffers())}
-    for owner in model.modules():
-        for name, param in list(owner.named_parameters(recurse=False)):
-            if id(param) not in kept:
-                setattr(owner, name, nn.Parameter(param.to("meta"), param.requires_grad))
-        for name, buffer in list(owner.named_buffers(recurse=False)):
-            if id(buffer) not in kept:
-                setattr(owner, name, buffer.to("meta"))
 
 
 def build_pipeline(

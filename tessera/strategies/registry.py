@@ -31,7 +31,10 @@ _NO_OPTIONS = "tessera.strategies.engine:NoOptions"
 
 BUILTIN_STRATEGIES: dict[str, tuple[str, str]] = {
     "single": ("tessera.strategies.single:build", _NO_OPTIONS),
-    "torch-ddp": ("tessera.strategies.torch_ddp:build", _NO_OPTIONS),
+    "torch-ddp": (
+        "tessera.strategies.torch_ddp:build",
+        "tessera.data_parallel.policy:TorchDDPPolicy",
+    ),
     "ddp": ("tessera.strategies.ddp:build_ddp", "tessera.data_parallel.policy:DDPPolicy"),
     "local-sgd": (
         "tessera.strategies.ddp:build_local_sgd",

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tessera.data_parallel.policy import TorchDDPPolicy
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn
-from tessera.strategies.engine import Engine, NoOptions, OptimizerFactory
+from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
 
-__all__ = ["NoOptions", "TorchDDPEngine", "build"]
+__all__ = ["TorchDDPEngine", "TorchDDPPolicy", "build"]
 
 
 class TorchDDPEngine(Engine):
@@ -37,13 +38,16 @@ class TorchDDPEngine(Engine):
         *,
         loss_fn: LossFn | None = None,
         grad_clip: float = 0.0,
-        policy: Any = None,
+        policy: TorchDDPPolicy | None = None,
     ) -> None:
+        policy = policy if policy is not None else TorchDDPPolicy()
         super().__init__(
             module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
         )
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        self.ddp = nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+        self.ddp = nn.parallel.DistributedDataParallel(
+            module, device_ids=device_ids, find_unused_parameters=policy.find_unused_parameters
+        )
         self._last_gradient_at = 0.0
         for parameter in module.parameters():
             if parameter.requires_grad:
@@ -110,7 +114,7 @@ def build(
     *,
     loss_fn: LossFn | None = None,
     grad_clip: float = 0.0,
-    policy: Any = None,
+    policy: TorchDDPPolicy | None = None,
 ) -> Engine:
     """PyTorch DDP over the default group."""
     return TorchDDPEngine(

@@ -18,7 +18,7 @@ from torch import nn
 
 from tessera.models.gpt import GPT, CausalSelfAttention
 from tessera.tensor_parallel._comm import group_size
-from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from tessera.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, keep_frozen
 from tessera.tensor_parallel.parallelize import parallelize
 
 __all__ = ["GPT_BLOCK_PLAN", "ParallelCausalSelfAttention", "parallelize_gpt"]
@@ -39,8 +39,9 @@ class ParallelCausalSelfAttention(nn.Module):
             )
         self.n_head = attn.n_head // size  # local heads
         self.dropout = attn.dropout
-        self.qkv = ColumnParallelLinear.from_dense(attn.qkv, group=group, chunks=3)
-        self.proj = RowParallelLinear.from_dense(attn.proj, group=group)
+        qkv = ColumnParallelLinear.from_dense(attn.qkv, group=group, chunks=3)
+        self.qkv = keep_frozen(attn.qkv, qkv)
+        self.proj = keep_frozen(attn.proj, RowParallelLinear.from_dense(attn.proj, group=group))
         self.proj_dropout = attn.proj_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

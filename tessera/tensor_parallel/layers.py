@@ -71,6 +71,20 @@ def shard(
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
 
 
+def keep_frozen(dense: nn.Module, split: nn.Module) -> nn.Module:
+    """Give `split`'s parameters the `requires_grad` of `dense`'s of the same name; return `split`.
+
+    A split layer builds new `nn.Parameter`s from slices of the dense weights, and a new
+    parameter requires a gradient: without this a frozen layer named in a plan (a fine-tuning
+    recipe's frozen base) would silently train.
+    """
+    for name, param in split.named_parameters(recurse=False):
+        dense_param = getattr(dense, name, None)
+        if isinstance(dense_param, torch.Tensor):
+            param.requires_grad_(dense_param.requires_grad)
+    return split
+
+
 class _Parallel(nn.Module):
     shard_dims: dict[str, int] = {}
     """Parameter name -> split dimension (names absent are replicated)."""

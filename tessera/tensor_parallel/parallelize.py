@@ -49,7 +49,7 @@ from torch import nn
 
 from tessera.tensor_parallel._comm import all_gather_dim, group_size
 from tessera.tensor_parallel.heads import HeadSplit, head_split_of
-from tessera.tensor_parallel.layers import _Parallel, shard
+from tessera.tensor_parallel.layers import _Parallel, keep_frozen, shard
 from tessera.tensor_parallel.styles import KINDS, STYLES, Group, Kind
 
 __all__ = ["STYLES", "check_plan", "full_state_dict", "load_full_state_dict", "parallelize"]
@@ -242,6 +242,7 @@ def parallelize(module: nn.Module, plan: Mapping[str, str], *, group: Group = No
         parent_name, _, child = target.name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
         built = target.kind.build(target.module, group, target.name in paired, target.chunks)
+        keep_frozen(target.module, built)
         setattr(parent, child, built)
     for attn, rule in attentions:
         rule.localize(attn, size)

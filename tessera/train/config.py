@@ -114,6 +114,7 @@ class TrainConfig:
     grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
     bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
     comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
+    find_unused_parameters: bool = _option(False, "ddp/torch-ddp/hybrid: allow unused parameters.")
     average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
     mixed_precision: str | None = _option(
         None,

@@ -31,8 +31,11 @@ __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_op
 def policy_options(config: TrainConfig) -> dict[str, Any]:
     """`tessera.setup`'s options for `config.strategy`, from the trainer's config."""
     strategy = config.strategy
+    unused = {"find_unused_parameters": config.find_unused_parameters}
     if strategy == "ddp":
-        return {"bucket_cap_mb": config.bucket_cap_mb, "algorithm": config.comm_algorithm}
+        return {"bucket_cap_mb": config.bucket_cap_mb, "algorithm": config.comm_algorithm, **unused}
+    if strategy == "torch-ddp":
+        return unused
     if strategy == "local-sgd":
         return {"average_every": config.average_every, "algorithm": config.comm_algorithm}
     if strategy in ("zero1", "zero2", "zero3"):
@@ -74,8 +77,9 @@ def policy_options(config: TrainConfig) -> dict[str, Any]:
             "schedule": config.schedule,
             "virtual_stages": config.virtual_stages,
             "bucket_cap_mb": config.bucket_cap_mb,
+            **unused,
         }
-    return {}  # single, torch-ddp and users' strategies take no trainer knob
+    return {}  # single and users' strategies take no trainer knob
 
 
 def build_engine(
