@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from tessera.runtime.devices import collective_device
+
 __all__ = ["clip_grad_norm", "squared_sum", "sum_over"]
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
@@ -28,12 +30,25 @@ def squared_sum(
     """sum_i w_i * ||t_i||^2 in float64 (None tensors skipped; weights default to 1).
 
     float64 so that the order in which ranks add their shares changes nothing that matters.
+    Each device's tensors are added on that device, with no host sync (CUDA gradients stay on
+    the GPU; a CPU accumulator beside them would be an error); the sum lives on the device of
+    the first tensor (the CPU when there is none), each other device's part copied there once.
     """
-    total = torch.zeros((), dtype=torch.float64)
     pairs = zip(tensors, weights) if weights is not None else ((t, 1.0) for t in tensors)
+    per_device: dict[torch.device, torch.Tensor] = {}
     for tensor, weight in pairs:
-        if tensor is not None and weight:
-            total += weight * tensor.detach().double().square().sum()
+        if tensor is None or not weight:
+            continue
+        term = tensor.detach().double().square().sum()
+        term = term if weight == 1.0 else term * weight
+        before = per_device.get(tensor.device)
+        per_device[tensor.device] = term if before is None else before + term
+    if not per_device:
+        return torch.zeros((), dtype=torch.float64)
+    parts = iter(per_device.values())
+    total = next(parts)
+    for part in parts:
+        total = total + part.to(total.device)
     return total
 
 
@@ -44,6 +59,7 @@ def sum_over(group: dist.ProcessGroup | None) -> AllReduce:
         dist.all_reduce(tensor, group=group)
         return tensor
 
+    reduce.group = group  # type: ignore[attr-defined] - read by clip_grad_norm for the device
     return reduce
 
 
@@ -64,11 +80,19 @@ def clip_grad_norm(
     grads = [g for g in grads if g is not None]
     share = squared_sum(grads) if local_sq_sum is None else local_sq_sum
     total = share.detach().to(torch.float64).reshape(1).clone()
-    if all_reduce is not None:
-        total = all_reduce(total)
-    norm = math.sqrt(float(total.reshape(())))
+    if all_reduce is not None:  # on the device the group reduces on (NCCL: this rank's GPU)
+        total = all_reduce(total.to(collective_device(getattr(all_reduce, "group", None))))
+    norm = math.sqrt(float(total.reshape(())))  # the one host sync of a clipped step
     coefficient = min(1.0, max_norm / (norm + 1e-6))
     if coefficient < 1.0:
-        for grad in grads:
-            grad.mul_(coefficient)
+        _scale_in_place(grads, coefficient)
     return norm
+
+
+def _scale_in_place(grads: list[torch.Tensor], coefficient: float) -> None:
+    """`grad *= coefficient` for each, one foreach kernel per (device, dtype) group."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for members in groups.values():
+        torch._foreach_mul_(members, coefficient)

@@ -49,6 +49,7 @@ from tessera.pipeline.stage import ModelStage, tied_parameters
 from tessera.pipeline.timeline import Event
 from tessera.pipeline.trace import check_split, trace_stages
 from tessera.runtime.context import default_timeout_s
+from tessera.runtime.devices import collective_device
 
 __all__ = ["Pipeline"]
 
@@ -387,7 +388,7 @@ class Pipeline:
         if self._last(c):
             # weight by the micro-batch's share: the sum is the whole batch's mean loss
             out = step.loss_fn(out, step.targets[i]) * (step.sizes[i] / sum(step.sizes))
-            step.loss += out.detach()
+            step.loss = step.loss.to(out.device) + out.detach()  # on the loss's device
             step.outputs[(c, i)] = out
             self._record("F", i, began, c)
             return
@@ -441,7 +442,8 @@ class Pipeline:
     def _broadcast_loss(self, total: torch.Tensor) -> float:
         if self.num_stages == 1:
             return float(total)
-        value = total.reshape(1).clone()
+        # NCCL broadcasts device tensors only; every stage sends or receives one float32
+        value = total.detach().float().reshape(1).to(collective_device(self.group), copy=True)
         dist.broadcast(value, src=self.links.ranks[-1], group=self.group)
         return float(value)
 

@@ -3,7 +3,7 @@
     engine = tessera.setup(model, lambda params: torch.optim.AdamW(params, lr=1e-3), strategy=...)
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)   # optional
     for batch in batches:
-        loss = engine.train_step(batch)    # forward and backward of this rank's batch
+        loss = engine.train_step(batch)    # forward and backward; the global mean, read lazily
         engine.step()                      # clip (grad_clip > 0), optimizer step, zero_grad
         scheduler.step()
     val_loss = engine.eval_step(held_out_batch)   # forward only: training is left as it was
@@ -45,6 +45,7 @@ from tessera.runtime.context import Context
 from tessera.strategies.batch import Batch, LossFn, compute_loss, split_for_accumulation
 from tessera.strategies.evaluation import evaluating
 from tessera.strategies.precision import DTYPES, autocast_context, sum_flag
+from tessera.strategies.step_loss import StepLoss
 
 __all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
 
@@ -192,22 +193,39 @@ class Engine:
                 self.forward, micro, self.loss_fn, model_name=type(self.module).__name__
             )
 
-    def train_step(self, batch: Batch) -> float:
-        """Forward and backward of this rank's `batch` (the batch rule); return its loss.
+    def train_step(self, batch: Batch) -> StepLoss:
+        """Forward and backward of this rank's `batch` (the batch rule); return the loss.
 
+        The loss is the global batch's mean under every strategy (here: the mean over the ranks
+        of each rank's batch mean, equal shards), as a `StepLoss`: read from the device when
+        used (`float(loss)`, printing), so the step itself never waits for the device; its
+        all-reduce over ranks runs asynchronously meanwhile.
         With `grad_accum` K > 1 the batch is cut into K micro-batches (`split_for_accumulation`),
         each backward takes its loss times its share of the rows, all but the last run under
-        `no_sync()`, and the returned loss is the shares' weighted mean: the whole batch's.
+        `no_sync()`, and the loss is the shares' weighted mean: the whole batch's.
         """
         parts = split_for_accumulation(batch, self.grad_accum)
-        total = 0.0
+        total: torch.Tensor | None = None
         for index, (micro, share) in enumerate(parts):
             last = index == len(parts) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._micro_loss(micro)
                 self.backward(loss if len(parts) == 1 else loss * share)
-            total += share * float(loss.detach())
-        return total
+            weighted = loss.detach().float() * share  # stays on the device: no sync per step
+            total = weighted if total is None else total + weighted
+        assert total is not None  # split_for_accumulation yields at least one part
+        return self.global_loss(total)
+
+    loss_is_global = False
+    """True where `train_step` computes the loss of the global batch on every rank (tensor):
+    nothing to average then."""
+
+    def global_loss(self, local: torch.Tensor) -> StepLoss:
+        """The global batch's mean from this rank's batch mean `local`: averaged over the ranks
+        (asynchronously, `StepLoss.mean_over`) unless `loss_is_global`. Collective."""
+        if self.loss_is_global or self.ctx.world_size == 1:
+            return StepLoss(local)
+        return StepLoss.mean_over(local)
 
     def eval_step(self, batch: Batch) -> float:
         """The loss of `batch` without training: the float `train_step` would return for it.

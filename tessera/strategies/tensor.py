@@ -39,6 +39,7 @@ from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, gather_batch
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.step_loss import StepLoss
 from tessera.tensor_parallel import (
     TensorPolicy,
     full_state_dict,
@@ -81,9 +82,11 @@ class TensorEngine(Engine):
         # comm_seconds: the last train_step's batch gathering (the layers' all-reduces run
         # inside forward and backward and are not separated from compute)
 
-    def train_step(self, batch: Any) -> float:
+    loss_is_global = True  # every rank computes the gathered global batch's loss
+
+    def train_step(self, batch: Any) -> StepLoss:
         """Forward and backward of the global batch (gathered from every rank's shard); return
-        its mean loss, the same on every rank."""
+        its mean loss, the same on every rank (a `StepLoss`, read when used)."""
         start = time.perf_counter()
         batch = gather_batch(batch)
         self.comm_seconds = time.perf_counter() - start

@@ -300,7 +300,7 @@ def _observe(
     ctx: Context,
     config: TrainConfig,
     done: int,
-    measured: dict[str, float],
+    measured: dict[str, Any],
     lr: float,
 ) -> bool:
     """After step `done`: evaluate if due, gather the step's record and log it (every
@@ -315,6 +315,7 @@ def _observe(
         return False
     measured = {
         **measured,
+        "loss": float(measured["loss"]),  # a StepLoss: read from the device at logged steps only
         "peak_mem_mb": peak_memory_mb(ctx.device),
         "model_state_mb": _model_state_mb(engine),
     }
