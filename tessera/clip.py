@@ -82,7 +82,7 @@ def clip_grad_norm(
     total = share.detach().to(torch.float64).reshape(1).clone()
     if all_reduce is not None:  # on the device the group reduces on (NCCL: this rank's GPU)
         total = all_reduce(total.to(collective_device(getattr(all_reduce, "group", None))))
-    norm = math.sqrt(float(total.reshape(())))  # the one host sync of a clipped step
+    norm = math.sqrt(total.reshape(()).item())  # the one host sync of a clipped step
     coefficient = min(1.0, max_norm / (norm + 1e-6))
     if coefficient < 1.0:
         _scale_in_place(grads, coefficient)

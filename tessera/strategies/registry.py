@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "BUILTIN_STRATEGIES",
+    "NOT_COMPILABLE",
     "OWN_ENTRY_POINTS",
     "STRATEGIES",
     "own_entry_point",
@@ -58,6 +59,17 @@ OWN_ENTRY_POINTS: dict[str, str] = {
 """Strategies whose ranks play different roles (parameter servers and workers), so no `Engine`
 run alike on every rank fits them: the trainer hands them the whole job,
 `entry(config, run_dir, resume) -> summary`."""
+
+NOT_COMPILABLE: dict[str, str] = {
+    "zero3": "its module hooks gather and free each parameter's storage around every forward",
+    "pipeline": "it cuts the model into stages by running its modules one by one",
+    "hybrid": "it cuts the model into stages by running its modules one by one",
+    "tensor": "its sharded layers issue collectives inside forward and backward",
+    "ps": "its workers run their own loop against the parameter servers",
+}
+"""Strategies under which `tessera train --compile` (torch.compile of the model) is refused, and
+why; the others (single, ddp, torch-ddp, local-sgd, zero1, zero2) keep the module whole and
+hook only its gradients, which a compiled module leaves to eager autograd, as they are."""
 
 _user_strategies: dict[str, tuple[Callable[..., Any], type]] = {}
 

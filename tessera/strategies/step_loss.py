@@ -72,7 +72,7 @@ class StepLoss:
     def __float__(self) -> float:
         if self._value is None:
             self._wait()
-            self._value = float(self._tensor.reshape(())) / self._divisor  # the one host sync
+            self._value = self._tensor.reshape(()).item() / self._divisor  # the one host sync
             self._tensor = None
         return self._value
 

@@ -113,7 +113,23 @@ def optimizer_spec(config: TrainConfig) -> tuple[type[torch.optim.Optimizer], di
 def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
     """The optimizer the config names, over `params` (at the peak lr: the schedule scales it)."""
     cls, kwargs = optimizer_spec(config)
+    params = list(params)
+    if config.optimizer == "adamw" and "fused" not in kwargs and "foreach" not in kwargs:
+        kwargs = {**kwargs, "fused": True} if _all_on_cuda(params) else kwargs
     return cls(params, **kwargs)
+
+
+def _all_on_cuda(params: list[Any]) -> bool:
+    """Are all `params` (tensors or param-group dicts) CUDA floating-point tensors? Then the
+    built-in AdamW runs fused: one kernel for every parameter's update instead of a chain of
+    foreach kernels (PyTorch's own advice for CUDA; on the CPU the default path is kept, the one
+    the suite's plain loops use)."""
+    tensors: list[Any] = []
+    for item in params:
+        tensors += list(item["params"]) if isinstance(item, dict) else [item]
+    return bool(tensors) and all(
+        isinstance(t, torch.Tensor) and t.is_cuda and t.is_floating_point() for t in tensors
+    )
 
 
 def _builtin_factor(config: TrainConfig, step: int) -> float:
