@@ -10,13 +10,13 @@ min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
 from tessera.runtime.devices import collective_device
+from tessera.runtime.scalar import DeviceScalar
 
 __all__ = ["clip_grad_norm", "squared_sum", "sum_over"]
 
@@ -70,29 +70,30 @@ def clip_grad_norm(
     *,
     local_sq_sum: torch.Tensor | None = None,
     all_reduce: AllReduce | None = None,
-) -> float:
+) -> DeviceScalar:
     """Scale `grads` in place so that the global norm is at most `max_norm`; return the norm.
 
     `local_sq_sum`: this rank's share of the squared global norm (default: `squared_sum(grads)`,
     right when the ranks hold disjoint parts). `all_reduce` sums the shares over the ranks
     (None: this process holds the whole gradient). Every rank of the reduction must call this.
+    The norm and the scaling stay on the device (torch's clip_grad_norm_ does the same): the
+    norm returned is a `DeviceScalar`, read by the host only when used (`float(norm)`).
     """
     grads = [g for g in grads if g is not None]
     share = squared_sum(grads) if local_sq_sum is None else local_sq_sum
     total = share.detach().to(torch.float64).reshape(1).clone()
     if all_reduce is not None:  # on the device the group reduces on (NCCL: this rank's GPU)
         total = all_reduce(total.to(collective_device(getattr(all_reduce, "group", None))))
-    norm = math.sqrt(total.reshape(()).item())  # the one host sync of a clipped step
-    coefficient = min(1.0, max_norm / (norm + 1e-6))
-    if coefficient < 1.0:
-        _scale_in_place(grads, coefficient)
-    return norm
+    norm = total.reshape(()).sqrt()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    _scale_in_place(grads, coefficient)
+    return DeviceScalar(norm)
 
 
-def _scale_in_place(grads: list[torch.Tensor], coefficient: float) -> None:
+def _scale_in_place(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
     """`grad *= coefficient` for each, one foreach kernel per (device, dtype) group."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
-    for members in groups.values():
-        torch._foreach_mul_(members, coefficient)
+    for (device, _), members in groups.items():
+        torch._foreach_mul_(members, coefficient.to(device))

@@ -64,9 +64,12 @@ def test_norms_and_clipping_stay_on_the_gradients_device():
         grads = _cuda_grads()
         total = squared_sum(grads, [1.0, 0.5, 1.0])
         assert total.device.type == "cuda" and total.dtype == torch.float64
-        clip_grad_norm(grads, 1.0)
-        assert reads.count == 1  # the norm, read once per step: no read per gradient
+        norm = clip_grad_norm(grads, 1.0)
+        assert reads.count == 0  # norm and scaling on the device: the step does not wait
         assert all(g.device.type == "cuda" for g in grads)
+        assert norm.tensor().device.type == "cuda"
+        float(norm)  # read when asked, once
+        assert reads.count == 1
 
 
 def test_squared_sum_still_weights_and_sums_in_float64():
@@ -134,6 +137,7 @@ def test_train_step_returns_without_reading_the_device():
     with _HostReads() as reads:
         loss = engine.train_step((x, y))
         assert reads.count == 0
+    assert isinstance(loss, tessera.strategies.StepLoss)
     plain = _model()
     expected = F.mse_loss(plain(x), y).item()  # the mean of two equal halves' means
     assert abs(float(loss) - expected) <= 4 * EPS32 * abs(expected)

@@ -50,6 +50,7 @@ from tessera.pipeline.timeline import Event
 from tessera.pipeline.trace import check_split, trace_stages
 from tessera.runtime.context import default_timeout_s
 from tessera.runtime.devices import collective_device
+from tessera.runtime.scalar import DeviceScalar
 
 __all__ = ["Pipeline"]
 
@@ -463,7 +464,7 @@ class Pipeline:
     def _tied_owner(self, param: nn.Parameter) -> int:
         return next(stages[0] for p, _, stages in self._tied if p is param)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Scale every stage's gradients so the global norm is at most `max_norm`; return it."""
         return clip_grad_norm(
             [p.grad for p in self.module.parameters()],

@@ -42,6 +42,7 @@ from torch import nn
 from tessera._atomic import write_atomically
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import Batch, LossFn, compute_loss, split_for_accumulation
 from tessera.strategies.evaluation import evaluating
 from tessera.strategies.precision import DTYPES, autocast_context, sum_flag
@@ -252,9 +253,10 @@ class Engine:
         with self.autocast():
             return float(compute_loss(self.module, batch, self.loss_fn, model_name=name))
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
-        return float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
+        """Scale gradients so their global norm is at most `max_norm`; return the norm before
+        (read from the device when used: `step` clips without waiting for it)."""
+        return DeviceScalar(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
 
     def step(self) -> None:
         """Clip (if `grad_clip` > 0), step the optimizer at its own lr, clear the gradients.

@@ -46,6 +46,7 @@ from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
@@ -269,7 +270,7 @@ class PipelineEngine(Engine):
             return batch[0], batch[1], self.loss_fn
         raise ValueError(f"a batch is a dict or an (inputs, targets) pair, not {type(batch)}")
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Global norm over every stage and shard (replicated and tied parameters once)."""
         if self.zero is not None:  # each dp rank holds a distinct slice of the averaged grads
             total, grads = self.zero.grad_norm_sq(), self.zero.inner.gradient_slices()

@@ -1,158 +1,25 @@
 """`StepLoss`: the loss `Engine.train_step` returns, read from the device only when asked.
 
-A Python float would be read from the GPU at the end of every step: the host then waits for
-the device's queue to drain, and the next step's kernels are not queued while the GPU finishes
-this one (the plain loop that never calls `.item()` keeps the GPU busy; on an H100 that wait
-cost tessera 7% of a GPT-2-small step). So `train_step` returns this small number-like object:
-it holds the loss as a tensor on its device and, where the loss is averaged over ranks, the
-all-reduce in flight (started asynchronously, never waited for by the step). `float(loss)`,
-printing, formatting, comparisons and arithmetic read it then (one sync, once; the value is
-kept). The trainer reads it at logged steps only.
+It is a `tessera.runtime.scalar.DeviceScalar`: `train_step` returns without waiting for the
+device (no `.item()` per step), and `float(loss)`, printing or arithmetic read it then. The
+trainer reads it at logged steps only.
 
-The value is the global batch's mean loss under every strategy: data-parallel ranks average
-their batches' means (equal shards under the batch rule, so the mean of the means is the mean
-over every row), tensor and pipeline compute it on the global batch. Pickling turns it into a
-plain float (a rank's return value travels to the launcher so).
+The value is the global batch's mean loss under every strategy, on every rank: data-parallel
+ranks (ddp, torch-ddp, local-sgd, zero1-3) average their batches' means with an asynchronous
+all-reduce started at the end of the step and waited for when the loss is read (equal shards
+under the batch rule, so the mean of the means is the mean over every row); tensor parallelism
+computes it on the gathered global batch, and pipeline/hybrid on the last stage, averaged over
+the dp replicas.
 """
 
 from __future__ import annotations
 
-import numbers
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from tessera.runtime.devices import collective_device
+from tessera.runtime.scalar import DeviceScalar
 
 __all__ = ["StepLoss"]
 
 
-class StepLoss:
-    """A loss value held on its device (and, if averaged over ranks, its all-reduce in flight),
-    read into a float at the first use."""
+class StepLoss(DeviceScalar):
+    """A training step's loss: the global batch's mean, read from its device when used."""
 
-    __slots__ = ("_divisor", "_tensor", "_value", "_work")
-
-    def __init__(
-        self, value: torch.Tensor | float, *, work: Any = None, divisor: float = 1.0
-    ) -> None:
-        self._tensor = value if isinstance(value, torch.Tensor) else None
-        self._value: float | None = None if self._tensor is not None else float(value)
-        self._work = work
-        self._divisor = float(divisor)
-
-    @classmethod
-    def mean_over(cls, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> StepLoss:
-        """The mean of `local` (a scalar) over the ranks of `group`: the sum is all-reduced
-        asynchronously on the group's device (NCCL: this rank's GPU) and waited for when read.
-
-        Collective: every rank of `group` calls it at the same point (the end of a step, when
-        no communication stream has work queued, `tessera.comm.stream`).
-        """
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return cls(local.detach())
-        buffer = local.detach().float().reshape(1).to(collective_device(group), copy=True)
-        work = dist.all_reduce(buffer, group=group, async_op=True)
-        return cls(buffer, work=work, divisor=dist.get_world_size(group))
-
-    def tensor(self) -> torch.Tensor:
-        """The loss as a scalar tensor on its device (the all-reduce waited for: on CUDA the
-        current stream waits, the host does not)."""
-        if self._tensor is None:
-            return torch.tensor(self._value)
-        self._wait()
-        return self._tensor.reshape(()) / self._divisor
-
-    def _wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-
-    def __float__(self) -> float:
-        if self._value is None:
-            self._wait()
-            self._value = self._tensor.reshape(()).item() / self._divisor  # the one host sync
-            self._tensor = None
-        return self._value
-
-    def __reduce__(self) -> tuple[type, tuple[float]]:
-        return float, (float(self),)
-
-    def __repr__(self) -> str:
-        return repr(float(self))
-
-    def __str__(self) -> str:
-        return str(float(self))
-
-    def __format__(self, spec: str) -> str:
-        return format(float(self), spec)
-
-    def __bool__(self) -> bool:
-        return bool(float(self))
-
-    def __hash__(self) -> int:
-        return hash(float(self))
-
-    def __int__(self) -> int:
-        return int(float(self))
-
-    def __round__(self, ndigits: int | None = None) -> Any:
-        return round(float(self), ndigits)
-
-    def __neg__(self) -> float:
-        return -float(self)
-
-    def __pos__(self) -> float:
-        return float(self)
-
-    def __abs__(self) -> float:
-        return abs(float(self))
-
-    def __eq__(self, other: object) -> bool:
-        return float(self) == other
-
-    def __ne__(self, other: object) -> bool:
-        return float(self) != other
-
-    def __lt__(self, other: Any) -> bool:
-        return float(self) < other
-
-    def __le__(self, other: Any) -> bool:
-        return float(self) <= other
-
-    def __gt__(self, other: Any) -> bool:
-        return float(self) > other
-
-    def __ge__(self, other: Any) -> bool:
-        return float(self) >= other
-
-    def __add__(self, other: Any) -> Any:
-        return float(self) + other
-
-    def __radd__(self, other: Any) -> Any:
-        return other + float(self)
-
-    def __sub__(self, other: Any) -> Any:
-        return float(self) - other
-
-    def __rsub__(self, other: Any) -> Any:
-        return other - float(self)
-
-    def __mul__(self, other: Any) -> Any:
-        return float(self) * other
-
-    def __rmul__(self, other: Any) -> Any:
-        return other * float(self)
-
-    def __truediv__(self, other: Any) -> Any:
-        return float(self) / other
-
-    def __rtruediv__(self, other: Any) -> Any:
-        return other / float(self)
-
-    def __pow__(self, other: Any) -> Any:
-        return float(self) ** other
-
-
-numbers.Real.register(StepLoss)
+    __slots__ = ()

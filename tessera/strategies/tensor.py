@@ -37,6 +37,7 @@ from torch import nn
 
 from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import LossFn, gather_batch
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.step_loss import StepLoss
@@ -96,7 +97,7 @@ class TensorEngine(Engine):
         """The global batch's mean loss (gathered as in `train_step`), on every rank."""
         return super()._eval_loss(gather_batch(batch))
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Scale every rank's gradients so the dense model's gradient norm is at most
         `max_norm`; return the norm before. Collective."""
         grads = [p.grad for p in self.params]
