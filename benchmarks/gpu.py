@@ -206,9 +206,11 @@ def _all_reduce_rows(device: torch.device, steps: int) -> list[dict[str, Any]]:
 
 def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     bench = _Bench(cpu, batch)
-    name = torch.cuda.get_device_name() if bench.device.type == "cuda" else "CPU (gloo)"
+    cuda = bench.device.type == "cuda"
+    name = f"{torch.cuda.get_device_name()} (NCCL)" if cuda else "CPU (gloo, --cpu)"
     result: dict[str, Any] = {"world": bench.ctx.world_size, "device": name}
     result["torch"] = torch.__version__
+    result["precision"] = "bf16 autocast, fused AdamW" if cuda else "fp32, AdamW"
     result["shape"] = {**(CPU_SHAPE if cpu else GPU_SHAPE), "batch": batch}
     if bench.ctx.world_size > 1:
         result["all_reduce"] = _all_reduce_rows(bench.device, steps)
@@ -232,9 +234,9 @@ def _markdown(result: dict[str, Any]) -> str:
     lines = [
         "## gpu",
         "",
-        f"{result['world']} x {result['device']} (NCCL), torch {result['torch']}; GPT "
+        f"{result['world']} x {result['device']}, torch {result['torch']}; GPT "
         f"{shape['n_layer']} x {shape['n_embd']}, block {shape['block_size']}, batch "
-        f"{shape['batch']} per rank, bf16 autocast, fused AdamW. Medians; anchor time / tessera "
+        f"{shape['batch']} per rank, {result['precision']}. Medians; anchor time / tessera "
         "time (above 1: tessera faster). Written by `benchmarks/gpu.py` (`make gpu-check`).",
         "",
         f"gpu tests: `{result['gpu_tests']}`",

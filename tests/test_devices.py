@@ -237,3 +237,16 @@ def test_a_torchrun_rank_beyond_the_gpus_gets_the_same_message():
     ).stdout  # fmt: skip
     assert out.startswith("ConfigError") and out.rstrip().endswith("initialized: False"), out
     _check_message(out)
+
+
+def test_the_trainers_adamw_runs_fused_on_cuda_unless_the_user_chose():
+    from tessera.train.optimizers import make_optimizer
+
+    with FakeTensorMode():
+        on_gpu = [nn.Parameter(torch.randn(3, 2, device="cuda"))]
+        assert make_optimizer(TrainConfig(), on_gpu).defaults["fused"] is True
+        groups = [{"params": on_gpu, "weight_decay": 0.0}]
+        assert make_optimizer(TrainConfig(), groups).defaults["fused"] is True
+        mine = TrainConfig(optimizer_args='{"foreach": false}')
+        assert not make_optimizer(mine, on_gpu).defaults["fused"]
+    assert not make_optimizer(TrainConfig(), [nn.Parameter(torch.ones(2))]).defaults["fused"]
