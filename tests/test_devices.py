@@ -207,11 +207,14 @@ def test_more_ranks_than_gpus_is_refused_before_any_process_starts(monkeypatch, 
     with pytest.raises(ConfigError) as refused:
         tessera.launch(_model, 2)
     _check_message(str(refused.value))
+    from tessera.runtime.devices import check_visible_gpus
+    from tessera.train.config_build import auto_nproc
+
+    assert auto_nproc("ddp") == 1  # --nproc auto: one rank per GPU
     # the CPU way out that the message names: ranks on gloo need no GPU (checked, not run)
     monkeypatch.setenv(BACKEND_ENV, "gloo")
-    from tessera.runtime.devices import check_visible_gpus
-
     check_visible_gpus(2)
+    assert auto_nproc("ddp") == (os.cpu_count() or 1)
 
 
 _TORCHRUN_RANK = """
