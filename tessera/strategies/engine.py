@@ -235,9 +235,9 @@ class Engine:
         module's mode restored after) and the RNG states saved and restored: no gradient, no
         optimizer state and no random stream of training is touched, so a run that evaluates
         equals one that does not, bit for bit. Data-parallel strategies return this rank's
-        batch's loss (as `train_step` does; average over ranks for the global one); tensor,
-        pipeline and hybrid gather the ranks' shards and return the global batch's mean loss on
-        every rank. Collective wherever `train_step` is: every rank calls it.
+        batch's loss (average over ranks for the global one, which `train_step` returns);
+        tensor, pipeline and hybrid gather the ranks' shards and return the global batch's mean
+        loss on every rank. Collective wherever `train_step` is: every rank calls it.
         """
         with evaluating(*self._eval_modules()):
             return self._eval_loss(batch)
