@@ -197,7 +197,7 @@ def _check_message(text: str) -> None:
         assert part in text, (part, text)
 
 
-def test_more_ranks_than_gpus_is_refused_before_any_process_starts(monkeypatch, tmp_path):
+def test_more_ranks_than_gpus_is_refused_before_any_process_starts(monkeypatch, tmp_path, capsys):
     _pretend_one_gpu(monkeypatch)
     config = TrainConfig(nproc=2, steps=1, out=str(tmp_path / "run"), progress=False)
     with pytest.raises(ConfigError) as refused:
@@ -207,6 +207,10 @@ def test_more_ranks_than_gpus_is_refused_before_any_process_starts(monkeypatch, 
     with pytest.raises(ConfigError) as refused:
         tessera.launch(_model, 2)
     _check_message(str(refused.value))
+    from tessera.cli import main
+
+    assert main(["run", "-n", "2", str(tmp_path / "train.py")]) == 2  # tessera run: torchrun's
+    _check_message(capsys.readouterr().err)
     from tessera.runtime.devices import check_visible_gpus
     from tessera.train.config_build import auto_nproc
 
