@@ -51,7 +51,6 @@ RUNS: dict[str, dict[str, Any]] = {
     "ddp-bf16": {"strategy": "ddp", "mixed_precision": "bf16"},
     "ddp-fp16": {"strategy": "ddp", "mixed_precision": "fp16"},
     "zero2-bf16": {"strategy": "zero2", "mixed_precision": "bf16"},
-    "ddp-compiled": {"strategy": "ddp", "compile": True},
 }
 RESUMED = {"ddp", "zero2", "zero3", "zero3-offload", "ddp-fp16"}
 """Runs continued by `--resume` (each run costs seconds: the `make gpu-check` budget)."""
