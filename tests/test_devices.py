@@ -128,7 +128,13 @@ def _model() -> nn.Module:
 
 def test_train_step_returns_without_reading_the_device():
     """`train_step` returns a `StepLoss`: the value is read when used, not at every step."""
-    ctx = tessera.init()
+    try:
+        _check_lazy_loss(tessera.init())
+    finally:
+        tessera.shutdown()  # later tests in this process expect no process group
+
+
+def _check_lazy_loss(ctx) -> None:
     engine = tessera.setup(
         _model(), lambda p: torch.optim.SGD(p, lr=0.1), strategy="single",
         loss_fn=F.mse_loss, grad_accum=2, ctx=ctx,
