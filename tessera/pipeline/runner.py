@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,6 @@ from tessera.pipeline.timeline import Event
 from tessera.pipeline.trace import check_split, trace_stages
 from tessera.runtime.context import default_timeout_s
 from tessera.runtime.devices import collective_device
-from tessera.runtime.scalar import DeviceScalar
 
 __all__ = ["Pipeline"]
 
@@ -443,7 +442,6 @@ class Pipeline:
     def _broadcast_loss(self, total: torch.Tensor) -> float:
         if self.num_stages == 1:
             return float(total)
-        # NCCL broadcasts device tensors only; every stage sends or receives one float32
         value = total.detach().float().reshape(1).to(collective_device(self.group), copy=True)
         dist.broadcast(value, src=self.links.ranks[-1], group=self.group)
         return float(value)
@@ -464,7 +462,7 @@ class Pipeline:
     def _tied_owner(self, param: nn.Parameter) -> int:
         return next(stages[0] for p, _, stages in self._tied if p is param)
 
-    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
+    def clip_grad_norm(self, max_norm: float) -> SupportsFloat:
         """Scale every stage's gradients so the global norm is at most `max_norm`; return it."""
         return clip_grad_norm(
             [p.grad for p in self.module.parameters()],

@@ -17,11 +17,14 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from tessera.errors import ConfigError
+
 __all__ = [
     "BUILTIN_STRATEGIES",
     "NOT_COMPILABLE",
     "OWN_ENTRY_POINTS",
     "STRATEGIES",
+    "check_compile",
     "own_entry_point",
     "policy_class",
     "register_strategy",
@@ -70,6 +73,16 @@ NOT_COMPILABLE: dict[str, str] = {
 """Strategies under which `tessera train --compile` (torch.compile of the model) is refused, and
 why; the others (single, ddp, torch-ddp, local-sgd, zero1, zero2) keep the module whole and
 hook only its gradients, which a compiled module leaves to eager autograd, as they are."""
+
+
+
+def check_compile(strategy: str, compile: bool) -> None:
+    """`--compile` under `strategy`: ConfigError with the reason where it cannot be done."""
+    if compile and strategy in NOT_COMPILABLE:
+        raise ConfigError(
+            f"--compile is not supported by --strategy {strategy}: {NOT_COMPILABLE[strategy]}"
+        )
+
 
 _user_strategies: dict[str, tuple[Callable[..., Any], type]] = {}
 
