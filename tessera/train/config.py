@@ -156,7 +156,7 @@ class TrainConfig:
         "Recompute each GPT block's activations in backward (single, ddp, torch-ddp, local-sgd, "
         "zero1-3).",
     )
-    compile: bool = _option(False, "torch.compile the model (not under zero3, pipeline, tensor, ps).")
+    compile: bool = _option(False, "torch.compile the model (not zero3, pipeline, tensor, ps).")
     dp: int = _option(1, "hybrid: data-parallel degree.")
     tp: int = _option(1, "hybrid: tensor-parallel degree.")
     pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
