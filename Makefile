@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 FL_VENV := .venv-fl
 
-.PHONY: demo test lint bench bench-fl clean
+.PHONY: demo test lint bench bench-fl gpu-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -31,6 +31,11 @@ $(FL_VENV)/.installed: pyproject.toml constraints.txt
 
 bench-fl: $(FL_VENV)/.installed
 	$(FL_VENV)/bin/python benchmarks/federated.py
+
+# on a GPU machine: the gpu tests, tessera against the plain loop, torch DDP, FSDP2 and offload
+# (under 6 minutes on one GPU); writes BENCHMARKS.md's gpu section. `--cpu` checks it runs here.
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,28 +1,36 @@
-"""tessera beside its anchors on GPUs (NCCL), when this machine has them.
+"""One command checks a GPU machine: the `gpu` tests, then tessera beside its anchors on CUDA.
 
-Runs, on every CUDA device of the machine (one rank per device, NCCL):
-- all_reduce of 1, 16 and 128 MB of float32: `torch.distributed.all_reduce` (the anchor) against
-  `tessera.comm.all_reduce` with "auto" (which must resolve to NCCL's own collective for device
-  tensors) and with "ring" (tessera's ring over NCCL point-to-point messages);
-- training steps of the demo GPT through `tessera.setup`: tessera's `ddp` against PyTorch's
-  DDP (`torch-ddp`), and tessera's `zero3` against FSDP2 (`fully_shard` on every block, then
-  the root), on the same model, data and optimizer (AdamW).
+    python benchmarks/gpu.py            # or: make gpu-check   (< 6 minutes on one GPU)
+    python benchmarks/gpu.py --cpu      # the same code on the CPU, tiny and fast: does it run?
 
-Both sides alternate in blocks on the same ranks (A B A B ...), every time is a median over
-repeats measured after `torch.cuda.synchronize()`, and the tables give ratios (anchor time /
-tessera time: above 1 means tessera is faster). Without CUDA it says so and writes nothing.
-
-    python benchmarks/gpu.py [--quick]
-
-Writes benchmarks/results/gpu.json and benchmarks/results/gpu.md.
+1. `pytest -m gpu` (tests/test_gpu.py, tests/test_setup.py): every strategy on the GPUs against
+   a plain loop, through `tessera.setup` and `tessera train`; the summary line is recorded.
+2. Training steps of a GPT-2-small-shaped model (12 x 768, block 1024, bf16 autocast), one rank
+   per GPU (NCCL), each pair timed on the same ranks in alternating blocks (A B A B ...), every
+   time a median over steps fenced by `torch.cuda.synchronize()`:
+   - tessera `single`, `ddp`, `zero2` against the plain PyTorch loop written here (eager);
+   - `single` with `--compile` (`Module.compile`) against the plain loop compiled the same way;
+   - `ddp` against torch DDP (`torch-ddp`), `zero3` against FSDP2 (`fully_shard`);
+   - ZeRO-2/3 with `offload="cpu"` against the same stage without offload, and ZeRO-3's
+     offload against FSDP2 with `CPUOffloadPolicy` (the issue's anchor).
+   A pair whose tessera side cannot run here (offload from GPU memory before it exists) is
+   recorded with its error instead of stopping the check.
+3. Ratios (anchor time / tessera time: above 1, tessera is faster) and all-reduce against NCCL
+   (with 2+ GPUs) into benchmarks/results/gpu.json, gpu.md and BENCHMARKS.md's `## gpu` section,
+   with the device named. `--cpu` writes benchmarks/results/gpu-cpu.json only (CPU timings say
+   nothing about a GPU), with `aot_eager` for the compiled rows (no kernels generated).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,165 +42,266 @@ import tessera
 from tessera import comm
 from tessera.models import GPT, GPTConfig
 
-RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 SIZES_MB = (1, 16, 128)
-GPT_SHAPE = dict(n_layer=8, n_embd=768, n_head=12, block_size=256, vocab_size=512)
+GPU_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50304)
+CPU_SHAPE = dict(n_layer=2, n_embd=64, n_head=2, block_size=64, vocab_size=512)
+TESTS_TIMEOUT_S = 240  # of the 6 minutes the whole check may take on one GPU
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_setup.py"]
+
+Step = Callable[[], None]
 
 
-def _timed(fn: Any, repeats: int) -> float:
-    """Median seconds of `fn()` over `repeats` calls, each fenced by a device synchronisation."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Step, steps: int, device: torch.device) -> float:
+    """Median seconds of `fn()` over `steps` calls, each fenced by a device synchronisation."""
     times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
+    for _ in range(steps):
+        _sync(device)
         began = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync(device)
         times.append(time.perf_counter() - began)
     return statistics.median(times)
 
 
-def _all_reduce_rows(repeats: int) -> list[dict[str, Any]]:
-    ctx = tessera.init()
-    rows = []
-    for size_mb in SIZES_MB:
-        x = torch.ones(size_mb * 2**18, device=ctx.device)
-        anchor, auto, ring = [], [], []
-        for _ in range(3):  # blocks: anchor, auto, ring, anchor, ...
-            anchor.append(_timed(lambda x=x: dist.all_reduce(x), repeats))
-            auto.append(_timed(lambda x=x: comm.all_reduce(x, algorithm="auto"), repeats))
-            ring.append(_timed(lambda x=x: comm.all_reduce(x, algorithm="ring"), repeats))
-        rows.append(
-            {
-                "size_mb": size_mb,
-                "nccl_s": statistics.median(anchor),
-                "auto_s": statistics.median(auto),
-                "ring_s": statistics.median(ring),
-            }
-        )
-    return rows
-
-
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _fsdp2_step(model: torch.nn.Module, optimizer: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-    _loss(model(x), y).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+class _Bench:
+    """The model, data and step builders of one rank (`--cpu`: tiny, fp32, on the CPU)."""
 
+    def __init__(self, cpu: bool, batch: int) -> None:
+        self.ctx = tessera.init()
+        self.device = self.ctx.device
+        self.config = GPTConfig(**(CPU_SHAPE if cpu else GPU_SHAPE))
+        self.dtype = None if cpu else torch.bfloat16
+        self.backend = "aot_eager" if cpu else "inductor"
+        generator = torch.Generator().manual_seed(self.ctx.rank)
+        shape = (batch, self.config.block_size)
+        x = torch.randint(self.config.vocab_size, shape, generator=generator)
+        self.x, self.y = x.to(self.device), x.roll(-1, dims=1).to(self.device)
 
-def _training_rows(steps: int, batch: int) -> list[dict[str, Any]]:
-    from torch.distributed.fsdp import fully_shard
-
-    ctx = tessera.init()
-    config = GPTConfig(**GPT_SHAPE)
-    generator = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randint(config.vocab_size, (batch, config.block_size), generator=generator)
-    x, y = x.to(ctx.device), x.roll(-1, dims=1).to(ctx.device)
-
-    def adamw(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(params, lr=1e-4)
-
-    def model() -> torch.nn.Module:
+    def model(self, compiled: bool = False) -> torch.nn.Module:
         torch.manual_seed(0)
-        return GPT(config).to(ctx.device)
+        model = GPT(self.config).to(self.device)
+        if compiled:
+            model.compile(backend=self.backend)
+        return model
 
-    def tessera_step(strategy: str) -> Any:
-        engine = tessera.setup(model(), adamw, strategy=strategy, loss_fn=_loss)
+    def adamw(self, params: Any) -> torch.optim.Optimizer:
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        return torch.optim.AdamW(params, lr=1e-4, **fused)
+
+    def autocast(self) -> Any:
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None)
+
+    def plain(self, compiled: bool = False) -> Step:
+        """The plain PyTorch loop: forward under autocast, backward, fused AdamW, zero_grad."""
+        model = self.model(compiled)
+        optimizer = self.adamw(model.parameters())
 
         def step() -> None:
-            engine.train_step((x, y))
+            with self.autocast():
+                loss = _loss(model(self.x), self.y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    def tessera(self, strategy: str, compiled: bool = False, **options: Any) -> Step:
+        engine = tessera.setup(
+            self.model(compiled), self.adamw, strategy=strategy, loss_fn=_loss,
+            precision="bf16" if self.dtype is not None else "fp32", **options,
+        )  # fmt: skip
+
+        def step() -> None:
+            engine.train_step((self.x, self.y))  # a StepLoss: nothing read, no sync
             engine.step()
 
         return step
 
-    def fsdp2() -> Any:
-        net = model()
-        for block in net.blocks:
-            fully_shard(block)
-        fully_shard(net)
-        optimizer = adamw(net.parameters())
-        return lambda: _fsdp2_step(net, optimizer, x, y)
+    def fsdp2(self, offload: bool = False) -> Step:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    pairs = {"ddp": ("torch-ddp", None), "zero3": (None, fsdp2)}
-    rows = []
-    for ours, (anchor_strategy, anchor_builder) in pairs.items():
-        mine = tessera_step(ours)
-        theirs = tessera_step(anchor_strategy) if anchor_strategy else anchor_builder()
-        for fn in (mine, theirs):  # warm-up: allocator, NCCL communicators, kernels
-            _timed(fn, 2)
+        net = self.model()
+        policy = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+        for block in net.blocks:
+            fully_shard(block, **policy)
+        fully_shard(net, **policy)
+        optimizer = self.adamw(net.parameters()) if not offload else torch.optim.AdamW(
+            net.parameters(), lr=1e-4
+        )  # (offloaded parameters live on the host: no fused CUDA kernel)
+
+        def step() -> None:
+            with self.autocast():
+                loss = _loss(net(self.x), self.y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+
+def _pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Callable[[], Step]]]:
+    """(tessera row, anchor row, tessera builder, anchor builder), in the order they run."""
+    t = bench.tessera
+    return [
+        ("single", "plain loop", lambda: t("single"), bench.plain),
+        ("ddp", "plain loop", lambda: t("ddp"), bench.plain),
+        ("zero2", "plain loop", lambda: t("zero2"), bench.plain),
+        ("single --compile", "plain loop compiled", lambda: t("single", True),
+         lambda: bench.plain(True)),
+        ("ddp", "torch DDP", lambda: t("ddp"), lambda: t("torch-ddp")),
+        ("zero3", "FSDP2", lambda: t("zero3"), bench.fsdp2),
+        ("zero2 offload=cpu", "zero2", lambda: t("zero2", offload="cpu"), lambda: t("zero2")),
+        ("zero3 offload=cpu", "zero3", lambda: t("zero3", offload="cpu"), lambda: t("zero3")),
+        ("zero3 offload=cpu", "FSDP2 CPUOffloadPolicy", lambda: t("zero3", offload="cpu"),
+         lambda: bench.fsdp2(offload=True)),
+    ]  # fmt: skip
+
+
+def _pair_row(bench: _Bench, pair: tuple, steps: int, blocks: int) -> dict[str, Any]:
+    ours, anchor, build_ours, build_anchor = pair
+    row: dict[str, Any] = {"tessera": ours, "anchor": anchor}
+    try:
+        mine, theirs = build_ours(), build_anchor()
+        for fn in (mine, theirs):  # warm-up: allocator, communicators, compilation
+            _timed(fn, 2, bench.device)
         ours_s, anchor_s = [], []
-        for _ in range(3):
-            ours_s.append(_timed(mine, steps))
-            anchor_s.append(_timed(theirs, steps))
+        for _ in range(blocks):
+            ours_s.append(_timed(mine, steps, bench.device))
+            anchor_s.append(_timed(theirs, steps, bench.device))
+    except Exception as exc:  # noqa: BLE001 - recorded: the check goes on with the next pair
+        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return row
+    finally:
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
+    row["tessera_step_s"] = statistics.median(ours_s)
+    row["anchor_step_s"] = statistics.median(anchor_s)
+    return row
+
+
+def _all_reduce_rows(device: torch.device, steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for size_mb in SIZES_MB:
+        x = torch.ones(size_mb * 2**18, device=device)
         rows.append(
             {
-                "strategy": ours,
-                "anchor": anchor_strategy or "fsdp2",
-                "tessera_step_s": statistics.median(ours_s),
-                "anchor_step_s": statistics.median(anchor_s),
+                "size_mb": size_mb,
+                "native_s": _timed(lambda x=x: dist.all_reduce(x), steps, device),
+                "auto_s": _timed(lambda x=x: comm.all_reduce(x, algorithm="auto"), steps, device),
+                "ring_s": _timed(lambda x=x: comm.all_reduce(x, algorithm="ring"), steps, device),
             }
         )
-        del mine, theirs
-        torch.cuda.empty_cache()
     return rows
 
 
-def _rank(repeats: int, steps: int, batch: int) -> dict[str, Any]:
-    ctx = tessera.init()
-    result: dict[str, Any] = {"world": ctx.world_size, "device": torch.cuda.get_device_name()}
-    if ctx.world_size > 1:
-        result["all_reduce"] = _all_reduce_rows(repeats)
-    result["training"] = _training_rows(steps, batch)
+def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
+    bench = _Bench(cpu, batch)
+    cuda = bench.device.type == "cuda"
+    name = f"{torch.cuda.get_device_name()} (NCCL)" if cuda else "CPU (gloo, --cpu)"
+    result: dict[str, Any] = {"world": bench.ctx.world_size, "device": name}
+    result["torch"] = torch.__version__
+    result["precision"] = "bf16 autocast, fused AdamW" if cuda else "fp32, AdamW"
+    result["shape"] = {**(CPU_SHAPE if cpu else GPU_SHAPE), "batch": batch}
+    if bench.ctx.world_size > 1:
+        result["all_reduce"] = _all_reduce_rows(bench.device, steps)
+    result["training"] = [_pair_row(bench, pair, steps, blocks) for pair in _pairs(bench)]
     return result
 
 
+def _gpu_tests() -> str:
+    """Run the `gpu` tests; their pytest summary line (skipped on a CPU-only machine)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+    try:
+        done = subprocess.run(
+            [*command, *GPU_TESTS], cwd=ROOT, capture_output=True, text=True,
+            timeout=TESTS_TIMEOUT_S, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"the gpu tests did not finish in {TESTS_TIMEOUT_S} s"
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else f"pytest exited {done.returncode}: {done.stderr[-300:]}"
+
+
 def _markdown(result: dict[str, Any]) -> str:
+    shape = result["shape"]
     lines = [
         "## gpu",
         "",
-        f"{result['world']} x {result['device']}, NCCL; medians, anchor time / tessera time "
-        "(above 1: tessera faster). Written by `benchmarks/gpu.py`.",
+        f"{result['world']} x {result['device']}, torch {result['torch']}; GPT "
+        f"{shape['n_layer']} x {shape['n_embd']}, block {shape['block_size']}, batch "
+        f"{shape['batch']} per rank, {result['precision']}. Medians; anchor time / tessera "
+        "time (above 1: tessera faster). Written by `benchmarks/gpu.py` (`make gpu-check`).",
         "",
+        f"gpu tests: `{result['gpu_tests']}`",
+        "",
+        "| tessera | anchor | tessera step | anchor step | ratio |",
+        "|---|---|---|---|---|",
     ]
-    if "all_reduce" in result:
-        lines += [
-            "| size | NCCL all_reduce | tessera auto | ratio | tessera ring | ratio |",
-            "|---|---|---|---|---|---|",
-        ]
-        for row in result["all_reduce"]:
-            lines.append(
-                f"| {row['size_mb']} MB | {row['nccl_s'] * 1e3:.3f} ms | "
-                f"{row['auto_s'] * 1e3:.3f} ms | {row['nccl_s'] / row['auto_s']:.2f}x | "
-                f"{row['ring_s'] * 1e3:.3f} ms | {row['nccl_s'] / row['ring_s']:.2f}x |"
-            )
-        lines.append("")
-    lines += ["| tessera | anchor | tessera step | anchor step | ratio |", "|---|---|---|---|---|"]
     for row in result["training"]:
+        if "error" in row:
+            lines.append(f"| {row['tessera']} | {row['anchor']} | {row['error']} | | |")
+            continue
+        ours, theirs = row["tessera_step_s"], row["anchor_step_s"]
         lines.append(
-            f"| {row['strategy']} | {row['anchor']} | {row['tessera_step_s'] * 1e3:.1f} ms | "
-            f"{row['anchor_step_s'] * 1e3:.1f} ms | "
-            f"{row['anchor_step_s'] / row['tessera_step_s']:.2f}x |"
+            f"| {row['tessera']} | {row['anchor']} | {ours * 1e3:.1f} ms | "
+            f"{theirs * 1e3:.1f} ms | {theirs / ours:.2f}x |"
+        )
+    for row in result.get("all_reduce", []):
+        lines.append(
+            f"\nall_reduce {row['size_mb']} MB: NCCL {row['native_s'] * 1e3:.3f} ms, tessera auto "
+            f"{row['native_s'] / row['auto_s']:.2f}x, ring {row['native_s'] / row['ring_s']:.2f}x"
         )
     return "\n".join(lines) + "\n"
 
 
+def _write_section(markdown: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
+    """Replace BENCHMARKS.md's `## gpu` section (up to the next `## `), or append one."""
+    text = path.read_text()
+    start = text.find("\n## gpu\n")
+    if start < 0:
+        path.write_text(text.rstrip("\n") + "\n\n" + markdown)
+        return
+    end = text.find("\n## ", start + 1)
+    rest = text[end:] if end >= 0 else "\n"
+    path.write_text(text[: start + 1] + markdown + rest)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    """Run the comparison on every CUDA device here, if there is one."""
+    """Run the GPU check (or, with --cpu, the same code tiny on the CPU)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps")
+    parser.add_argument("--cpu", "--dry", action="store_true", help="tiny, on the CPU: does it run")
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device on this machine: nothing to compare (run this on a GPU host)")
+    if not args.cpu and not torch.cuda.is_available():
+        print("no CUDA device here: run it on a GPU host, or --cpu to check that it runs")
         return None
-    repeats, steps = (5, 5) if args.quick else (20, 20)
-    world = torch.cuda.device_count()
-    result = tessera.launch(_rank, world, repeats, steps, 8)[0]
+    steps, blocks = (1, 1) if args.cpu else ((5, 2) if args.quick else (10, 3))
+    world = 1 if args.cpu else torch.cuda.device_count()
+    env = {"TESSERA_BACKEND": "gloo"} if args.cpu else None
+    started = time.perf_counter()
+    gpu_tests = _gpu_tests()
+    result = tessera.launch(_rank, world, args.cpu, steps, blocks, 4 if args.cpu else 8, env=env)[0]
+    result["gpu_tests"] = gpu_tests
+    result["seconds"] = round(time.perf_counter() - started, 1)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gpu.json").write_text(json.dumps(result, indent=2))
-    (RESULTS / "gpu.md").write_text(_markdown(result))
-    print(_markdown(result))
+    name = "gpu-cpu" if args.cpu else "gpu"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    markdown = _markdown(result)
+    if not args.cpu:
+        (RESULTS / "gpu.md").write_text(markdown)
+        _write_section(markdown)
+    print(markdown + f"\n({result['seconds']} s)")
     return result
 
 

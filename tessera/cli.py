@@ -182,6 +182,10 @@ def _run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from tessera.runtime.devices import check_visible_gpus
+
+    if str(args.nproc_per_node).isdigit():  # NCCL: a GPU per rank, refused before any starts
+        check_visible_gpus(int(args.nproc_per_node))
     argv = [
         "--nproc-per-node",
         str(args.nproc_per_node),

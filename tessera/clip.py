@@ -10,11 +10,13 @@ min(1, max_norm / (norm + 1e-6)).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+
+from tessera.runtime.devices import collective_device
+from tessera.runtime.scalar import DeviceScalar
 
 __all__ = ["clip_grad_norm", "squared_sum", "sum_over"]
 
@@ -28,12 +30,25 @@ def squared_sum(
     """sum_i w_i * ||t_i||^2 in float64 (None tensors skipped; weights default to 1).
 
     float64 so that the order in which ranks add their shares changes nothing that matters.
+    Each device's tensors are added on that device, with no host sync (CUDA gradients stay on
+    the GPU; a CPU accumulator beside them would be an error); the sum lives on the device of
+    the first tensor (the CPU when there is none), each other device's part copied there once.
     """
-    total = torch.zeros((), dtype=torch.float64)
     pairs = zip(tensors, weights) if weights is not None else ((t, 1.0) for t in tensors)
+    per_device: dict[torch.device, torch.Tensor] = {}
     for tensor, weight in pairs:
-        if tensor is not None and weight:
-            total += weight * tensor.detach().double().square().sum()
+        if tensor is None or not weight:
+            continue
+        term = tensor.detach().double().square().sum()
+        term = term if weight == 1.0 else term * weight
+        before = per_device.get(tensor.device)
+        per_device[tensor.device] = term if before is None else before + term
+    if not per_device:
+        return torch.zeros((), dtype=torch.float64)
+    parts = iter(per_device.values())
+    total = next(parts)
+    for part in parts:
+        total = total + part.to(total.device)
     return total
 
 
@@ -44,6 +59,7 @@ def sum_over(group: dist.ProcessGroup | None) -> AllReduce:
         dist.all_reduce(tensor, group=group)
         return tensor
 
+    reduce.group = group  # type: ignore[attr-defined] - read by clip_grad_norm for the device
     return reduce
 
 
@@ -54,21 +70,30 @@ def clip_grad_norm(
     *,
     local_sq_sum: torch.Tensor | None = None,
     all_reduce: AllReduce | None = None,
-) -> float:
+) -> DeviceScalar:
     """Scale `grads` in place so that the global norm is at most `max_norm`; return the norm.
 
     `local_sq_sum`: this rank's share of the squared global norm (default: `squared_sum(grads)`,
     right when the ranks hold disjoint parts). `all_reduce` sums the shares over the ranks
     (None: this process holds the whole gradient). Every rank of the reduction must call this.
+    The norm and the scaling stay on the device (torch's clip_grad_norm_ does the same): the
+    norm returned is a `DeviceScalar`, read by the host only when used (`float(norm)`).
     """
     grads = [g for g in grads if g is not None]
     share = squared_sum(grads) if local_sq_sum is None else local_sq_sum
     total = share.detach().to(torch.float64).reshape(1).clone()
-    if all_reduce is not None:
-        total = all_reduce(total)
-    norm = math.sqrt(float(total.reshape(())))
-    coefficient = min(1.0, max_norm / (norm + 1e-6))
-    if coefficient < 1.0:
-        for grad in grads:
-            grad.mul_(coefficient)
-    return norm
+    if all_reduce is not None:  # on the device the group reduces on (NCCL: this rank's GPU)
+        total = all_reduce(total.to(collective_device(getattr(all_reduce, "group", None))))
+    norm = total.reshape(()).sqrt()
+    coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    _scale_in_place(grads, coefficient)
+    return DeviceScalar(norm)
+
+
+def _scale_in_place(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """`grad *= coefficient` for each, one foreach kernel per (device, dtype) group."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, _), members in groups.items():
+        torch._foreach_mul_(members, coefficient.to(device))

@@ -25,6 +25,7 @@ the reference's magnitude.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -50,8 +51,8 @@ def _as_items(value: Any) -> list[tuple[str, torch.Tensor]]:
         return [("tensor", value)]
     if isinstance(value, Iterable):
         items = list(value)
-        if items and all(isinstance(v, (int, float)) for v in items):
-            return [("values", torch.tensor(items, dtype=torch.float64))]
+        if items and all(isinstance(v, numbers.Real) for v in items):  # StepLoss is one
+            return [("values", torch.tensor([float(v) for v in items], dtype=torch.float64))]
         return [(str(i), torch.as_tensor(v)) for i, v in enumerate(items)]
     return [("value", torch.tensor(float(value), dtype=torch.float64))]
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import tessera
+from tessera.runtime.devices import BACKEND_ENV
 
 SPAWN_TIMEOUT_S = 120.0
 """Hard bound of one multi-rank test: a hang fails the test instead of the whole suite."""
@@ -21,6 +22,22 @@ def run_ranks() -> Callable[..., list[Any]]:
         return tessera.launch(fn, nproc, *args, deadline_s=deadline_s)
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _backend_of_the_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test but a `gpu` one runs its ranks on the CPU with gloo, whatever GPUs are visible.
+
+    Without it a machine with CUDA would give each rank NCCL and the GPU of its LOCAL_RANK: a
+    2-rank test on a one-GPU machine then fails in rank 1 ("invalid device ordinal"), and the
+    CPU tests' oracles would meet CUDA tensors. The variable reaches every rank (`tessera.launch`)
+    and every `tessera train` subprocess through the environment. `gpu` tests pick the backend
+    `tessera.init` chooses (NCCL with CUDA) and start as many ranks as there are GPUs.
+    """
+    if request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.delenv(BACKEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(BACKEND_ENV, "gloo")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

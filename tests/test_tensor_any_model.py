@@ -138,7 +138,7 @@ def _compare(engine, dense, dense64, batches, make_optimizer, *, what, skip=(), 
             value = _plain_loss(model, data, engine.loss_fn)
             value.backward()
             losses.append(value.detach())
-        check_close(torch.tensor(loss), *losses, what=f"{what}: loss of step {step}")
+        check_close(torch.tensor(float(loss)), *losses, what=f"{what}: loss of step {step}")
         if step == 0:
             grads = {k: v for k, v in _gathered_grads(engine.module).items() if k not in skip}
             oracle, ref = (_dense_grads(m) for m in (dense, dense64))

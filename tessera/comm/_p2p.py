@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tessera.comm import diagnostics
 from tessera.errors import CollectiveMismatch
 from tessera.runtime import flight_recorder, progress
+from tessera.runtime.devices import collective_device
 
 __all__ = ["Comm", "GroupInfo", "group_info"]
 
@@ -100,7 +101,9 @@ class Comm:
         self._check: tuple[dist.Work, torch.Tensor] | None = None
         self._pending: list[dist.Work] = []
         if descriptor is not None and info.size > 1:
-            self._descriptor = torch.tensor(descriptor, dtype=torch.int64)
+            # on the group's device: NCCL sends device tensors only
+            device = collective_device(info.group)
+            self._descriptor = torch.tensor(descriptor, dtype=torch.int64, device=device)
             self._post_check(self._descriptor)
 
     # ------------------------------------------------------------------------------ checks

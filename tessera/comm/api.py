@@ -342,7 +342,7 @@ def all_gather(
     rows = tensor.reshape(1) if tensor.dim() == 0 else tensor
     shape = (info.size * rows.shape[0], *rows.shape[1:])
     if out is None:
-        out = torch.empty(shape, dtype=tensor.dtype)
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
         raise ValueError(
             f"all_gather: out must be a contiguous {tensor.dtype} tensor of shape {shape}, "
@@ -424,7 +424,7 @@ def reduce_scatter(
         comm = Comm(info, seq, "reduce_scatter", timeout_s, descriptor)
         if algorithm == "native":
             comm.verify()
-            mine = torch.empty(hi - lo, dtype=buf.dtype)
+            mine = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
             parts = [buf[a:b] for a, b in bounds]
             comm.wait_native(
                 dist.reduce_scatter(mine, parts, op=native_op(op), group=group, async_op=True)

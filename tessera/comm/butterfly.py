@@ -37,7 +37,7 @@ def _recursive_doubling(buf: torch.Tensor, op: str, comm: Comm, me: int, pof2: i
 
 def _rabenseifner(buf: torch.Tensor, op: str, comm: Comm, me: int, pof2: int, real) -> None:
     lo, hi = 0, buf.numel()
-    scratch = torch.empty((hi + 1) // 2, dtype=buf.dtype)
+    scratch = torch.empty((hi + 1) // 2, dtype=buf.dtype, device=buf.device)
     history = []  # (lo, hi, kept_lo, kept_hi) per halving round, replayed backwards
     mask = pof2 // 2
     while mask > 0:

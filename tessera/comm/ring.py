@@ -68,7 +68,9 @@ def split_bounds(numel: int, parts: int, unit: int = 1) -> list[tuple[int, int]]
 _local = threading.local()  # per thread: a collective on the comm stream runs beside the main one
 
 
-def _receive_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def _receive_buffer(
+    numel: int, dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
     """A (numel,) buffer for incoming segments, kept between calls (grown by doubling).
 
     A fresh `torch.empty` of a multi-MB buffer is a fresh mmap whose pages fault in on first
@@ -77,10 +79,11 @@ def _receive_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     `RECEIVES_AHEAD` segments.
     """
     buffers = _local.__dict__.setdefault("buffers", {})
-    buf = buffers.get(dtype)
+    key = (dtype, torch.device("cpu") if device is None else device)  # one per device
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
         grown = max(numel, 2 * buf.numel()) if buf is not None else numel
-        buf = buffers[dtype] = torch.empty(grown, dtype=dtype)
+        buf = buffers[key] = torch.empty(grown, dtype=dtype, device=key[1])
     return buf[:numel]
 
 
@@ -125,7 +128,7 @@ def _reduce_scatter(
     # posted without the receiver waiting for anything, and `all_reduce_ring` may block on
     # them (with fewer, a ring of ranks each waiting for a send to go out would deadlock).
     ahead = max(RECEIVES_AHEAD, len(_segments(0, max(b - a for a, b in bounds), itemsize)))
-    slots = _receive_buffer(ahead * slot_len, buf.dtype)
+    slots = _receive_buffer(ahead * slot_len, buf.dtype, buf.device)
     posted: deque = deque()
 
     def post(k: int) -> None:

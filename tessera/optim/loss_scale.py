@@ -84,14 +84,21 @@ class DynamicLossScaler:
         `all_reduce` sums the flag over the ranks that step together (None: this process
         alone). Every such rank must call this, each with its own gradients. Then `update`.
         """
-        inverse = 1.0 / self.scale
-        bad = torch.zeros(1, dtype=torch.float32)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
-            if grad is None:
-                continue
-            if not bool(torch.isfinite(grad).all()):
-                bad.fill_(1.0)
-            grad.mul_(inverse)
+            if grad is not None:
+                groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        # one flag per device, set by the check-and-unscale kernel GradScaler uses: no host
+        # sync per gradient (CUDA), one read of the flag after the ranks agree
+        flags: dict[torch.device, torch.Tensor] = {}
+        for (device, _), members in groups.items():
+            flag = flags.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device))
+            inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(members, flag, inverse)
+        bad = torch.zeros(1, dtype=torch.float32)
+        for index, flag in enumerate(flags.values()):
+            bad = flag if index == 0 else bad + flag.to(bad.device)
+        bad = bad.clamp(max=1.0)  # a flag: the ranks' sum says how many ranks saw inf/nan
         if all_reduce is not None:
             bad = all_reduce(bad)
         return bool(bad.item() > 0)

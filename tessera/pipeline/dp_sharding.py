@@ -144,7 +144,9 @@ class StageZero(_ArmedForWeightPass):
         weights = {name: norm_weight[id(p)] for name, p in module.named_parameters()}
         self._norm_weights = []
         for flat in self.inner.flats:
-            full = torch.zeros(flat.flat_param.numel(), dtype=torch.float64)
+            full = torch.zeros(
+                flat.flat_param.numel(), dtype=torch.float64, device=flat.flat_param.device
+            )
             offsets = flat.layout.offsets
             for index, name in enumerate(flat.layout.names):
                 full[offsets[index] : offsets[index + 1]] = weights[name]
@@ -153,8 +155,10 @@ class StageZero(_ArmedForWeightPass):
     def grad_norm_sq(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm (its reduced slices)."""
         total = torch.zeros((), dtype=torch.float64)
-        for grad, weight in zip(self.inner.gradient_slices(), self._norm_weights):
-            total += (grad.double().square() * weight).sum()
+        pairs = zip(self.inner.gradient_slices(), self._norm_weights)
+        for index, (grad, weight) in enumerate(pairs):
+            part = (grad.double().square() * weight.to(grad.device)).sum()
+            total = part if index == 0 else total + part.to(total.device)  # on the grads' device
         return total
 
     def step(self) -> None:

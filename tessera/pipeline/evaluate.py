@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tessera.pipeline import messages
 from tessera.pipeline.microbatch import batch_rows, microbatch_sizes, split_rows
+from tessera.runtime.devices import collective_device
 
 __all__ = ["forward_only"]
 
@@ -74,7 +75,8 @@ def forward_only(
         size = sizes[i]
         out = stage.run(micro_inputs[i] if micro_inputs else None, received)
         if last:
-            total += loss_fn(out, micro_targets[i]).detach() * (size / sum(sizes))
+            share = loss_fn(out, micro_targets[i]).detach() * (size / sum(sizes))
+            total = total.to(share.device) + share  # accumulated on the loss's device
             i += 1
             continue
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
@@ -85,7 +87,8 @@ def forward_only(
         pipe.links.wait(work, "pipeline evaluation send")
     if pipe.num_stages == 1:
         return float(total)
-    value = total.reshape(1).clone()
+    # NCCL broadcasts device tensors only; every stage sends or receives one float32
+    value = total.float().reshape(1).to(collective_device(pipe.group), copy=True)
     dist.broadcast(value, src=pipe.links.ranks[-1], group=pipe.group)
     return float(value)
 

@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from tessera.pipeline.stage import ModelStage, tied_parameters
 from tessera.pipeline.timeline import Event
 from tessera.pipeline.trace import check_split, trace_stages
 from tessera.runtime.context import default_timeout_s
+from tessera.runtime.devices import collective_device
 
 __all__ = ["Pipeline"]
 
@@ -387,7 +388,7 @@ class Pipeline:
         if self._last(c):
             # weight by the micro-batch's share: the sum is the whole batch's mean loss
             out = step.loss_fn(out, step.targets[i]) * (step.sizes[i] / sum(step.sizes))
-            step.loss += out.detach()
+            step.loss = step.loss.to(out.device) + out.detach()  # on the loss's device
             step.outputs[(c, i)] = out
             self._record("F", i, began, c)
             return
@@ -441,7 +442,7 @@ class Pipeline:
     def _broadcast_loss(self, total: torch.Tensor) -> float:
         if self.num_stages == 1:
             return float(total)
-        value = total.reshape(1).clone()
+        value = total.detach().float().reshape(1).to(collective_device(self.group), copy=True)
         dist.broadcast(value, src=self.links.ranks[-1], group=self.group)
         return float(value)
 
@@ -461,7 +462,7 @@ class Pipeline:
     def _tied_owner(self, param: nn.Parameter) -> int:
         return next(stages[0] for p, _, stages in self._tied if p is param)
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> SupportsFloat:
         """Scale every stage's gradients so the global norm is at most `max_norm`; return it."""
         return clip_grad_norm(
             [p.grad for p in self.module.parameters()],

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tessera.runtime.devices import BACKEND_ENV, check_local_rank
+
 __all__ = [
     "Context",
     "DEFAULT_TIMEOUT_S",
@@ -211,10 +213,11 @@ def init(backend: str | None = None, *, timeout_s: float | None = None) -> Conte
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    backend = backend or os.environ.get("TESSERA_BACKEND") or _default_backend()
+    backend = backend or os.environ.get(BACKEND_ENV) or _default_backend()
     _limit_threads(local_world_size)
     _keep_freed_memory()
-    if backend == "nccl":
+    if backend == "nccl":  # one GPU per local rank: refused in one message where it has none
+        check_local_rank(_env_int("LOCAL_RANK", 0), local_world_size)
         torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
     dist.init_process_group(
         backend=backend,

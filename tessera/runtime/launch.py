@@ -25,6 +25,7 @@ from typing import Any
 
 from tessera.errors import LaunchTimeout, RankFailedError
 from tessera.runtime.context import TIMEOUT_VARIABLE
+from tessera.runtime.devices import BACKEND_ENV, check_visible_gpus
 from tessera.runtime.spawner import ResultPolicy, process_context, spawn_ranks
 
 __all__ = ["launch", "process_context"]
@@ -66,6 +67,7 @@ def launch(
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"start_method must be spawn, fork or forkserver, got {start_method!r}")
     environment = dict(env or {})
+    check_visible_gpus(nproc, environment.get(BACKEND_ENV))  # NCCL: a GPU per rank, else refused
     if timeout_s is not None:  # what `tessera.init()` reads in each rank
         environment[TIMEOUT_VARIABLE] = str(float(timeout_s))
     policy = EveryRank(nproc, deadline_s)

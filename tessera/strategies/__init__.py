@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "STRATEGIES",
     "Engine",
+    "StepLoss",
     "NoOptions",
     "OptimizerFactory",
     "compute_loss",
@@ -31,6 +32,7 @@ _LAZY = {
     "policy_class": "tessera.strategies.registry",
     "register_strategy": "tessera.strategies.registry",
     "Engine": "tessera.strategies.engine",
+    "StepLoss": "tessera.strategies.step_loss",
     "NoOptions": "tessera.strategies.engine",
     "OptimizerFactory": "tessera.strategies.engine",
     "compute_loss": "tessera.strategies.batch",

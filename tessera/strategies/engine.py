@@ -3,7 +3,7 @@
     engine = tessera.setup(model, lambda params: torch.optim.AdamW(params, lr=1e-3), strategy=...)
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, schedule)   # optional
     for batch in batches:
-        loss = engine.train_step(batch)    # forward and backward of this rank's batch
+        loss = engine.train_step(batch)    # forward and backward; the global mean, read lazily
         engine.step()                      # clip (grad_clip > 0), optimizer step, zero_grad
         scheduler.step()
     val_loss = engine.eval_step(held_out_batch)   # forward only: training is left as it was
@@ -43,6 +43,7 @@ from torch import nn
 from tessera._atomic import write_atomically
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import (
     Batch,
     LossFn,
@@ -53,6 +54,7 @@ from tessera.strategies.batch import (
 )
 from tessera.strategies.evaluation import evaluating
 from tessera.strategies.precision import DTYPES, autocast_context, sum_flag
+from tessera.strategies.step_loss import StepLoss
 
 __all__ = ["ENGINE_FILE", "Engine", "NoOptions", "OptimizerFactory"]
 
@@ -206,9 +208,14 @@ class Engine:
                 self.forward, micro, self.loss_fn, model_name=type(self.module).__name__
             )
 
-    def train_step(self, batch: Batch) -> float:
-        """Forward and backward of this rank's `batch` (the batch rule); return its loss.
+    def train_step(self, batch: Batch) -> StepLoss:
+        """Forward and backward of this rank's `batch` (the batch rule); return the loss.
 
+        The loss is the global batch's mean under every strategy (here: the mean over the ranks
+        of each rank's batch mean, weighed by the rank's items where they are counted), as a
+        `StepLoss`: read from the device when
+        used (`float(loss)`, printing), so the step itself never waits for the device; its
+        all-reduce over ranks runs asynchronously meanwhile.
         With `grad_accum` K > 1 the batch is cut into K micro-batches (`split_for_accumulation`),
         each backward takes its loss times its share of the items (rows, or tokens counted), all
         but the last run under `no_sync()`, and the returned loss is the shares' weighted mean:
@@ -217,15 +224,29 @@ class Engine:
         count = item_counter(self.loss_fn, self.module)
         parts = split_for_accumulation(batch, self.grad_accum, count)
         scale = self._items_scale(batch, count)
-        total = 0.0
+        total: torch.Tensor | None = None
         for index, (micro, share) in enumerate(parts):
             last = index == len(parts) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._micro_loss(micro)
                 weight = share * scale
                 self.backward(loss if weight == 1.0 else loss * weight)
-            total += share * float(loss.detach())
-        return total
+            weighted = loss.detach().float() * share  # stays on the device: no sync per step
+            total = weighted if total is None else total + weighted
+        assert total is not None  # split_for_accumulation yields at least one part
+        # ranks weighed by their items (scale): the mean over ranks is the global batch's loss
+        return self.global_loss(total if scale == 1.0 else total * scale)
+
+    loss_is_global = False
+    """True where `train_step` computes the loss of the global batch on every rank (tensor):
+    nothing to average then."""
+
+    def global_loss(self, local: torch.Tensor) -> StepLoss:
+        """The global batch's mean from this rank's batch mean `local`: averaged over the ranks
+        (asynchronously, `StepLoss.mean_over`) unless `loss_is_global`. Collective."""
+        if self.loss_is_global or self.ctx.world_size == 1:
+            return StepLoss(local)
+        return StepLoss.mean_over(local)
 
     def _items_scale(self, batch: Batch, count: Any) -> float:
         """Data parallelism averages the ranks' gradients; where the loss averages over items
@@ -249,9 +270,9 @@ class Engine:
         module's mode restored after) and the RNG states saved and restored: no gradient, no
         optimizer state and no random stream of training is touched, so a run that evaluates
         equals one that does not, bit for bit. Data-parallel strategies return this rank's
-        batch's loss (as `train_step` does; average over ranks for the global one); tensor,
-        pipeline and hybrid gather the ranks' shards and return the global batch's mean loss on
-        every rank. Collective wherever `train_step` is: every rank calls it.
+        batch's loss (average over ranks for the global one, which `train_step` returns);
+        tensor, pipeline and hybrid gather the ranks' shards and return the global batch's mean
+        loss on every rank. Collective wherever `train_step` is: every rank calls it.
         """
         with evaluating(*self._eval_modules()):
             return self._eval_loss(batch)
@@ -267,9 +288,10 @@ class Engine:
         with self.autocast():
             return float(compute_loss(self.module, batch, self.loss_fn, model_name=name))
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Scale gradients so their global norm is at most `max_norm`; return the norm before."""
-        return float(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
+        """Scale gradients so their global norm is at most `max_norm`; return the norm before
+        (read from the device when used: `step` clips without waiting for it)."""
+        return DeviceScalar(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
 
     def step(self) -> None:
         """Clip (if `grad_clip` > 0), step the optimizer at its own lr, clear the gradients.

@@ -46,11 +46,13 @@ from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies import batch as rule
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
 from tessera.strategies.stage_state import held, release_other_stages
+from tessera.strategies.step_loss import StepLoss
 from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
 from tessera.tensor_parallel.layers import _Parallel, shard
 
@@ -228,9 +230,9 @@ class PipelineEngine(Engine):
                 raise ValueError(no_loss_message(type(self.module).__name__))  # every rank, at once
         return inputs, targets, loss_fn
 
-    def train_step(self, batch: Any) -> float:
-        """Forward and backward of the global batch (this rank passes its shard); its mean loss."""
-        dp = self.mesh.size("dp")
+    def train_step(self, batch: Any) -> StepLoss:
+        """Forward and backward of the global batch (this rank passes its shard); its mean loss
+        (the dp replicas' means averaged without waiting, `StepLoss`)."""
         inputs, targets, loss_fn = self._replica_rows(batch)
         # fp16: the last stage's loss is scaled before its backward; the mean returned unscaled
         # (the scale is a power of two: exact)
@@ -241,17 +243,14 @@ class PipelineEngine(Engine):
         loss_fn = rule.items_weighted(loss_fn, counter, targets)
         if self.dp_sync is None:
             with self.autocast():
-                return self.pipe.train_step(inputs, targets, loss_fn) / scale
+                return StepLoss(self.pipe.train_step(inputs, targets, loss_fn) / scale)
         # the dp reduction runs during the W pass, bucket by bucket as the gradients complete
         with self.autocast():
             loss = self.pipe.train_step(
                 inputs, targets, loss_fn, before_weight_pass=self.dp_sync.arm
             )
-        loss /= scale
         self.comm_seconds = self.dp_sync.finish()
-        loss_sum = torch.tensor([loss])
-        dist.all_reduce(loss_sum, group=self.dp_group)
-        return float(loss_sum) / dp
+        return StepLoss.mean_over(torch.tensor(loss / scale), self.dp_group)
 
     def _eval_modules(self) -> list[nn.Module]:
         """The model and this rank's stage (a traced stage is a module of its own); none before
@@ -269,9 +268,7 @@ class PipelineEngine(Engine):
         dp = self.mesh.size("dp")
         if dp == 1:
             return loss
-        loss_sum = torch.tensor([loss])
-        dist.all_reduce(loss_sum, group=self.dp_group)
-        return float(loss_sum) / dp
+        return float(StepLoss.mean_over(torch.tensor(loss), self.dp_group))  # on its device
 
     def _loss_parts(self, batch: Any) -> tuple[Any, Any, LossFn]:
         """(what the model is called with, what the loss compares with, the loss)."""
@@ -286,7 +283,7 @@ class PipelineEngine(Engine):
             return batch[0], batch[1], self.loss_fn
         raise ValueError(f"a batch is a dict or an (inputs, targets) pair, not {type(batch)}")
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Global norm over every stage and shard (replicated and tied parameters once)."""
         if self.zero is not None:  # each dp rank holds a distinct slice of the averaged grads
             total, grads = self.zero.grad_norm_sq(), self.zero.inner.gradient_slices()

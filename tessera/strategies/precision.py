@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.optim.loss_scale import DynamicLossScaler
+from tessera.runtime.devices import collective_device
 
 __all__ = [
     "DTYPES",
@@ -101,12 +102,11 @@ def sum_flag(flag: torch.Tensor) -> torch.Tensor:
         return flag
     from tessera.comm.stream import stream_for
 
+    device = collective_device()  # asked here: a thread's current CUDA device is its own
+
     def reduce(tensor: torch.Tensor) -> torch.Tensor:
-        if dist.get_backend() == "nccl":  # NCCL reduces device tensors only
-            on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(on_device)
-            return on_device.cpu()
-        dist.all_reduce(tensor)
-        return tensor
+        on_device = tensor.to(device)  # NCCL reduces device tensors only
+        dist.all_reduce(on_device)
+        return on_device.to(tensor.device)
 
     return stream_for(None).run(reduce, flag, what="fp16 overflow check")

@@ -17,10 +17,14 @@ import importlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from tessera.errors import ConfigError
+
 __all__ = [
     "BUILTIN_STRATEGIES",
+    "NOT_COMPILABLE",
     "OWN_ENTRY_POINTS",
     "STRATEGIES",
+    "check_compile",
     "own_entry_point",
     "policy_class",
     "register_strategy",
@@ -61,6 +65,27 @@ OWN_ENTRY_POINTS: dict[str, str] = {
 """Strategies whose ranks play different roles (parameter servers and workers), so no `Engine`
 run alike on every rank fits them: the trainer hands them the whole job,
 `entry(config, run_dir, resume) -> summary`."""
+
+NOT_COMPILABLE: dict[str, str] = {
+    "zero3": "its module hooks gather and free each parameter's storage around every forward",
+    "pipeline": "it cuts the model into stages by running its modules one by one",
+    "hybrid": "it cuts the model into stages by running its modules one by one",
+    "tensor": "its sharded layers issue collectives inside forward and backward",
+    "ps": "its workers run their own loop against the parameter servers",
+}
+"""Strategies under which `tessera train --compile` (torch.compile of the model) is refused, and
+why; the others (single, ddp, torch-ddp, local-sgd, zero1, zero2) keep the module whole and
+hook only its gradients, which a compiled module leaves to eager autograd, as they are."""
+
+
+
+def check_compile(strategy: str, compile: bool) -> None:
+    """`--compile` under `strategy`: ConfigError with the reason where it cannot be done."""
+    if compile and strategy in NOT_COMPILABLE:
+        raise ConfigError(
+            f"--compile is not supported by --strategy {strategy}: {NOT_COMPILABLE[strategy]}"
+        )
+
 
 _user_strategies: dict[str, tuple[Callable[..., Any], type]] = {}
 

@@ -37,8 +37,10 @@ from torch import nn
 
 from tessera.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import LossFn, gather_batch
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.step_loss import StepLoss
 from tessera.tensor_parallel import (
     TensorPolicy,
     full_state_dict,
@@ -81,9 +83,11 @@ class TensorEngine(Engine):
         # comm_seconds: the last train_step's batch gathering (the layers' all-reduces run
         # inside forward and backward and are not separated from compute)
 
-    def train_step(self, batch: Any) -> float:
+    loss_is_global = True  # every rank computes the gathered global batch's loss
+
+    def train_step(self, batch: Any) -> StepLoss:
         """Forward and backward of the global batch (gathered from every rank's shard); return
-        its mean loss, the same on every rank."""
+        its mean loss, the same on every rank (a `StepLoss`, read when used)."""
         start = time.perf_counter()
         batch = gather_batch(batch)
         self.comm_seconds = time.perf_counter() - start
@@ -93,7 +97,7 @@ class TensorEngine(Engine):
         """The global batch's mean loss (gathered as in `train_step`), on every rank."""
         return super()._eval_loss(gather_batch(batch))
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Scale every rank's gradients so the dense model's gradient norm is at most
         `max_norm`; return the norm before. Collective."""
         grads = [p.grad for p in self.params]

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tessera.runtime.context import Context
+from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.zero.api import full_state_dict, shard
@@ -95,7 +96,7 @@ class ZeroEngine(Engine):
         """Forget the reduced slices and the module's gradients (a skipped fp16 step)."""
         self.zero.zero_grad()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
+    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Clip by the global norm, summed over every rank's gradient shard."""
         return self.zero.clip_grad_norm(max_norm)
 

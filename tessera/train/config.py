@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError
-from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
+from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES, check_compile
 from tessera.train.config_sources import (
     job_world_size,
     load_yaml,
@@ -159,6 +159,7 @@ class TrainConfig:
         "Recompute each GPT block's activations in backward (single, ddp, torch-ddp, local-sgd, "
         "zero1-3).",
     )
+    compile: bool = _option(False, "torch.compile the model (not zero3, pipeline, tensor, ps).")
     dp: int = _option(1, "hybrid: data-parallel degree.")
     tp: int = _option(1, "hybrid: tensor-parallel degree.")
     pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
@@ -291,6 +292,7 @@ class TrainConfig:
         if self.mixed_precision and self.strategy in OWN_ENTRY_POINTS:
             raise ConfigError(f"mixed_precision does not apply to strategy {self.strategy}")
         self._check_memory_options()
+        check_compile(self.strategy, self.compile)  # refused, with the reason, where it can't
         if self.zero not in (0, 1, 2):
             raise ConfigError(
                 f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"

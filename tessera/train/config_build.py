@@ -36,12 +36,15 @@ AUTO_NPROC = "auto"
 
 
 def auto_nproc(strategy: str | None) -> int:
-    """The ranks `--nproc auto` starts: 1 for `single`, else the GPUs (CUDA), else the cores."""
+    """The ranks `--nproc auto` starts: 1 for `single`, else the GPUs (CUDA under NCCL), else
+    the cores (also with TESSERA_BACKEND=gloo, training on the CPU)."""
     if strategy == "single":
         return 1
     import torch  # only here: validating a config does not import torch otherwise
 
-    if torch.cuda.is_available():
+    from tessera.runtime.devices import uses_nccl  # (TESSERA_BACKEND=gloo: the CPU's cores)
+
+    if uses_nccl():
         return torch.cuda.device_count()
     return os.cpu_count() or 1
 

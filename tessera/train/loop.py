@@ -172,9 +172,11 @@ def train_worker(
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
+    """The batch on `device`; host-to-GPU copies are queued without waiting (`non_blocking`:
+    asynchronous from pinned memory; the step's kernels follow them on the same stream)."""
     if isinstance(batch, Mapping):
-        return {key: value.to(device) for key, value in batch.items()}
-    return tuple(value.to(device) for value in batch)
+        return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    return tuple(value.to(device, non_blocking=True) for value in batch)
 
 
 def _train(
@@ -300,7 +302,7 @@ def _observe(
     ctx: Context,
     config: TrainConfig,
     done: int,
-    measured: dict[str, float],
+    measured: dict[str, Any],
     lr: float,
 ) -> bool:
     """After step `done`: evaluate if due, gather the step's record and log it (every
@@ -315,6 +317,7 @@ def _observe(
         return False
     measured = {
         **measured,
+        "loss": float(measured["loss"]),  # a StepLoss: read from the device at logged steps only
         "peak_mem_mb": peak_memory_mb(ctx.device),
         "model_state_mb": _model_state_mb(engine),
     }

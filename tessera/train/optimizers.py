@@ -134,6 +134,9 @@ def make_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
     """The optimizer the config names, over `params` (at the peak lr: the schedule scales it);
     where it takes a weight decay, only parameters of 2+ dims get it (`decay_groups`)."""
     cls, kwargs = optimizer_spec(config)
+    params = list(params)
+    if config.optimizer == "adamw" and "fused" not in kwargs and "foreach" not in kwargs:
+        kwargs = {**kwargs, "fused": True} if _all_on_cuda(params) else kwargs
     if "weight_decay" in kwargs:
         return cls(decay_groups(params, kwargs["weight_decay"]), **kwargs)
     return cls(params, **kwargs)
@@ -152,6 +155,19 @@ def decay_steps(config: TrainConfig) -> int:
     if config.model_factory is None:
         return DEMO_DECAY_STEPS
     return max(0, config.steps - config.warmup_steps)
+
+
+def _all_on_cuda(params: list[Any]) -> bool:
+    """Are all `params` (tensors or param-group dicts) CUDA floating-point tensors? Then the
+    built-in AdamW runs fused: one kernel for every parameter's update instead of a chain of
+    foreach kernels (PyTorch's own advice for CUDA; on the CPU the default path is kept, the one
+    the suite's plain loops use)."""
+    tensors: list[Any] = []
+    for item in params:
+        tensors += list(item["params"]) if isinstance(item, dict) else [item]
+    return bool(tensors) and all(
+        isinstance(t, torch.Tensor) and t.is_cuda and t.is_floating_point() for t in tensors
+    )
 
 
 def _builtin_factor(config: TrainConfig, step: int) -> float:

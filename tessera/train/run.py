@@ -22,6 +22,7 @@ import yaml
 from tessera.checkpoint import series
 from tessera.errors import ConfigError
 from tessera.runtime.context import shutdown
+from tessera.runtime.devices import check_visible_gpus
 from tessera.strategies.registry import own_entry_point
 from tessera.train.callbacks import check_callbacks
 from tessera.train.config import TrainConfig
@@ -151,6 +152,7 @@ def run_training(
             _write_config(config, run_dir)
             _write_workload(checked, run_dir)
         return train_worker(config, str(run_dir), resume, callbacks)
+    check_visible_gpus(config.nproc)  # NCCL: one GPU per local rank, refused before any starts
     run_dir = _choose_run_dir(config, resume)
     if resume:
         check_resume(config, run_dir)

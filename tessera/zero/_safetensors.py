@@ -57,8 +57,10 @@ def layout(
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The raw bytes of `tensor` (C order)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    """The raw bytes of `tensor` (C order); a device tensor is copied to the host first (numpy
+    reads host memory only)."""
+    host = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return host.view(torch.uint8).numpy().tobytes()
 
 
 class Streamed(Protocol):
