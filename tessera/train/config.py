@@ -14,6 +14,7 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
+from tessera.train.config_data import LoaderSettings, check_loader_options
 from tessera.train.config_sources import (
     job_world_size,
     load_yaml,
@@ -22,6 +23,7 @@ from tessera.train.config_sources import (
 )
 
 __all__ = [
+    "LoaderSettings",
     "ModelSettings",
     "TrainConfig",
     "job_world_size",
@@ -235,12 +237,19 @@ class TrainConfig:
         "the end (val_loss in metrics.jsonl); 0: never. Held out: the corpus's last tenth (the "
         "demo never trains on it) or --eval-data.",
     )
-    eval_batches: int = _option(4, "Held-out batches per evaluation: the same ones every time.")
+    eval_batches: int = _option(
+        0,
+        "Held-out batches per evaluation, the same ones every time; 0: one pass over all of "
+        "--eval-data (the demo: 4 batches of its held-out text).",
+    )
     log_with: str | None = _option(
         None, "tensorboard: also write TensorBoard event files into the run folder."
     )
     model: ModelSettings = field(
         default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
+    )
+    loader: LoaderSettings = field(
+        default_factory=LoaderSettings, metadata={"help": "How --data becomes batches."}
     )
 
     def __post_init__(self) -> None:
@@ -305,6 +314,7 @@ class TrainConfig:
                 )
         self._check_workload_options()
         self._check_eval_and_logging()
+        check_loader_options(self)  # --num-workers, --epochs, --collate, --input-keys
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
@@ -359,9 +369,9 @@ class TrainConfig:
 
     def _check_eval_and_logging(self) -> None:
         """--eval-every, --eval-batches and --log-with: values, held-out data, the package."""
-        if self.eval_every < 0 or self.eval_batches < 1:
+        if self.eval_every < 0 or self.eval_batches < 0:
             raise ConfigError(
-                f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 1, got "
+                f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 0, got "
                 f"{self.eval_every} and {self.eval_batches}"
             )
         if self.eval_every and self.model_factory is not None and self.eval_data is None:

@@ -18,16 +18,40 @@ from tessera.train.config import TrainConfig
 
 __all__ = ["SCALARS", "Reporter", "plain_line"]
 
-SCALARS = ("loss", "val_loss", "lr", "tokens_per_s", "step_s", "comm_s")
-"""Record fields written as TensorBoard scalars under their own names (memory: see `_memory`)."""
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "epoch": "train/epoch",
+    "val_loss": "eval/loss",
+    "samples_per_s": "perf/samples_per_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_s": "perf/step_s",
+    "data_s": "perf/data_s",
+    "compute_s": "perf/compute_s",
+    "comm_s": "perf/comm_s",
+    "mfu": "perf/mfu",
+}
+"""Record fields written as TensorBoard scalars, and their tags, grouped as TensorBoard shows
+them (train/, eval/, perf/; memory under memory/: see `_memory`)."""
+
+
+def _rates(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """("samples/s", x) and, for token data, ("tokens/s", y): the record's names, spelled out."""
+    names = (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
+    return [(shown, record[key]) for key, shown in names if key in record]
 
 
 def plain_line(record: dict[str, Any], steps: int, unit: str) -> str:
-    """One step's progress as one line of text."""
+    """One step's progress as one line of text (`unit`: kept for callers; the record says)."""
     text = f"step {record['step']}/{steps} loss {record['loss']:.4f}"
     if "val_loss" in record:
         text += f" val_loss {record['val_loss']:.4f}"
-    return text + f" lr {record['lr']:.3g} {unit}/s {record['tokens_per_s']:,.0f}"
+    text += f" lr {record['lr']:.3g}"
+    for shown, value in _rates(record):
+        text += f" {shown} {value:,.0f}"
+    if "data_s" in record:
+        text += f" data_s {record['data_s']:.3f}"
+    return text
 
 
 def _memory(record: dict[str, Any]) -> dict[str, float]:
@@ -38,9 +62,11 @@ def _memory(record: dict[str, Any]) -> dict[str, float]:
     for name in ("peak_mem_mb", "model_state_mb"):
         per_rank = record.get(name) or []
         if per_rank:
-            found[name] = max(per_rank)
+            found[f"memory/{name}"] = max(per_rank)
         if len(per_rank) > 1:
-            found.update({f"{name}/rank{rank}": value for rank, value in enumerate(per_rank)})
+            found.update(
+                {f"memory/{name}/rank{rank}": value for rank, value in enumerate(per_rank)}
+            )
     return found
 
 
@@ -75,14 +101,15 @@ class Reporter:
     def report(self, record: dict[str, Any]) -> None:
         """A record written to metrics.jsonl: show it and log it."""
         if self.bar is not None:
-            shown = {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            shown = {"loss": f"{record['loss']:.3f}"}
+            shown.update({name: f"{value:,.0f}" for name, value in _rates(record)})
             if "val_loss" in record:
                 shown["val_loss"] = f"{record['val_loss']:.3f}"
             self.bar.set_postfix(shown)
         if self.plain:
             print(plain_line(record, self.steps, self.unit), flush=True)
         if self.writer is not None:
-            values = {name: record[name] for name in SCALARS if name in record}
+            values = {tag: record[name] for name, tag in SCALARS.items() if name in record}
             for name, value in {**values, **_memory(record)}.items():
                 self.writer.add_scalar(name, value, record["step"])
 
