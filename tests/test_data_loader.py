@@ -1,0 +1,183 @@
+"""The loader of `tessera train --data`: workers, epochs, the user's collate, and throughput.
+
+The order is checked against a plain re-derivation written here (seeded permutations per epoch,
+each item fetched under its own seed); runs go through `tessera train` with data tessera never
+built (tests/user_data_loading.py: images augmented in the workers, variable-length text padded
+by the user's collate, a two-input model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import user_data_loading as udl
+
+from tessera.cli import main
+from tessera.data.batches import DatasetBatches
+from tessera.data.loader import BatchShape, step_loader
+from tessera.data.order import EpochOrder
+from tessera.train import latest_checkpoint, load_checkpoint
+from tessera.train.export import checkpoint_model_state
+from tessera.train.metrics import read_metrics
+
+QUIET = ["--no-progress", "--checkpoint-every", "0", "--warmup-steps", "0"]
+IMAGES = ["--model", "user_data_loading:cnn", "--data", "user_data_loading:images",
+          "--loss", "user_data_loading:cross_entropy"]  # fmt: skip
+
+
+def _plain_batch(dataset, seed: int, step: int, batch: int) -> list:
+    """The items of `step`, derived here without tessera: epoch e's permutation from a generator
+    seeded `seed * 1_000_003 + e`, N // batch steps an epoch, the item at position p of step s
+    fetched with torch's CPU generator seeded ((seed * 1_000_003 + s) * 1_000_033 + p)."""
+    per_epoch = len(dataset) // batch
+    epoch, within = divmod(step, per_epoch)
+    order = torch.randperm(
+        len(dataset), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    )
+    items = []
+    for position, index in enumerate(order[within * batch : (within + 1) * batch].tolist()):
+        torch.manual_seed(((seed * 1_000_003 + step) * 1_000_033 + position) & ((1 << 63) - 1))
+        items.append(dataset[index])
+    return items
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+
+
+def test_workers_yield_the_plain_batches_of_any_step_range_and_leave_the_rng_alone():
+    dataset, seed, batch = udl.Images(40), 3, 8  # 5 steps an epoch; steps 3..11 cross two
+    shape = BatchShape()
+    expected = [shape(_plain_batch(dataset, seed, step, batch)) for step in range(3, 12)]
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    for workers in (0, 2):
+        order = EpochOrder(len(dataset), batch, seed)
+        loader = step_loader(
+            dataset, order, shape, start=3, stop=12, rank=0, world_size=1,
+            num_workers=workers, pin_memory=False,
+        )  # fmt: skip
+        got = list(loader)
+        assert len(got) == 9 and all(_equal(g, e) for g, e in zip(got, expected)), workers
+        assert torch.equal(torch.get_rng_state(), before), workers  # dropout's stream untouched
+    # two ranks' rows, in rank order, are the one-process batch (augmentation included)
+    halves = [
+        list(step_loader(dataset, EpochOrder(40, batch, seed), shape, start=3, stop=5, rank=r,
+                         world_size=2, num_workers=1, pin_memory=False))
+        for r in (0, 1)
+    ]  # fmt: skip
+    for step in range(2):
+        joined = [torch.cat([halves[0][step][i], halves[1][step][i]]) for i in range(2)]
+        assert _equal(joined, expected[step])
+
+
+def test_every_epoch_is_a_fresh_permutation_computed_once(monkeypatch):
+    calls = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: calls.append(a) or real(*a, **k))
+    order = EpochOrder(64, 16, seed=0)
+    epochs = [torch.cat([order.indices(s) for s in range(e * 4, e * 4 + 4)]) for e in range(3)]
+    assert len(calls) == 3  # once per epoch, not once per step
+    for indices in epochs:
+        assert sorted(indices.tolist()) == list(range(64))
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
+    assert EpochOrder(70, 16).steps_per_epoch == 4  # the 6 left over are dropped each epoch
+    with pytest.raises(ValueError, match="fewer than the global batch"):
+        EpochOrder(15, 16)
+
+
+def _run(out: Path, *args: str) -> None:
+    assert main(["train", *QUIET, "--out", str(out), *args]) == 0
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    path = latest_checkpoint(run)
+    return checkpoint_model_state(path, load_checkpoint(path))
+
+
+def test_two_epochs_run_eight_steps_and_workers_resume_bit_exact(tmp_path):
+    """64 augmented images, --batch-size 16, --epochs 2: 8 steps, the epoch in metrics.jsonl.
+    --num-workers 2 for 3 steps, resumed to 6, equals 6 straight with --num-workers 0, loss for
+    loss and weight for weight; the first loss is the plain batch's through the factory's model."""
+    common = ["--nproc", "1", "--strategy", "single", *IMAGES, "--batch-size", "16"]
+    _run(tmp_path / "epochs", *common, "--epochs", "2", "--num-workers", "2")
+    records = read_metrics(tmp_path / "epochs" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["epoch"] for r in records] == [s / 4 for s in range(1, 9)]
+    first = udl.cross_entropy(*_first_forward(udl.images(), 16))
+    assert records[0]["loss"] == pytest.approx(float(first), rel=1e-6)
+
+    _run(tmp_path / "straight", *common, "--steps", "6", "--num-workers", "0")
+    _run(tmp_path / "split", *common, "--steps", "3", "--num-workers", "2",
+         "--checkpoint-every", "3")  # fmt: skip
+    assert main(["train", "--resume", str(tmp_path / "split"), "--steps", "6"]) == 0
+    straight = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    resumed = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight] and len(straight) == 6
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "split")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _first_forward(dataset, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The untrained model on step 0's batch, collated by hand."""
+    items = _plain_batch(dataset, 0, 0, batch)
+    model = udl.cnn()
+    with torch.no_grad():
+        return model(torch.stack([x for x, _ in items])), torch.stack([y for _, y in items])
+
+
+def test_padding_collate_with_input_and_target_keys_and_a_two_input_model(tmp_path):
+    """Variable-length text padded by the user's collate in 2 workers per rank, on 2 ranks, its
+    dict batches split by --input-keys/--target-keys into model(input_ids, lengths) and
+    loss(output, labels); ((a, b), y) items call model(a, b). The first logged loss is the plain
+    loop's on the same items."""
+    text = ["--model", "user_data_loading:bag", "--data", "user_data_loading:texts",
+            "--loss", "user_data_loading:cross_entropy", "--collate",
+            "user_data_loading:pad_collate", "--input-keys", "input_ids,lengths",
+            "--target-keys", "labels"]  # fmt: skip
+    _run(tmp_path / "text", "--nproc", "2", "--strategy", "ddp", *text, "--batch-size", "8",
+         "--steps", "3", "--num-workers", "2")  # fmt: skip
+    batch = udl.pad_collate(_plain_batch(udl.texts(), 0, 0, 8))
+    with torch.no_grad():
+        plain = udl.cross_entropy(udl.bag()(batch["input_ids"], batch["lengths"]), batch["labels"])
+    records = read_metrics(tmp_path / "text" / "metrics.jsonl")
+    assert len(records) == 3 and records[0]["loss"] == pytest.approx(float(plain), rel=1e-6)
+
+    two = ["--model", "user_data_loading:two_input", "--data", "user_data_loading:two_inputs",
+           "--loss", "user_data_loading:mse"]  # fmt: skip
+    _run(tmp_path / "two", "--nproc", "1", "--strategy", "single", *two, "--batch-size", "8",
+         "--steps", "2", "--num-workers", "0", "--grad-accum", "2")  # fmt: skip
+    items = _plain_batch(udl.two_inputs(), 0, 0, 16)
+    a, b, y = (torch.stack([i[0][0] for i in items]), torch.stack([i[0][1] for i in items]),
+               torch.stack([i[1] for i in items]))  # fmt: skip
+    with torch.no_grad():
+        plain = udl.mse(udl.two_input()(a, b), y)
+    first = read_metrics(tmp_path / "two" / "metrics.jsonl")[0]["loss"]
+    assert first == pytest.approx(float(plain), rel=1e-6)
+
+
+def test_bad_loader_options_stop_before_any_rank(tmp_path, capsys):
+    cases = {
+        ("--epochs", "2"): "--epochs goes with --model",
+        ("--input-keys", "a"): "--input-keys and --target-keys go together",
+        ("--num-workers", "-2"): "num_workers must be >= 0",
+        (*IMAGES, "--collate", "nope"): "--collate 'nope' is not PKG.MODULE:FN",
+    }
+    for args, message in cases.items():
+        assert main(["train", *QUIET, "--out", str(tmp_path / "bad"), *args]) == 2
+        assert message in capsys.readouterr().err, args
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_step_batches_are_the_loader_batches():
+    """`DatasetBatches.batch` (what preflight and `--eval-batches K` use) equals the loader."""
+    dataset = udl.Images(40)
+    batches = DatasetBatches(dataset, global_batch_size=8, seed=1)
+    loader = step_loader(dataset, batches.order, BatchShape(), start=0, stop=6, rank=1,
+                         world_size=2, num_workers=0, pin_memory=False)  # fmt: skip
+    for step, got in enumerate(loader):
+        assert _equal(got, batches.batch(step, 1, 2))
