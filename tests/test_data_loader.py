@@ -181,3 +181,43 @@ def test_the_step_batches_are_the_loader_batches():
                          world_size=2, num_workers=0, pin_memory=False)  # fmt: skip
     for step, got in enumerate(loader):
         assert _equal(got, batches.batch(step, 1, 2))
+
+
+def _ids(folder: Path) -> list[list[list[int]]]:
+    """The ids of each loss call of rank 0, then of rank 1 (the launching process's own call,
+    its check of one item, has no rank), each rank's processes in the order they started."""
+    calls: dict[int, list[list[int]]] = {0: [], 1: []}
+    files = [p for p in folder.glob("*.txt") if not p.name.startswith("none.")]
+    for path in sorted(files, key=lambda p: int(p.name.split(".")[1])):
+        lines = path.read_text().splitlines()
+        calls[int(path.name.split(".")[0])] += [[int(i) for i in line.split()] for line in lines]
+    return [calls[0], calls[1]]
+
+
+def test_a_stream_splits_over_ranks_and_workers_once_per_epoch_and_resumes_exactly(
+    tmp_path, monkeypatch
+):
+    """An IterableDataset of 20 ids on 2 ranks with 2 workers each, global batch 8: 5 steps are
+    two epochs, every id once in each (whichever rank and worker read it); 3 steps resumed to 5
+    take the same ids and losses."""
+    stream = ["--nproc", "2", "--strategy", "ddp", "--model", "user_data_loading:id_model",
+              "--data", "user_data_loading:stream", "--loss", "user_data_loading:logged_mse",
+              "--batch-size", "8", "--num-workers", "2", "--checkpoint-every", "3"]  # fmt: skip
+    seen = {}
+    for name, steps in (("straight", ["--steps", "5"]), ("split", ["--steps", "3"])):
+        (tmp_path / f"{name}-ids").mkdir()
+        monkeypatch.setenv("IDS_DIR", str(tmp_path / f"{name}-ids"))
+        _run(tmp_path / name, *stream, *steps)
+        if name == "split":
+            assert main(["train", "--resume", str(tmp_path / "split"), "--steps", "5"]) == 0
+        seen[name] = _ids(tmp_path / f"{name}-ids")
+    straight = seen["straight"]
+    assert [len(calls) for calls in straight] == [5, 5]
+    # a step's global batch: rank 0's rows, then rank 1's
+    stream_ids = [i for step in range(5) for calls in straight for i in calls[step]]
+    epochs = [sorted(stream_ids[:20]), sorted(stream_ids[20:])]
+    assert epochs == [list(range(20))] * 2, stream_ids
+    assert stream_ids[:20] != stream_ids[20:]  # a fresh order in the second epoch
+    assert seen["split"] == straight  # the first run's 3 steps, then the resumed run's 2
+    losses = [read_metrics(tmp_path / n / "metrics.jsonl") for n in ("straight", "split")]
+    assert [r["loss"] for r in losses[0]] == [r["loss"] for r in losses[1]]

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -165,3 +166,47 @@ def slow() -> Slow:
 def linear() -> nn.Module:
     torch.manual_seed(0)
     return nn.Linear(16, 4)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """`count` dict items with an `id`, in a fresh order every epoch (`set_epoch`)."""
+
+    def __init__(self, count: int = 20) -> None:
+        self.count, self.epoch = count, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        order = torch.randperm(self.count, generator=torch.Generator().manual_seed(self.epoch))
+        for i in order.tolist():
+            x = torch.full((3,), i / self.count) + 0.01 * torch.randn(3)  # drawn in the stream
+            yield {"id": torch.tensor(i), "x": x, "y": torch.tensor([i % 3 / 3])}
+
+
+def stream() -> Stream:
+    return Stream()
+
+
+class IdModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+
+    def forward(self, id: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def id_model() -> nn.Module:
+    torch.manual_seed(0)
+    return IdModel()
+
+
+def logged_mse(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """mse; each call's ids appended to $IDS_DIR/<rank>.<pid>.txt (one line per call)."""
+    folder = os.environ.get("IDS_DIR")
+    if folder:
+        name = f"{os.environ.get('RANK', 'none')}.{os.getpid()}.txt"
+        with open(os.path.join(folder, name), "a") as file:
+            file.write(" ".join(str(int(i)) for i in batch["id"]) + "\n")
+    return F.mse_loss(output, batch["y"])

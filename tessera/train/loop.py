@@ -133,7 +133,8 @@ def _restore(
     run_dir: Path,
     workload: Workload,
     config: TrainConfig,
-) -> int:
+) -> tuple[int, Any]:
+    """Load the newest checkpoint; its step, and the loader's position (a stream's, else None)."""
     path = _find_checkpoint(run_dir, ctx)
     state = load_checkpoint(path)
     _check_identity(path, state, workload)
@@ -151,7 +152,7 @@ def _restore(
         # dropout draws from a fresh stream per (seed, step, rank). Exact resume needs the
         # same world size; this one continues the same training, not the same random masks.
         torch.manual_seed(hash((config.seed, step, ctx.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
-    return step
+    return step, state.get("loader")
 
 
 def train_worker(
@@ -184,9 +185,12 @@ def _to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _step_batches(workload: Workload, ctx: Context, start: int, stop: int) -> Iterable[Any]:
+def _step_batches(
+    workload: Workload, ctx: Context, start: int, stop: int, position: Any
+) -> Iterable[Any]:
     """This rank's batches of steps `start .. stop - 1`: the loader's (workers fetch them
-    ahead), or computed in this process for the demo's in-memory windows."""
+    ahead; a stream's from `position`, its checkpointed place), or computed in this process for
+    the demo's in-memory windows."""
     if workload.loader is None:
         return (workload.batches(step, ctx.rank, ctx.world_size) for step in range(start, stop))
     return workload.loader(
@@ -195,6 +199,7 @@ def _step_batches(workload: Workload, ctx: Context, start: int, stop: int) -> It
         rank=ctx.rank,
         world_size=ctx.world_size,
         pin_memory=ctx.device.type == "cuda",
+        state=position,
     )
 
 
@@ -221,13 +226,16 @@ def _train(
         checkpoint_activations(model)
     engine = build_engine(config, model, workload.loss_fn, ctx, init_fn=init_fn)
     scheduler = lr_scheduler(engine, config)  # a function of the step: resume stays exact
-    start = _restore(engine, scheduler, ctx, out, workload, config) if resume else 0
+    start, position = (
+        _restore(engine, scheduler, ctx, out, workload, config) if resume else (0, None)
+    )
     watch = _Watchers.start(config, workload, ctx, out, start, callbacks, model_flops)
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
     extra = {**workload.identity, "config": config_to_dict(config)}
     stopped_at: int | None = None
     wall_start = time.perf_counter()
-    batches = iter(_step_batches(workload, ctx, start, config.steps))
+    source = _step_batches(workload, ctx, start, config.steps, position)
+    batches = iter(source)
     last_end = time.perf_counter()  # a step's time runs from the end of the one before
     for step in range(start, config.steps):
         faults.at_step(step + 1)  # TESSERA_FAULT: off unless set
@@ -258,7 +266,14 @@ def _train(
             or done == config.steps
             or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
-            _save(engine, ctx, out, done, {**extra, "scheduler": scheduler.state_dict()})
+            loader = source.state_dict() if hasattr(source, "state_dict") else None  # a stream's
+            _save(
+                engine,
+                ctx,
+                out,
+                done,
+                {**extra, "scheduler": scheduler.state_dict(), "loader": loader},
+            )
         if stop:  # a callback raised StopTraining on rank 0; every rank ends here
             stopped_at = done
             break

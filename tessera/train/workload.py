@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from tessera.data.imports import load_reference
 from tessera.data.loader import BatchShape, default_workers, split_keys, step_loader
 from tessera.data.passes import chunk_shares, eval_loader
 from tessera.data.sources import open_data
+from tessera.data.stream import StreamLoader, is_stream, stream_items
 from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
 from tessera.models.user import model_factory, read_model_config
@@ -180,10 +182,13 @@ def _demo(config: TrainConfig) -> Workload:
 
 def _first_items(dataset: Any, spec: str, shape: BatchShape) -> Batch:
     """Collate the first two items (one if that is all): checks their kind and shapes agree."""
-    if len(dataset) < 1:
+    if not is_stream(dataset) and len(dataset) < 1:
         raise ConfigError(f"{spec}: the data set is empty")
     try:
-        items = [dataset[i] for i in range(min(2, len(dataset)))]
+        if is_stream(dataset):
+            items = list(islice(stream_items(dataset, 0), 2))
+        else:
+            items = [dataset[i] for i in range(min(2, len(dataset)))]
         if shape.collate_fn is DEFAULT_COLLATE:
             item_kind(items[0])
         return shape(items)
@@ -239,6 +244,50 @@ def _eval_pass(config: TrainConfig, dataset: Any, shape: BatchShape, workers: in
     return make
 
 
+@dataclass(frozen=True)
+class _TrainingData:
+    batches: Callable[[int, int, int], Batch]
+    loader: Callable[..., Iterable[Batch]]
+    steps_per_epoch: int | None
+    items: int | None
+
+
+def _training_data(
+    config: TrainConfig, dataset: Any, shape: BatchShape, workers: int
+) -> _TrainingData:
+    """The batches of --data: a map-style set's epochs (`tessera.data.order`) or a stream's
+    items in order (`tessera.data.stream`), with the loader that fetches them."""
+    G = config.step_batch_size
+    if is_stream(dataset):
+        if config.loader.epochs:
+            raise ConfigError(
+                f"--epochs needs the length of --data {config.data}, a streaming data set: "
+                "give --steps"
+            )
+
+        def first(step: int, rank: int, world_size: int) -> Batch:  # preflight's one row
+            b = G // world_size
+            return shape(list(islice(stream_items(dataset, config.seed), b)))
+
+        def loader(*, start, stop, rank, world_size, pin_memory, state=None) -> StreamLoader:
+            return StreamLoader(
+                dataset, shape, global_batch_size=G, steps=(start, stop),
+                rank_world=(rank, world_size), seed=config.seed, num_workers=workers,
+                pin_memory=pin_memory, state=state,
+            )  # fmt: skip
+
+        return _TrainingData(first, loader, None, None)
+    try:
+        batches = DatasetBatches(dataset, global_batch_size=G, seed=config.seed, collate_fn=shape)
+    except ValueError as exc:
+        raise ConfigError(f"--data {config.data}: {exc}") from None
+
+    def steps(*, state: Any = None, **where: Any) -> Iterable[Batch]:
+        return step_loader(dataset, batches.order, shape, num_workers=workers, **where)
+
+    return _TrainingData(batches.batch, steps, batches.order.steps_per_epoch, len(dataset))
+
+
 def _user(config: TrainConfig) -> Workload:
     """Why so long: it opens and checks the data, the evaluation data and the loss, and builds
     the loaders of both, each step short and in the order its errors should come."""
@@ -255,16 +304,8 @@ def _user(config: TrainConfig) -> Workload:
         raise ConfigError(
             "(inputs, targets) items need --loss PKG.MODULE:FN: loss(output, targets)"
         )
-    try:
-        batches = DatasetBatches(
-            opened.dataset,
-            global_batch_size=config.step_batch_size,
-            seed=config.seed,
-            collate_fn=shape,
-        )
-    except ValueError as exc:
-        raise ConfigError(f"--data {config.data}: {exc}") from None
     workers = _workers(config)
+    train = _training_data(config, opened.dataset, shape, workers)
     eval_data = eval_batches = eval_pass = None
     if config.eval_data is not None:
         eval_opened = open_data(
@@ -279,6 +320,11 @@ def _user(config: TrainConfig) -> Workload:
                 f"--eval-data {config.eval_data} has {eval_kind} items, --data has {kind} items"
             )
         eval_data = eval_opened.dataset
+        if is_stream(eval_data):
+            raise ConfigError(
+                f"--eval-data {config.eval_data} is a streaming data set: evaluation passes "
+                "over a set of known length (a map-style data set)"
+            )
     if config.eval_every and config.eval_batches == 0:  # one pass over all of it
         if len(eval_data) < config.nproc:
             raise ConfigError(
@@ -304,16 +350,15 @@ def _user(config: TrainConfig) -> Workload:
             "data": config.data,
             "loss": config.loss,
             "model_config": read_model_config(config.model_config) if config.model_config else None,
-            "items": len(opened.dataset),
+            "items": train.items,
             "tokenizer": opened.tokenizer,
             "order": "epochs",  # batches drawn from epochs' permutations (tessera.data.order)
             "collate": [settings.collate, settings.input_keys, settings.target_keys],
         }
     }
-    loader = partial(step_loader, opened.dataset, batches.order, shape, num_workers=workers)
     return Workload(
         model_fn=build,
-        batches=batches.batch,
+        batches=train.batches,
         loss_fn=loss_fn,
         batch_kind=kind,
         tokens_per_step=config.step_batch_size * per_item,
@@ -321,9 +366,9 @@ def _user(config: TrainConfig) -> Workload:
         identity=identity,
         eval_data=eval_data,
         eval_batches=eval_batches,
-        loader=loader,
+        loader=train.loader,
         eval_pass=eval_pass,
-        steps_per_epoch=batches.order.steps_per_epoch,
+        steps_per_epoch=train.steps_per_epoch,
     )
 
 
