@@ -7,7 +7,7 @@ reported samples/s (the summary's median over the steps) and the wall-clock rate
 over the training loop's wall time, from before the first batch to after the last step), and the
 median over repeats. Prints a table and writes benchmarks/results/data_loader.json / .md.
 
-    python benchmarks/data_loader.py [--steps 30] [--repeats 3]
+    python benchmarks/data_loader.py [--steps 60] [--repeats 3]
 
 The machine's load (os.getloadavg) is recorded before and after: on a shared 2-core machine the
 workers compete with whatever else runs.
@@ -78,7 +78,7 @@ def run_once(workers: int, steps: int, out: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     load_before = os.getloadavg()

@@ -227,7 +227,7 @@ def test_nproc_auto_and_eval_options_are_checked_up_front():
     with pytest.raises(ConfigError, match="needs --eval-data"):
         build_config({"model_factory": "m:f", "data": "m:d", "eval_every": 5})
     with pytest.raises(ConfigError, match="eval_batches"):
-        build_config({"eval_every": 5, "eval_batches": 0})
+        build_config({"eval_every": 5, "eval_batches": -1})  # 0: one pass over the set
     with pytest.raises(ConfigError, match="strategy ps has its own loop"):
         build_config({"strategy": "ps", "eval_every": 2})
     with pytest.raises(ConfigError, match="log_with must be tensorboard"):
