@@ -290,3 +290,18 @@ def test_val_loss_is_the_plain_mean_over_every_item_of_the_evaluation_set(tmp_pa
     val_loss = read_metrics(tmp_path / "metrics.jsonl")[-1]["val_loss"]
     # float32 losses of order 1 summed in another grouping: a few roundings each
     assert val_loss == pytest.approx(plain, rel=16 * torch.finfo(torch.float32).eps)
+
+
+def test_the_step_time_counts_the_wait_for_the_batch(tmp_path):
+    """Items costing 10 ms each, fetched in the rank (--num-workers 0), 4 a step: every step
+    waits at least 40 ms for its batch (data_s), and step_s, which samples/s divides, holds it."""
+    slow = ["--model", "user_data_loading:linear", "--data", "user_data_loading:slow",
+            "--loss", "user_data_loading:mse", "--batch-size", "4", "--steps", "3",
+            "--num-workers", "0", "--nproc", "1", "--strategy", "single"]  # fmt: skip
+    _run(tmp_path, *slow)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    for record in records:
+        assert record["data_s"] >= 4 * udl.SLOW_S
+        assert record["step_s"] >= record["data_s"]
+        assert record["samples_per_s"] == pytest.approx(4 / record["step_s"])
+        assert "tokens_per_s" not in record  # the items are not token ids

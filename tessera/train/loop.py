@@ -454,7 +454,13 @@ def _summary(
         "final_loss": records[-1]["loss"] if records else float("nan"),
         **{
             key: median(r[key] for r in this_run)
-            for key in ("samples_per_s", "tokens_per_s", "step_s", "data_s")
+            for key in ("step_s", "data_s")
+            if this_run and all(key in r for r in this_run)
+        },
+        **{  # all the logged steps' items over all their time, data waits included: the
+            # wall-clock rate (a median of per-step rates is not, when waits are uneven)
+            key: sum(r[key] * r["step_s"] for r in this_run) / sum(r["step_s"] for r in this_run)
+            for key in ("samples_per_s", "tokens_per_s")
             if this_run and all(key in r for r in this_run)
         },
         "comm_s": median(r["comm_s"] for r in this_run),
