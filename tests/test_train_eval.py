@@ -230,8 +230,8 @@ def test_nproc_auto_and_eval_options_are_checked_up_front():
         build_config({"eval_every": 5, "eval_batches": -1})  # 0: one pass over the set
     with pytest.raises(ConfigError, match="strategy ps has its own loop"):
         build_config({"strategy": "ps", "eval_every": 2})
-    with pytest.raises(ConfigError, match="log_with must be tensorboard"):
-        build_config({"log_with": "wandb"})
+    with pytest.raises(ConfigError, match="log_with must be tensorboard, mlflow or wandb"):
+        build_config({"log_with": "visdom"})
 
 
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path):

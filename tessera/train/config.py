@@ -7,14 +7,13 @@ Precedence: defaults < the YAML file (`--config`) < command-line flags.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
-from tessera.train.config_data import LoaderSettings, check_loader_options
+from tessera.train.config_data import LoaderSettings, check_loader_options, check_log_with
 from tessera.train.config_sources import (
     job_world_size,
     load_yaml,
@@ -243,7 +242,9 @@ class TrainConfig:
         "--eval-data (the demo: 4 batches of its held-out text).",
     )
     log_with: str | None = _option(
-        None, "tensorboard: also write TensorBoard event files into the run folder."
+        None,
+        "tensorboard, mlflow or wandb (comma-separated for several): also log the metrics there "
+        "(event files, a local mlruns store, an offline wandb run; all in the run folder).",
     )
     model: ModelSettings = field(
         default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
@@ -380,13 +381,7 @@ class TrainConfig:
             raise ConfigError(
                 f"--eval-every and --log-with: strategy {self.strategy} has its own loop"
             )
-        if self.log_with not in (None, "tensorboard"):
-            raise ConfigError(f"log_with must be tensorboard or unset, got {self.log_with!r}")
-        if self.log_with and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError(
-                "--log-with tensorboard needs the tensorboard package: "
-                "pip install 'tessera[tensorboard]' (or pip install tensorboard)"
-            )
+        check_log_with(self.log_with)  # tensorboard, mlflow, wandb: known, installed
 
     def _check_memory_options(self) -> None:
         """Offload and activation checkpointing: where they apply, and nvme_dir up front."""

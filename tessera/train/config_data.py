@@ -12,7 +12,16 @@ from typing import Any
 
 from tessera.errors import ConfigError
 
-__all__ = ["LoaderSettings", "check_loader_options"]
+__all__ = [
+    "LOGGERS",
+    "LoaderSettings",
+    "check_log_with",
+    "check_loader_options",
+    "log_with_names",
+]
+
+LOGGERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+"""`--log-with` names and the package each needs (an optional extra: `tessera[NAME]`)."""
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -78,3 +87,26 @@ def check_loader_options(config: Any) -> None:
         raise ConfigError(
             "--input-keys/--target-keys call loss(output, targets): give --loss PKG.MODULE:FN"
         )
+
+
+def log_with_names(value: str | None) -> list[str]:
+    """`--log-with a,b` -> ["a", "b"]."""
+    return [name.strip() for name in (value or "").split(",") if name.strip()]
+
+
+def check_log_with(value: str | None) -> None:
+    """Each `--log-with` name is known and its package importable (before any rank starts)."""
+    import importlib.util
+
+    for name in log_with_names(value):
+        if name not in LOGGERS:
+            raise ConfigError(
+                f"log_with must be tensorboard, mlflow or wandb (comma-separated for several) "
+                f"or unset, got {value!r}"
+            )
+        package = LOGGERS[name]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"--log-with {name} needs the {package} package: "
+                f"pip install 'tessera[{name}]' (or pip install {package})"
+            )

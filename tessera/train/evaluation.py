@@ -13,6 +13,7 @@ a run that evaluates takes exactly the steps of one that does not.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,8 @@ class Evaluator:
         self.every, self.count, self.last = config.eval_every, config.eval_batches, config.steps
         self.workload, self.ctx, self.to_device = workload, ctx, to_device
         self._batches: list[Any] | None = None
+        self.spent_s = 0.0
+        """Seconds spent evaluating so far (the loop leaves them out of the steps' time)."""
 
     def due(self, done: int) -> bool:
         """Whether to evaluate after `done` steps: every `eval_every`, and at the last step."""
@@ -51,6 +54,13 @@ class Evaluator:
 
     def run(self, engine: Engine) -> float:
         """The held-out loss, the same on every rank (collective)."""
+        began = time.perf_counter()
+        try:
+            return self._run(engine)
+        finally:
+            self.spent_s += time.perf_counter() - began
+
+    def _run(self, engine: Engine) -> float:
         ctx = self.ctx
         if self.workload.eval_pass is not None:
             weighted = self.workload.eval_pass(

@@ -214,6 +214,13 @@ def _settle_steps(config: TrainConfig, workload: Workload) -> TrainConfig:
 def _train(
     ctx: Context, config: TrainConfig, run_dir: str, resume: bool, callbacks: Sequence[Any]
 ) -> dict[str, Any] | None:
+    """Build the run (workload, model, engine, loader), restore it if resuming, run the steps;
+    rank 0 returns the summary.
+
+    Why so long: the step loop reads in the order a step happens (wait for the batch, train,
+    time it, observe, checkpoint), and its timers and loader are its own locals; cut apart,
+    they would travel through arguments.
+    """
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
@@ -233,10 +240,9 @@ def _train(
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
     extra = {**workload.identity, "config": config_to_dict(config)}
     stopped_at: int | None = None
-    wall_start = time.perf_counter()
+    wall_start = last_end = time.perf_counter()  # a step's time runs from the one before's end
     source = _step_batches(workload, ctx, start, config.steps, position)
-    batches = iter(source)
-    last_end = time.perf_counter()  # a step's time runs from the end of the one before
+    batches = iter(source)  # starts the loader's workers: the first step waits for them
     for step in range(start, config.steps):
         faults.at_step(step + 1)  # TESSERA_FAULT: off unless set
         if ctx.world_size > 1:
@@ -250,7 +256,8 @@ def _train(
         lr = engine.optimizer.param_groups[0]["lr"]  # this step's, set by the scheduler
         engine.step()  # clips to config.grad_clip, then the optimizer step
         scheduler.step()
-        step_s = time.perf_counter() - last_end
+        step_end = time.perf_counter()
+        step_s = step_end - last_end
         done = step + 1
         measured = {
             "loss": loss,
@@ -258,7 +265,9 @@ def _train(
             "data_s": data_s,
             "comm_s": engine.comm_seconds,
         }
+        evaluated_s = watch.evaluator.spent_s
         stop = _observe(watch, engine, ctx, config, done, measured, lr)
+        skipped_s = watch.evaluator.spent_s - evaluated_s  # not the next step's time
         if watch.reporter is not None:
             watch.reporter.advance()
         if (
@@ -266,6 +275,7 @@ def _train(
             or done == config.steps
             or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
+            saving = time.perf_counter()
             loader = source.state_dict() if hasattr(source, "state_dict") else None  # a stream's
             _save(
                 engine,
@@ -274,10 +284,12 @@ def _train(
                 done,
                 {**extra, "scheduler": scheduler.state_dict(), "loader": loader},
             )
+            skipped_s += time.perf_counter() - saving
         if stop:  # a callback raised StopTraining on rank 0; every rank ends here
             stopped_at = done
             break
-        last_end = time.perf_counter()  # evaluation, logging and checkpoints are not the step's
+        # the next step's time holds this one's logging, not its evaluation or checkpoint
+        last_end = step_end + skipped_s
     if watch.reporter is not None:
         watch.reporter.close()
     sample = _sample(engine, workload, ctx.is_main, out)

@@ -1,11 +1,10 @@
-"""What rank 0 shows and logs besides metrics.jsonl: progress, and TensorBoard event files.
+"""What rank 0 shows and logs besides metrics.jsonl: progress, and the --log-with loggers.
 
 Progress (`--progress`, on by default): on a terminal, tqdm's bar; when stdout is not a
 terminal (a log file, a pipe, a job scheduler's capture) one plain line per logged step
 (`--log-every`) and per evaluation instead, since a bar's redraws would fill the file with
-carriage returns. `--log-with tensorboard` writes the records as TensorBoard scalars into the
-run folder beside metrics.jsonl, through `torch.utils.tensorboard`; a resumed run purges the
-steps past its checkpoint from the older event files, as metrics.jsonl drops them.
+carriage returns. `--log-with` writes the records to TensorBoard, MLflow or W&B
+(`tessera.train.loggers`).
 """
 
 from __future__ import annotations
@@ -15,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from tessera.train.config import TrainConfig
+from tessera.train.config_build import config_to_dict
+from tessera.train.config_data import log_with_names
+from tessera.train.loggers import open_loggers
 
 __all__ = ["SCALARS", "Reporter", "plain_line"]
 
@@ -85,13 +87,9 @@ class Reporter:
             self.bar = tqdm(
                 total=config.steps, initial=start, desc=title, unit="step", dynamic_ncols=True
             )
-        self.writer: Any = None
-        if config.log_with == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: events at or past it in earlier files are dropped (a resumed run
-            # logs those steps again), as MetricsLog drops their lines
-            self.writer = SummaryWriter(str(run_dir), purge_step=start + 1 if start else None)
+        self.writers = open_loggers(
+            log_with_names(config.log_with), run_dir, start, config_to_dict(config)
+        )
 
     def advance(self) -> None:
         """One step done."""
@@ -108,14 +106,13 @@ class Reporter:
             self.bar.set_postfix(shown)
         if self.plain:
             print(plain_line(record, self.steps, self.unit), flush=True)
-        if self.writer is not None:
-            values = {tag: record[name] for name, tag in SCALARS.items() if name in record}
-            for name, value in {**values, **_memory(record)}.items():
-                self.writer.add_scalar(name, value, record["step"])
+        values = {tag: record[name] for name, tag in SCALARS.items() if name in record}
+        for writer in self.writers:
+            writer.log({**values, **_memory(record)}, record["step"])
 
     def close(self) -> None:
         """Close the bar; flush and close the event file."""
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        for writer in self.writers:
+            writer.close()
