@@ -7,7 +7,11 @@ reported samples/s (the summary's median over the steps) and the wall-clock rate
 over the training loop's wall time, from before the first batch to after the last step), and the
 median over repeats. Prints a table and writes benchmarks/results/data_loader.json / .md.
 
-    python benchmarks/data_loader.py [--steps 60] [--repeats 3]
+    python benchmarks/data_loader.py [--steps 100] [--repeats 3] [--sleep]
+
+`--sleep`: items that wait 10 ms (a sleep, as a read from a remote store does) instead of
+computing: the workers' overlap without the competition for cores
+(benchmarks/results/data_loader_sleep.*).
 
 The machine's load (os.getloadavg) is recorded before and after: on a shared 2-core machine the
 workers compete with whatever else runs.
@@ -33,21 +37,32 @@ BATCH = 8
 
 
 class SlowItems(torch.utils.data.Dataset):
-    """Items that cost ITEM_S of CPU each; 16 features, 4 targets."""
+    """Items that cost ITEM_S each, of CPU (a busy wait) or of waiting (a sleep, as reading a
+    remote file does); 16 features, 4 targets."""
+
+    def __init__(self, sleep: bool = False) -> None:
+        self.sleep = sleep
 
     def __len__(self) -> int:
         return 100_000
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        deadline = time.perf_counter() + ITEM_S
-        while time.perf_counter() < deadline:
-            pass
+        if self.sleep:
+            time.sleep(ITEM_S)
+        else:
+            deadline = time.perf_counter() + ITEM_S
+            while time.perf_counter() < deadline:
+                pass
         x = torch.full((16,), float(index % 7))
         return x, x[:4] * 0.5
 
 
 def slow_items() -> SlowItems:
     return SlowItems()
+
+
+def sleeping_items() -> SlowItems:
+    return SlowItems(sleep=True)
 
 
 def linear() -> nn.Module:
@@ -58,7 +73,7 @@ def mse(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, targets)
 
 
-def run_once(workers: int, steps: int, out: Path) -> dict[str, float]:
+def run_once(workers: int, steps: int, out: Path, data: str) -> dict[str, float]:
     """One `tessera train` run in this process (one rank); its reported and wall-clock rates."""
     from tessera.train import run_training
     from tessera.train.config_build import build_config
@@ -66,7 +81,7 @@ def run_once(workers: int, steps: int, out: Path) -> dict[str, float]:
     config = build_config(
         {
             "strategy": "single", "nproc": 1, "model_factory": "data_loader:linear",
-            "data": "data_loader:slow_items", "loss": "data_loader:mse", "batch_size": BATCH,
+            "data": f"data_loader:{data}", "loss": "data_loader:mse", "batch_size": BATCH,
             "steps": steps, "checkpoint_every": 0, "progress": False, "out": str(out),
             "loader": {"num_workers": workers},
         }
@@ -78,16 +93,20 @@ def run_once(workers: int, steps: int, out: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--sleep", action="store_true", help="items that wait 10 ms (I/O) instead of computing"
+    )
     args = parser.parse_args()
+    data = "sleeping_items" if args.sleep else "slow_items"
     load_before = os.getloadavg()
     runs: dict[int, list[dict[str, float]]] = {0: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for workers in runs:
                 runs[workers].append(
-                    run_once(workers, args.steps, Path(tmp) / f"{workers}-{repeat}")
+                    run_once(workers, args.steps, Path(tmp) / f"{workers}-{repeat}", data)
                 )
     load_after = os.getloadavg()
     table = {
@@ -95,8 +114,10 @@ def main() -> None:
         for workers, rs in runs.items()
     }
     speedup = table[2]["wall"] / table[0]["wall"]
+    kind = "waiting (sleep)" if args.sleep else "CPU (busy wait)"
+    name = "data_loader_sleep" if args.sleep else "data_loader"
     lines = [
-        f"items of {ITEM_S * 1e3:.0f} ms, batch {BATCH}, {args.steps} steps, one rank, "
+        f"items of {ITEM_S * 1e3:.0f} ms of {kind}, batch {BATCH}, {args.steps} steps, one rank, "
         f"medians of {args.repeats} (alternating); {os.cpu_count()} cores, load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after",
         "",
@@ -112,7 +133,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "data_loader.md").write_text(text + "\n")
+    (RESULTS / f"{name}.md").write_text(text + "\n")
     record = {
         "machine": platform.platform(),
         "cores": os.cpu_count(),
@@ -122,7 +143,7 @@ def main() -> None:
         "medians": table,
         "speedup": speedup,
     }
-    (RESULTS / "data_loader.json").write_text(json.dumps(record, indent=2) + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":
