@@ -4,9 +4,9 @@ Each is the library's own writer, into the run folder, needing no server or netw
 
 - `tensorboard`: event files (`torch.utils.tensorboard`); a resumed run purges the steps past its
   checkpoint from the older files, as metrics.jsonl drops them;
-- `mlflow`: a local file store `RUN/mlruns` (`mlflow ui --backend-store-uri RUN/mlruns`), one
-  MLflow run per start of the job (a resume starts another, named like the first), the config
-  as its parameters;
+- `mlflow`: a local file store `RUN/mlruns` (`mlflow ui --backend-store-uri RUN/mlruns`), or
+  the server or database `MLFLOW_TRACKING_URI` names; one MLflow run per start of the job (a
+  resume starts another, named like the first), the config as its parameters;
 - `wandb`: a run under `RUN/wandb`, offline unless `WANDB_MODE` says otherwise (`wandb sync`
   uploads it later), the config as its config.
 
@@ -54,7 +54,11 @@ class _MLflow:
         import mlflow
 
         self.mlflow = mlflow
-        mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        # MLflow 3 keeps its file store only on request (its default wants a database, i.e.
+        # SQLAlchemy, which mlflow-skinny lacks); MLFLOW_TRACKING_URI, if set, wins
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        store = (run_dir / "mlruns").resolve().as_uri()
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or store)
         mlflow.set_experiment("tessera")
         self.run = mlflow.start_run(run_name=run_dir.resolve().name)
         mlflow.log_params({k: str(v)[:500] for k, v in _flat(config).items()})
