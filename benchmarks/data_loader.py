@@ -117,6 +117,8 @@ def main() -> None:
     kind = "waiting (sleep)" if args.sleep else "CPU (busy wait)"
     name = "data_loader_sleep" if args.sleep else "data_loader"
     lines = [
+        f"## {name}: `--num-workers 2` against 0 on items costing {ITEM_S * 1e3:.0f} ms of {kind}",
+        "",
         f"items of {ITEM_S * 1e3:.0f} ms of {kind}, batch {BATCH}, {args.steps} steps, one rank, "
         f"medians of {args.repeats} (alternating); {os.cpu_count()} cores, load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after",
