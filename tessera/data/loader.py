@@ -24,7 +24,7 @@ import torch
 from tessera.data.batches import collate
 from tessera.data.order import EpochOrder, SeededItems, StepSampler
 
-__all__ = ["BatchShape", "default_workers", "split_keys", "step_loader"]
+__all__ = ["BatchShape", "default_workers", "select_keys", "split_keys", "step_loader"]
 
 
 def split_keys(spec: str | None) -> tuple[str, ...]:
