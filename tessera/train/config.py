@@ -13,7 +13,11 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES
-from tessera.train.config_data import LoaderSettings, check_loader_options, check_log_with
+from tessera.train.config_data import (
+    LoaderSettings,
+    check_eval_and_logging,
+    check_loader_options,
+)
 from tessera.train.config_sources import (
     job_world_size,
     load_yaml,
@@ -314,7 +318,7 @@ class TrainConfig:
                     f"use auto or one of {ALGORITHMS}"
                 )
         self._check_workload_options()
-        self._check_eval_and_logging()
+        check_eval_and_logging(self)  # --eval-every, --eval-batches, --log-with
         check_loader_options(self)  # --num-workers, --epochs, --collate, --input-keys
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
@@ -367,21 +371,6 @@ class TrainConfig:
                     f"{self.strategy} does not"
                 )
             read_tp_plan(self.tp_plan)
-
-    def _check_eval_and_logging(self) -> None:
-        """--eval-every, --eval-batches and --log-with: values, held-out data, the package."""
-        if self.eval_every < 0 or self.eval_batches < 0:
-            raise ConfigError(
-                f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 0, got "
-                f"{self.eval_every} and {self.eval_batches}"
-            )
-        if self.eval_every and self.model_factory is not None and self.eval_data is None:
-            raise ConfigError("--eval-every with --model needs --eval-data (the held-out set)")
-        if (self.eval_every or self.log_with) and self.strategy in OWN_ENTRY_POINTS:
-            raise ConfigError(
-                f"--eval-every and --log-with: strategy {self.strategy} has its own loop"
-            )
-        check_log_with(self.log_with)  # tensorboard, mlflow, wandb: known, installed
 
     def _check_memory_options(self) -> None:
         """Offload and activation checkpointing: where they apply, and nvme_dir up front."""

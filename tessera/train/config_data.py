@@ -1,4 +1,5 @@
-"""The `loader:` section of the training config: how a `--model` run reads its `--data`.
+"""The `loader:` section of the training config (how a `--model` run reads its `--data`), and
+the checks of evaluation and logging options.
 
 Its own dataclass (flags `--num-workers`, `--epochs`, `--collate`, `--input-keys`,
 `--target-keys`; YAML `loader: {num_workers: 2}`), checked here; `check_loader_options` checks
@@ -15,6 +16,7 @@ from tessera.errors import ConfigError
 __all__ = [
     "LOGGERS",
     "LoaderSettings",
+    "check_eval_and_logging",
     "check_log_with",
     "check_loader_options",
     "log_with_names",
@@ -110,3 +112,22 @@ def check_log_with(value: str | None) -> None:
                 f"--log-with {name} needs the {package} package: "
                 f"pip install 'tessera[{name}]' (or pip install {package})"
             )
+
+
+def check_eval_and_logging(config: Any) -> None:
+    """--eval-every, --eval-batches and --log-with of `config` (a TrainConfig): values, held-out
+    data, the package."""
+    from tessera.strategies.registry import OWN_ENTRY_POINTS
+
+    if config.eval_every < 0 or config.eval_batches < 0:
+        raise ConfigError(
+            f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 0, got "
+            f"{config.eval_every} and {config.eval_batches}"
+        )
+    if config.eval_every and config.model_factory is not None and config.eval_data is None:
+        raise ConfigError("--eval-every with --model needs --eval-data (the held-out set)")
+    if (config.eval_every or config.log_with) and config.strategy in OWN_ENTRY_POINTS:
+        raise ConfigError(
+            f"--eval-every and --log-with: strategy {config.strategy} has its own loop"
+        )
+    check_log_with(config.log_with)  # tensorboard, mlflow, wandb: known, installed
