@@ -38,6 +38,7 @@ MAY_CHANGE = {
     "eval_batches",
     "log_with",
     "meta_init",
+    "loader.num_workers",
 }
 """What the README says a resume may change: none of them changes what a step computes."""
 

@@ -144,11 +144,14 @@ def test_evaluation_changes_no_step_and_is_logged_everywhere(tmp_path):
         pytest.skip("tensorboard is not installed (pip install 'tessera[tensorboard]')")
     # TensorBoard: every step's loss, lr, speed and memory; val_loss where evaluated
     scalars = _scalars(tmp_path / "eval")
-    for name in ("loss", "lr", "tokens_per_s", "comm_s", "peak_mem_mb"):
+    for name in (
+        "train/loss", "train/lr", "perf/tokens_per_s", "perf/samples_per_s", "perf/data_s",
+        "perf/comm_s", "memory/peak_mem_mb",
+    ):  # fmt: skip
         assert [s for s, _ in scalars[name]] == [1, 2, 3, 4, 5], name
-    for (step, value), record in zip(scalars["loss"], records):
+    for (step, value), record in zip(scalars["train/loss"], records):
         assert value == pytest.approx(record["loss"], rel=1e-6), step
-    assert dict(scalars["val_loss"]) == pytest.approx(evaluated, rel=1e-6)
+    assert dict(scalars["eval/loss"]) == pytest.approx(evaluated, rel=1e-6)
 
 
 class StopAt(tt.Callback):
@@ -188,10 +191,10 @@ def test_a_callback_stops_every_rank_and_the_stop_is_checkpointed(tmp_path):
     if tensorboard:  # each rank's memory beside the largest
         scalars = _scalars(tmp_path / "stop")
         for rank in (0, 1):
-            logged = [value for _, value in scalars[f"peak_mem_mb/rank{rank}"]]
+            logged = [value for _, value in scalars[f"memory/peak_mem_mb/rank{rank}"]]
             assert logged == pytest.approx([r["peak_mem_mb"][rank] for r in records])
         largest = [max(r["peak_mem_mb"]) for r in records]
-        assert [v for _, v in scalars["peak_mem_mb"]] == pytest.approx(largest)
+        assert [v for _, v in scalars["memory/peak_mem_mb"]] == pytest.approx(largest)
     assert load_checkpoint(latest_checkpoint(tmp_path / "stop"))["step"] == 3
 
 
@@ -224,11 +227,11 @@ def test_nproc_auto_and_eval_options_are_checked_up_front():
     with pytest.raises(ConfigError, match="needs --eval-data"):
         build_config({"model_factory": "m:f", "data": "m:d", "eval_every": 5})
     with pytest.raises(ConfigError, match="eval_batches"):
-        build_config({"eval_every": 5, "eval_batches": 0})
+        build_config({"eval_every": 5, "eval_batches": -1})  # 0: one pass over the set
     with pytest.raises(ConfigError, match="strategy ps has its own loop"):
         build_config({"strategy": "ps", "eval_every": 2})
-    with pytest.raises(ConfigError, match="log_with must be tensorboard"):
-        build_config({"log_with": "wandb"})
+    with pytest.raises(ConfigError, match="log_with must be tensorboard, mlflow or wandb"):
+        build_config({"log_with": "visdom"})
 
 
 def test_plain_progress_lines_when_stdout_is_not_a_terminal(tmp_path):

@@ -1,23 +1,26 @@
 """Batches of a map-style data set: the global batch of a step as a pure function of (seed, step).
 
-The trainer draws from a user's `torch.utils.data.Dataset` without a DataLoader or sampler state:
-the global batch of `step` is `global_batch_size` distinct indices drawn by a generator seeded
-from `(seed, step)`, collated, and rank r keeps rows `[r*b, (r+1)*b)` (`b = G // world`) exactly
-as `tessera.data.sharding` cuts the demo corpus. So a resumed run draws the batches an
-uninterrupted one would, and the ranks' batches together are the one-process batch row for row.
+The global batch of `step` is the items `tessera.data.order.EpochOrder` gives it (epochs of a
+seeded permutation), each fetched under its own seed, collated; rank r keeps rows
+`[r*b, (r+1)*b)` (`b = G // world`) exactly as `tessera.data.sharding` cuts the demo corpus. So a
+resumed run draws the batches an uninterrupted one would, and the ranks' batches together are the
+one-process batch row for row. `DatasetBatches.batch` computes one step's batch in this process;
+`tessera.data.loader` fetches the same batches in worker processes.
 
-Items are `(inputs, targets)` pairs or dicts of tensors (numbers count as 0-d tensors); a batch
-stacks them: a pair of stacked tensors, or a dict of stacked tensors.
+Items are `(inputs, targets)` pairs or dicts of tensors (numbers count as 0-d tensors); the inputs
+of a pair may be a tuple of tensors (`((a, b), y)`: the model is called `model(a, b)`). `collate`
+stacks them: a pair of stacked tensors (or of a tuple of them), or a dict of stacked tensors. A
+user's collate function (`--collate`) takes any items instead (padding variable-length ones).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from tessera.data.sharding import _generator, local_batch_size
+from tessera.data.order import EpochOrder, SeededItems
 
 __all__ = ["Batch", "DatasetBatches", "collate", "item_kind"]
 
@@ -41,11 +44,13 @@ def item_kind(item: Any) -> str:
         return "dict"
     if isinstance(item, (tuple, list)) and len(item) == 2:
         for name, value in zip(("inputs", "targets"), item):
-            if not isinstance(value, _LEAF):
-                raise ValueError(
-                    f"an (inputs, targets) item holds tensors; its {name} is a "
-                    f"{type(value).__name__}"
-                )
+            tupled = name == "inputs" and isinstance(value, (tuple, list)) and len(value) > 0
+            for leaf in value if tupled else [value]:  # ((a, b), y): inputs a tuple
+                if not isinstance(leaf, _LEAF):
+                    raise ValueError(
+                        f"an (inputs, targets) item holds tensors; its {name} is a "
+                        f"{type(leaf).__name__}"
+                    )
         return "pair"
     shape = f"a {len(item)}-tuple" if isinstance(item, (tuple, list)) else type(item).__name__
     raise ValueError(f"items must be (inputs, targets) pairs or dicts of tensors, got {shape}")
@@ -65,7 +70,15 @@ def collate(items: Sequence[Any]) -> Batch:
     if len(kinds) != 1:
         raise ValueError(f"a batch mixes item kinds {sorted(kinds)}")
     if kinds == {"pair"}:
-        return _stack([i[0] for i in items], "inputs"), _stack([i[1] for i in items], "targets")
+        targets = _stack([i[1] for i in items], "targets")
+        if isinstance(items[0][0], (tuple, list)):  # ((a, b), y): model(a, b)
+            width = {len(i[0]) for i in items}
+            if len(width) != 1:
+                raise ValueError(f"items' input tuples have different lengths {sorted(width)}")
+            columns = zip(*(i[0] for i in items))
+            inputs = tuple(_stack(list(c), f"input {n}") for n, c in enumerate(columns))
+            return inputs, targets
+        return _stack([i[0] for i in items], "inputs"), targets
     keys = list(items[0])
     for item in items:
         if list(item) != keys:
@@ -76,33 +89,26 @@ def collate(items: Sequence[Any]) -> Batch:
 class DatasetBatches:
     """Per-rank batches of a map-style data set (`__len__`, `__getitem__`), sharded by rank.
 
-    The global batch of `step` holds `global_batch_size` distinct indices (sampled without
-    replacement within the batch by a generator seeded from `(seed, step)`); batches of different
-    steps are drawn independently.
+    The global batch of `step` holds the `global_batch_size` items `EpochOrder` gives it;
+    `collate_fn` (default `collate`) makes them a batch.
     """
 
-    def __init__(self, dataset: Any, *, global_batch_size: int, seed: int = 0) -> None:
-        if global_batch_size <= 0:
-            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-        size = len(dataset)
-        if size < global_batch_size:
-            raise ValueError(
-                f"the data set has {size} items, fewer than the global batch of "
-                f"{global_batch_size} (items are drawn without replacement within a batch)"
-            )
-        self.dataset = dataset
-        self.global_batch_size = global_batch_size
-        self.seed = seed
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] = collate,
+    ) -> None:
+        self.order = EpochOrder(len(dataset), global_batch_size, seed)
+        self.dataset, self.items = dataset, SeededItems(dataset, seed)
+        self.global_batch_size, self.seed, self.collate_fn = global_batch_size, seed, collate_fn
 
     def indices(self, step: int) -> torch.Tensor:
         """The global batch's indices `(G,)` at `step`; the same on every rank."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        order = torch.randperm(len(self.dataset), generator=_generator(self.seed, step))
-        return order[: self.global_batch_size]
+        return self.order.indices(step)
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> Batch:
         """Rank `rank`'s rows `[rank*b, (rank+1)*b)` of the global batch of `step`, collated."""
-        b = local_batch_size(self.global_batch_size, rank, world_size)
-        mine = self.indices(step)[rank * b : (rank + 1) * b]
-        return collate([self.dataset[int(i)] for i in mine])
+        return self.collate_fn(self.items.__getitems__(self.order.keys(step, rank, world_size)))

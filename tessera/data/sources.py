@@ -1,7 +1,8 @@
 """Where `tessera train --data` reads from: a factory, a text file, JSON lines, or a saved
 `datasets` folder, each opened as a map-style data set of (inputs, targets) or dict items.
 
-- `PKG.MODULE:FACTORY`: `FACTORY()` returns the data set;
+- `PKG.MODULE:FACTORY`: `FACTORY()` returns the data set, map-style or iterable
+  (`tessera.data.stream`);
 - `FILE.txt`: the text, tokenised (`tessera.data.text`), cut into windows;
 - `FILE.jsonl`: one JSON object per line; objects with the single key "text" are tokenised like
   a text file (joined by newlines), others are items whose fields (numbers or equal-length lists)
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from tessera.data.imports import is_reference, load_reference
+from tessera.data.stream import is_stream
 from tessera.data.text import TokenWindows, load_tokenizer
 from tessera.errors import ConfigError
 
@@ -164,9 +166,11 @@ def open_data(
         dataset = factory()
     except Exception as exc:
         raise ConfigError(f"{what} {spec}: the factory raised {type(exc).__name__}: {exc}") from exc
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) and not is_stream(
+        dataset
+    ):
         raise ConfigError(
             f"{what} {spec} returned a {type(dataset).__name__}: a map-style data set "
-            "(__len__ and __getitem__) is needed"
+            "(__len__ and __getitem__) or an iterable one (IterableDataset, __iter__) is needed"
         )
     return OpenedData(dataset)

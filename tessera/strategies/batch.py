@@ -6,7 +6,9 @@ Two kinds of batch, the two conventions of PyTorch code:
   is `loss_fn(out, batch)` when a `loss_fn` is given, else the model's own, `out.loss` or
   `out["loss"]` (Hugging Face models return it when the batch holds `labels`);
 * an `(inputs, targets)` pair: `loss_fn(model(inputs), targets)`; a pair has no loss of its
-  own, so `loss_fn` is required.
+  own, so `loss_fn` is required. Inputs that are a tuple or list call `model(*inputs)` (a
+  two-input model: `((a, b), y)`), a mapping `model(**inputs)` (dict items whose input and
+  target keys were named: `tessera.data.loader.select_keys`).
 
 Anything else is refused with one message. Micro-batches (a pipeline's, gradient
 accumulation's) cut every tensor on dim 0 (a 0-dim tensor, a flag, goes whole into each);
@@ -39,6 +41,7 @@ __all__ = [
     "check_grad_accum",
     "compute_loss",
     "gather_batch",
+    "call_model",
     "item_counter",
     "items_weighted",
     "loss_targets",
@@ -91,27 +94,51 @@ def compute_loss(
                 "from which it computes its own loss)"
             )
         inputs, targets = batch
-        return loss_fn(call(inputs), targets)
+        return loss_fn(call_model(call, inputs), targets)
     raise TypeError(
         f"a batch is a dict of tensors or an (inputs, targets) pair, got {type(batch).__name__}"
         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
     )
 
 
-def _map_rows(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """`fn` over every tensor of `batch` that has rows; 0-dim tensors and others go unchanged."""
+def call_model(call: Callable[..., Any], inputs: Any) -> Any:
+    """The model on a pair's inputs: `call(*inputs)` for a tuple or list, `call(**inputs)` for
+    a mapping, else `call(inputs)`."""
+    if isinstance(inputs, Mapping):
+        return call(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return call(*inputs)
+    return call(inputs)
 
-    def one(v: Any) -> Any:
-        return fn(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
 
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`fn` on every tensor of a (nested) batch, its structure kept."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
     if isinstance(batch, Mapping):
-        return {k: one(v) for k, v in batch.items()}
-    return type(batch)(one(v) for v in batch)
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def _map_rows(batch: Batch, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`fn` on every tensor of a (nested) batch that has rows; 0-dim tensors (a flag) and
+    anything else go unchanged, the structure kept."""
+    return _map_tensors(batch, lambda t: fn(t) if t.dim() > 0 else t)
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if not isinstance(batch, (Mapping, tuple, list)):
+        return []
+    return [t for value in values for t in _tensors(value)]
 
 
 def _rows(batch: Batch) -> int:
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    sizes = {v.shape[0] for v in values if isinstance(v, torch.Tensor) and v.dim() > 0}
+    sizes = {v.shape[0] for v in _tensors(batch) if v.dim() > 0}
     if len(sizes) != 1:
         raise ValueError(
             f"every tensor of a batch must have the same size on dim 0 (the rows), got {sizes}"

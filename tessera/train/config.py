@@ -7,13 +7,17 @@ Precedence: defaults < the YAML file (`--config`) < command-line flags.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES, check_compile
+from tessera.train.config_data import (
+    LoaderSettings,
+    check_eval_and_logging,
+    check_loader_options,
+)
 from tessera.train.config_sources import (
     job_world_size,
     load_yaml,
@@ -22,6 +26,7 @@ from tessera.train.config_sources import (
 )
 
 __all__ = [
+    "LoaderSettings",
     "ModelSettings",
     "TrainConfig",
     "job_world_size",
@@ -239,12 +244,21 @@ class TrainConfig:
         "the end (val_loss in metrics.jsonl); 0: never. Held out: the corpus's last tenth (the "
         "demo never trains on it) or --eval-data.",
     )
-    eval_batches: int = _option(4, "Held-out batches per evaluation: the same ones every time.")
+    eval_batches: int = _option(
+        0,
+        "Held-out batches per evaluation, the same ones every time; 0: one pass over all of "
+        "--eval-data (the demo: 4 batches of its held-out text).",
+    )
     log_with: str | None = _option(
-        None, "tensorboard: also write TensorBoard event files into the run folder."
+        None,
+        "tensorboard, mlflow or wandb (comma-separated for several): also log the metrics there "
+        "(event files, a local mlruns store, an offline wandb run; all in the run folder).",
     )
     model: ModelSettings = field(
         default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
+    )
+    loader: LoaderSettings = field(
+        default_factory=LoaderSettings, metadata={"help": "How --data becomes batches."}
     )
 
     def __post_init__(self) -> None:
@@ -309,7 +323,8 @@ class TrainConfig:
                     f"use auto or one of {ALGORITHMS}"
                 )
         self._check_workload_options()
-        self._check_eval_and_logging()
+        check_eval_and_logging(self)  # --eval-every, --eval-batches, --log-with
+        check_loader_options(self)  # --num-workers, --epochs, --collate, --input-keys
         self.check_world_size(job_world_size(self.nproc))
         if self.corpus != "stdlib" and not Path(self.corpus).exists():
             raise ConfigError(f"corpus not found: {self.corpus} (no such file or folder)")
@@ -361,27 +376,6 @@ class TrainConfig:
                     f"{self.strategy} does not"
                 )
             read_tp_plan(self.tp_plan)
-
-    def _check_eval_and_logging(self) -> None:
-        """--eval-every, --eval-batches and --log-with: values, held-out data, the package."""
-        if self.eval_every < 0 or self.eval_batches < 1:
-            raise ConfigError(
-                f"eval_every must be >= 0 (0: no evaluation) and eval_batches >= 1, got "
-                f"{self.eval_every} and {self.eval_batches}"
-            )
-        if self.eval_every and self.model_factory is not None and self.eval_data is None:
-            raise ConfigError("--eval-every with --model needs --eval-data (the held-out set)")
-        if (self.eval_every or self.log_with) and self.strategy in OWN_ENTRY_POINTS:
-            raise ConfigError(
-                f"--eval-every and --log-with: strategy {self.strategy} has its own loop"
-            )
-        if self.log_with not in (None, "tensorboard"):
-            raise ConfigError(f"log_with must be tensorboard or unset, got {self.log_with!r}")
-        if self.log_with and importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError(
-                "--log-with tensorboard needs the tensorboard package: "
-                "pip install 'tessera[tensorboard]' (or pip install tensorboard)"
-            )
 
     def _check_memory_options(self) -> None:
         """Offload and activation checkpointing: where they apply, and nvme_dir up front."""

@@ -1,15 +1,19 @@
-"""The trainer's evaluation: every `--eval-every` steps and at the end, the mean loss over the
-same `--eval-batches` held-out batches (the corpus's held-out end, or `--eval-data`).
+"""The trainer's evaluation: every `--eval-every` steps and at the end, the held-out loss.
 
-The batches are a pure function of the seed (`Workload.eval_batches`), drawn once and kept, so
-every evaluation compares the model on the same data. `engine.eval_step` leaves training as it
-was (no gradient, no optimizer or RNG state touched), so a run that evaluates takes exactly the
-steps of one that does not. The value is the mean over the batches of each rank's loss, averaged
-over the ranks (equal shards: the global batches' mean loss).
+By default (`--eval-batches 0`) one pass over all of `--eval-data`, split over the ranks with
+every item once (`tessera.data.passes`, fetched by the loader's workers): `val_loss` is the mean
+over the items of the per-batch mean loss, each batch weighted by its items, which is what a
+plain loop over the set computes for a loss averaged over a batch's rows. With `--eval-batches K`
+(and for the demo's held-out text) the same K batches, a pure function of the seed
+(`Workload.eval_batches`), drawn once and kept.
+
+`engine.eval_step` leaves training as it was (no gradient, no optimizer or RNG state touched), so
+a run that evaluates takes exactly the steps of one that does not.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +25,11 @@ from tessera.strategies import Engine
 from tessera.train.config import TrainConfig
 from tessera.train.workload import Workload
 
-__all__ = ["Evaluator"]
+__all__ = ["DEMO_EVAL_BATCHES", "Evaluator"]
+
+DEMO_EVAL_BATCHES = 4
+"""The demo's evaluation batches when `--eval-batches` is 0: its held-out text has no items to
+pass over, only windows drawn at random."""
 
 
 class Evaluator:
@@ -37,6 +45,8 @@ class Evaluator:
         self.every, self.count, self.last = config.eval_every, config.eval_batches, config.steps
         self.workload, self.ctx, self.to_device = workload, ctx, to_device
         self._batches: list[Any] | None = None
+        self.spent_s = 0.0
+        """Seconds spent evaluating so far (the loop leaves them out of the steps' time)."""
 
     def due(self, done: int) -> bool:
         """Whether to evaluate after `done` steps: every `eval_every`, and at the last step."""
@@ -44,17 +54,38 @@ class Evaluator:
 
     def run(self, engine: Engine) -> float:
         """The held-out loss, the same on every rank (collective)."""
+        began = time.perf_counter()
+        try:
+            return self._run(engine)
+        finally:
+            self.spent_s += time.perf_counter() - began
+
+    def _run(self, engine: Engine) -> float:
+        ctx = self.ctx
+        if self.workload.eval_pass is not None:
+            weighted = self.workload.eval_pass(
+                rank=ctx.rank, world_size=ctx.world_size, pin_memory=ctx.device.type == "cuda"
+            )
+        else:
+            weighted = [(batch, 1) for batch in self._kept_batches()]
+        total = torch.zeros(2, dtype=torch.float64)  # (sum of weight * loss, sum of weights)
+        for batch, weight in weighted:
+            # a data-parallel rank's loss is its share's; an engine that gathers the batch
+            # returns the whole batch's on every rank: weighted by this rank's share, it counts
+            # once with the whole batch's items (tessera.data.passes)
+            total[0] += engine.eval_step(self.to_device(batch, ctx.device)) * weight
+            total[1] += weight
+        if ctx.world_size > 1:
+            total = total.to(ctx.device)
+            dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    def _kept_batches(self) -> list[Any]:
+        """The `--eval-batches` batches (the same at every evaluation), drawn once."""
         if self._batches is None:
             make = self.workload.eval_batches
-            assert make is not None  # built whenever eval_every > 0
+            assert make is not None  # built whenever eval_every > 0 without eval_pass
             ctx = self.ctx
-            self._batches = [
-                self.to_device(make(i, ctx.rank, ctx.world_size), ctx.device)
-                for i in range(self.count)
-            ]
-        losses = [engine.eval_step(batch) for batch in self._batches]
-        total = torch.tensor([sum(losses)], dtype=torch.float64)
-        if self.ctx.world_size > 1:
-            total = total.to(self.ctx.device)
-            dist.all_reduce(total)
-        return float(total) / (self.count * self.ctx.world_size)
+            count = self.count or DEMO_EVAL_BATCHES
+            self._batches = [make(i, ctx.rank, ctx.world_size) for i in range(count)]
+        return self._batches

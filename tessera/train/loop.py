@@ -7,9 +7,10 @@ takes the same path as one that never stopped (bit for bit on CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,8 @@ def _restore(
     run_dir: Path,
     workload: Workload,
     config: TrainConfig,
-) -> int:
+) -> tuple[int, Any]:
+    """Load the newest checkpoint; its step, and the loader's position (a stream's, else None)."""
     path = _find_checkpoint(run_dir, ctx)
     state = load_checkpoint(path)
     _check_identity(path, state, workload)
@@ -150,7 +152,7 @@ def _restore(
         # dropout draws from a fresh stream per (seed, step, rank). Exact resume needs the
         # same world size; this one continues the same training, not the same random masks.
         torch.manual_seed(hash((config.seed, step, ctx.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
-    return step
+    return step, state.get("loader")
 
 
 def train_worker(
@@ -172,19 +174,58 @@ def train_worker(
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
-    """The batch on `device`; host-to-GPU copies are queued without waiting (`non_blocking`:
-    asynchronous from pinned memory; the step's kernels follow them on the same stream)."""
+    """Every tensor of a batch (nested dicts, tuples, lists) on `device`; host-to-GPU copies are
+    queued without waiting (`non_blocking`: asynchronous from pinned memory, the loader's for
+    CUDA; the step's kernels follow them on the same stream)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
-        return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-    return tuple(value.to(device, non_blocking=True) for value in batch)
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return tuple(_to_device(value, device) for value in batch)
+    return batch
+
+
+def _step_batches(
+    workload: Workload, ctx: Context, start: int, stop: int, position: Any
+) -> Iterable[Any]:
+    """This rank's batches of steps `start .. stop - 1`: the loader's (workers fetch them
+    ahead; a stream's from `position`, its checkpointed place), or computed in this process for
+    the demo's in-memory windows."""
+    if workload.loader is None:
+        return (workload.batches(step, ctx.rank, ctx.world_size) for step in range(start, stop))
+    return workload.loader(
+        start=start,
+        stop=stop,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        pin_memory=ctx.device.type == "cuda",
+        state=position,
+    )
+
+
+def _settle_steps(config: TrainConfig, workload: Workload) -> TrainConfig:
+    """With --epochs, the run's steps: epochs * steps per epoch (the config as written keeps
+    --epochs; checkpoints keep the steps it came to)."""
+    if not config.loader.epochs or workload.steps_per_epoch is None:
+        return config
+    return dataclasses.replace(config, steps=config.loader.epochs * workload.steps_per_epoch)
 
 
 def _train(
     ctx: Context, config: TrainConfig, run_dir: str, resume: bool, callbacks: Sequence[Any]
 ) -> dict[str, Any] | None:
+    """Build the run (workload, model, engine, loader), restore it if resuming, run the steps;
+    rank 0 returns the summary.
+
+    Why so long: the step loop reads in the order a step happens (wait for the batch, train,
+    time it, observe, checkpoint), and its timers and loader are its own locals; cut apart,
+    they would travel through arguments.
+    """
     config.check_world_size(ctx.world_size)
     out = Path(run_dir)
     workload = build_workload(config)  # the demo GPT, or --model / --data / --loss
+    config = _settle_steps(config, workload)  # --epochs
     model, init_fn = build_model(workload, config, ctx.device, announce=ctx.is_main)
     model_flops = ModelFlops.for_run(model, ctx.device, ctx.world_size)  # for MFU, before splits
     if config.activation_checkpointing:
@@ -193,28 +234,41 @@ def _train(
         checkpoint_activations(model)
     engine = build_engine(config, model, workload.loss_fn, ctx, init_fn=init_fn)
     scheduler = lr_scheduler(engine, config)  # a function of the step: resume stays exact
-    start = _restore(engine, scheduler, ctx, out, workload, config) if resume else 0
+    start, position = (
+        _restore(engine, scheduler, ctx, out, workload, config) if resume else (0, None)
+    )
     watch = _Watchers.start(config, workload, ctx, out, start, callbacks, model_flops)
     faults = FaultInjector.from_env(out, ctx.rank, config, sharded=engine.sharded_checkpoint)
     extra = {**workload.identity, "config": config_to_dict(config)}
     stopped_at: int | None = None
-    wall_start = time.perf_counter()
+    wall_start = last_end = time.perf_counter()  # a step's time runs from the one before's end
+    source = _step_batches(workload, ctx, start, config.steps, position)
+    batches = iter(source)  # starts the loader's workers: the first step waits for them
     for step in range(start, config.steps):
         faults.at_step(step + 1)  # TESSERA_FAULT: off unless set
         if ctx.world_size > 1:
             reached(f"step {step + 1}")  # names a rank that stops, if a gloo call times out
-        batch = _to_device(workload.batches(step, ctx.rank, ctx.world_size), ctx.device)
+        waited = time.perf_counter()
+        batch = _to_device(next(batches), ctx.device)  # what the loader had not fetched yet
+        data_s = time.perf_counter() - waited
         # an (inputs, targets) pair or a dict: the engine applies the batch rule
         # (tessera.strategies.batch) with the workload's loss
-        began = time.perf_counter()
         loss = engine.train_step(batch)
         lr = engine.optimizer.param_groups[0]["lr"]  # this step's, set by the scheduler
         engine.step()  # clips to config.grad_clip, then the optimizer step
         scheduler.step()
-        step_s = time.perf_counter() - began
+        step_end = time.perf_counter()
+        step_s = step_end - last_end
         done = step + 1
-        measured = {"loss": loss, "step_s": step_s, "comm_s": engine.comm_seconds}
+        measured = {
+            "loss": loss,
+            "step_s": step_s,
+            "data_s": data_s,
+            "comm_s": engine.comm_seconds,
+        }
+        evaluated_s = watch.evaluator.spent_s
         stop = _observe(watch, engine, ctx, config, done, measured, lr)
+        skipped_s = watch.evaluator.spent_s - evaluated_s  # not the next step's time
         if watch.reporter is not None:
             watch.reporter.advance()
         if (
@@ -222,10 +276,21 @@ def _train(
             or done == config.steps
             or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
-            _save(engine, ctx, out, done, {**extra, "scheduler": scheduler.state_dict()})
+            saving = time.perf_counter()
+            loader = source.state_dict() if hasattr(source, "state_dict") else None  # a stream's
+            _save(
+                engine,
+                ctx,
+                out,
+                done,
+                {**extra, "scheduler": scheduler.state_dict(), "loader": loader},
+            )
+            skipped_s += time.perf_counter() - saving
         if stop:  # a callback raised StopTraining on rank 0; every rank ends here
             stopped_at = done
             break
+        # the next step's time holds this one's logging, not its evaluation or checkpoint
+        last_end = step_end + skipped_s
     if watch.reporter is not None:
         watch.reporter.close()
     sample = _sample(engine, workload, ctx.is_main, out)
@@ -269,6 +334,9 @@ class _Watchers:
     evaluator: Evaluator
     callbacks: CallbackRunner
     tokens_per_step: int
+    """Tokens of one optimizer step, or 0 when the items are not token ids."""
+    samples_per_step: int
+    steps_per_epoch: int | None
     model_flops: ModelFlops
     """For the MFU of each logged record (its peak is measured on rank 0 only, when first asked)."""
 
@@ -293,7 +361,11 @@ class _Watchers:
             reporter = Reporter(config, out, start, workload.unit, title)
         evaluator = Evaluator(config, workload, ctx, _to_device)
         runner = CallbackRunner(callbacks, ctx)
-        return cls(log, reporter, evaluator, runner, workload.tokens_per_step, model_flops)
+        tokens = workload.tokens_per_step if workload.unit == "tokens" else 0
+        per_epoch = workload.steps_per_epoch
+        return cls(
+            log, reporter, evaluator, runner, tokens, config.step_batch_size, per_epoch, model_flops
+        )
 
 
 def _observe(
@@ -321,9 +393,13 @@ def _observe(
         "peak_mem_mb": peak_memory_mb(ctx.device),
         "model_state_mb": _model_state_mb(engine),
     }
-    record = _record(done, gather_rank_metrics(measured, ctx.device), watch.tokens_per_step, lr)
+    ranks = gather_rank_metrics(measured, ctx.device)
+    record = _record(done, ranks, watch.tokens_per_step, lr, samples=watch.samples_per_step)
+    if watch.steps_per_epoch is not None:
+        record["epoch"] = done / watch.steps_per_epoch  # epochs done, as Hugging Face logs it
     if watch.log is not None:  # rank 0, where the record is logged and the callbacks run
-        record["mfu"] = watch.model_flops.mfu(record["tokens_per_s"])
+        # model FLOPs are counted per token, or per sample for data that is not token ids
+        record["mfu"] = watch.model_flops.mfu(record.get("tokens_per_s", record["samples_per_s"]))
     if engine.loss_scaler is not None:  # fp16: the same on every rank (global check)
         record["loss_scale"] = engine.loss_scale
         record["skipped"] = engine.skipped_steps
@@ -340,21 +416,27 @@ def _observe(
     return stop
 
 
-def _record(step: int, ranks: list[dict[str, float]], tokens: int, lr: float) -> dict[str, Any]:
+def _record(
+    step: int, ranks: list[dict[str, float]], tokens: int, lr: float, *, samples: int = 0
+) -> dict[str, Any]:
+    """One logged step from every rank's measurements: `samples_per_s` (with `samples` per
+    step) and `tokens_per_s` (with `tokens` per step; 0: items are not token ids) over the
+    slowest rank's step time, which includes its wait for the batch (`data_s`)."""
     slowest = max(
         r["step_s"] for r in ranks
     )  # a synchronous step lasts as long as its slowest rank
     comm = max(r["comm_s"] for r in ranks)
-    record = {
-        "step": step,
-        "loss": statistics.fmean(r["loss"] for r in ranks),  # equal shards: mean = global loss
-        "lr": lr,
-        "tokens_per_s": tokens / slowest,
-        "step_s": slowest,
-        "compute_s": max(0.0, slowest - comm),
-        "comm_s": comm,
-        "peak_mem_mb": [round(r["peak_mem_mb"], 1) for r in ranks],
-    }
+    record: dict[str, Any] = {"step": step, "loss": statistics.fmean(r["loss"] for r in ranks)}
+    record["lr"] = lr  # (train_step gives every rank the global mean: their mean is it)
+    if samples:
+        record["samples_per_s"] = samples / slowest
+    if tokens:
+        record["tokens_per_s"] = tokens / slowest
+    data = max(r.get("data_s", 0.0) for r in ranks)
+    record.update(step_s=slowest, compute_s=max(0.0, slowest - comm - data), comm_s=comm)
+    if all("data_s" in r for r in ranks):
+        record["data_s"] = data
+    record["peak_mem_mb"] = [round(r["peak_mem_mb"], 1) for r in ranks]
     if all(r["model_state_mb"] >= 0 for r in ranks):
         record["model_state_mb"] = [round(r["model_state_mb"], 3) for r in ranks]
     return record
@@ -384,8 +466,17 @@ def _summary(
         "steps_this_run": config.steps - start,
         "first_loss": records[0]["loss"] if records else float("nan"),
         "final_loss": records[-1]["loss"] if records else float("nan"),
-        "tokens_per_s": median(r["tokens_per_s"] for r in this_run),
-        "step_s": median(r["step_s"] for r in this_run),
+        **{
+            key: median(r[key] for r in this_run)
+            for key in ("step_s", "data_s")
+            if this_run and all(key in r for r in this_run)
+        },
+        **{  # all the logged steps' items over all their time, data waits included: the
+            # wall-clock rate (a median of per-step rates is not, when waits are uneven)
+            key: sum(r[key] * r["step_s"] for r in this_run) / sum(r["step_s"] for r in this_run)
+            for key in ("samples_per_s", "tokens_per_s")
+            if this_run and all(key in r for r in this_run)
+        },
         "comm_s": median(r["comm_s"] for r in this_run),
         "mfu": median(r.get("mfu", float("nan")) for r in this_run),
         "peak_mem_mb": this_run[-1]["peak_mem_mb"],

@@ -39,7 +39,7 @@ RESTART_ENV = "TESSERA_RESTART"
 """JSON the supervisor (`tessera.train.restarts`) gives the ranks of a restarted launch: which
 restart, who failed, why; `note_restart` turns it into the run's restart event line."""
 
-RANK_FIELDS = ("loss", "step_s", "comm_s", "peak_mem_mb", "model_state_mb")
+RANK_FIELDS = ("loss", "step_s", "data_s", "comm_s", "peak_mem_mb", "model_state_mb")
 """What each rank reports per logged step, in the order of the gathered vector."""
 
 

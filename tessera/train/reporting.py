@@ -1,11 +1,10 @@
-"""What rank 0 shows and logs besides metrics.jsonl: progress, and TensorBoard event files.
+"""What rank 0 shows and logs besides metrics.jsonl: progress, and the --log-with loggers.
 
 Progress (`--progress`, on by default): on a terminal, tqdm's bar; when stdout is not a
 terminal (a log file, a pipe, a job scheduler's capture) one plain line per logged step
 (`--log-every`) and per evaluation instead, since a bar's redraws would fill the file with
-carriage returns. `--log-with tensorboard` writes the records as TensorBoard scalars into the
-run folder beside metrics.jsonl, through `torch.utils.tensorboard`; a resumed run purges the
-steps past its checkpoint from the older event files, as metrics.jsonl drops them.
+carriage returns. `--log-with` writes the records to TensorBoard, MLflow or W&B
+(`tessera.train.loggers`).
 """
 
 from __future__ import annotations
@@ -15,19 +14,46 @@ from pathlib import Path
 from typing import Any
 
 from tessera.train.config import TrainConfig
+from tessera.train.config_build import config_to_dict
+from tessera.train.config_data import log_with_names
+from tessera.train.loggers import open_loggers
 
 __all__ = ["SCALARS", "Reporter", "plain_line"]
 
-SCALARS = ("loss", "val_loss", "lr", "tokens_per_s", "step_s", "comm_s")
-"""Record fields written as TensorBoard scalars under their own names (memory: see `_memory`)."""
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "epoch": "train/epoch",
+    "val_loss": "eval/loss",
+    "samples_per_s": "perf/samples_per_s",
+    "tokens_per_s": "perf/tokens_per_s",
+    "step_s": "perf/step_s",
+    "data_s": "perf/data_s",
+    "compute_s": "perf/compute_s",
+    "comm_s": "perf/comm_s",
+    "mfu": "perf/mfu",
+}
+"""Record fields written as TensorBoard scalars, and their tags, grouped as TensorBoard shows
+them (train/, eval/, perf/; memory under memory/: see `_memory`)."""
+
+
+def _rates(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """("samples/s", x) and, for token data, ("tokens/s", y): the record's names, spelled out."""
+    names = (("samples_per_s", "samples/s"), ("tokens_per_s", "tokens/s"))
+    return [(shown, record[key]) for key, shown in names if key in record]
 
 
 def plain_line(record: dict[str, Any], steps: int, unit: str) -> str:
-    """One step's progress as one line of text."""
+    """One step's progress as one line of text (`unit`: kept for callers; the record says)."""
     text = f"step {record['step']}/{steps} loss {record['loss']:.4f}"
     if "val_loss" in record:
         text += f" val_loss {record['val_loss']:.4f}"
-    return text + f" lr {record['lr']:.3g} {unit}/s {record['tokens_per_s']:,.0f}"
+    text += f" lr {record['lr']:.3g}"
+    for shown, value in _rates(record):
+        text += f" {shown} {value:,.0f}"
+    if "data_s" in record:
+        text += f" data_s {record['data_s']:.3f}"
+    return text
 
 
 def _memory(record: dict[str, Any]) -> dict[str, float]:
@@ -38,9 +64,11 @@ def _memory(record: dict[str, Any]) -> dict[str, float]:
     for name in ("peak_mem_mb", "model_state_mb"):
         per_rank = record.get(name) or []
         if per_rank:
-            found[name] = max(per_rank)
+            found[f"memory/{name}"] = max(per_rank)
         if len(per_rank) > 1:
-            found.update({f"{name}/rank{rank}": value for rank, value in enumerate(per_rank)})
+            found.update(
+                {f"memory/{name}/rank{rank}": value for rank, value in enumerate(per_rank)}
+            )
     return found
 
 
@@ -59,13 +87,9 @@ class Reporter:
             self.bar = tqdm(
                 total=config.steps, initial=start, desc=title, unit="step", dynamic_ncols=True
             )
-        self.writer: Any = None
-        if config.log_with == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: events at or past it in earlier files are dropped (a resumed run
-            # logs those steps again), as MetricsLog drops their lines
-            self.writer = SummaryWriter(str(run_dir), purge_step=start + 1 if start else None)
+        self.writers = open_loggers(
+            log_with_names(config.log_with), run_dir, start, config_to_dict(config)
+        )
 
     def advance(self) -> None:
         """One step done."""
@@ -75,20 +99,20 @@ class Reporter:
     def report(self, record: dict[str, Any]) -> None:
         """A record written to metrics.jsonl: show it and log it."""
         if self.bar is not None:
-            shown = {"loss": f"{record['loss']:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            shown = {"loss": f"{record['loss']:.3f}"}
+            shown.update({name: f"{value:,.0f}" for name, value in _rates(record)})
             if "val_loss" in record:
                 shown["val_loss"] = f"{record['val_loss']:.3f}"
             self.bar.set_postfix(shown)
         if self.plain:
             print(plain_line(record, self.steps, self.unit), flush=True)
-        if self.writer is not None:
-            values = {name: record[name] for name in SCALARS if name in record}
-            for name, value in {**values, **_memory(record)}.items():
-                self.writer.add_scalar(name, value, record["step"])
+        values = {tag: record[name] for name, tag in SCALARS.items() if name in record}
+        for writer in self.writers:
+            writer.log({**values, **_memory(record)}, record["step"])
 
     def close(self) -> None:
         """Close the bar; flush and close the event file."""
         if self.bar is not None:
             self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        for writer in self.writers:
+            writer.close()

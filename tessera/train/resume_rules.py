@@ -32,6 +32,7 @@ RESUME_MAY_CHANGE = frozenset(
         "eval_every",  # evaluation and logging change no step
         "eval_batches",
         "log_with",
+        "loader.num_workers",  # who fetches a batch changes no batch (tessera.data.loader)
         "meta_init",  # the same weights either way (tessera.train.build_model); a resume loads them
     }
 )

@@ -205,8 +205,13 @@ def _engine_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("steps (this run / total)", f"{summary['steps_this_run']} / {summary['steps']}"),
         ("loss (first -> last)", f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}"),
-        (f"{summary.get('unit', 'tokens')}/s (median)", f"{summary['tokens_per_s']:,.0f}"),
+        *[
+            (f"{key.removesuffix('_per_s')}/s (median)", f"{summary[key]:,.0f}")
+            for key in ("samples_per_s", "tokens_per_s")
+            if summary.get(key) is not None
+        ],
         ("step time (median)", f"{summary['step_s'] * 1e3:.1f} ms"),
+        ("waiting for data (median)", f"{summary.get('data_s', 0.0) * 1e3:.1f} ms"),
         ("MFU (median)", f"{summary.get('mfu', float('nan')):.1%} of {summary.get('mfu_peak')}"),
         ("exposed communication", f"{summary['comm_s'] * 1e3:.1f} ms ({comm_share:.0%})"),
         ("peak memory per rank", ", ".join(f"{m:.0f} MB" for m in summary["peak_mem_mb"])),

@@ -19,9 +19,11 @@ refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import torch
@@ -29,9 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.data import CharTokenizer, LMBatches, load_corpus
-from tessera.data.batches import Batch, DatasetBatches, collate, item_kind
+from tessera.data.batches import Batch, DatasetBatches, item_kind
 from tessera.data.imports import load_reference
+from tessera.data.loader import BatchShape, default_workers, split_keys, step_loader
+from tessera.data.passes import chunk_shares, eval_loader
 from tessera.data.sources import open_data
+from tessera.data.stream import StreamLoader, is_stream, stream_items
 from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
 from tessera.models.user import model_factory, read_model_config
@@ -48,6 +53,7 @@ __all__ = [
 ]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+DEFAULT_COLLATE = BatchShape().collate_fn
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,17 @@ class Workload:
     """The `--eval-data` set, loaded and checked."""
     eval_batches: Callable[[int, int, int], Batch] | None = None
     """`(i, rank, world_size) -> batch`: this rank's rows of held-out batch i (a pure function of
-    the seed: every evaluation sees the same batches); None when the run does not evaluate."""
+    the seed: every evaluation sees the same batches); None when the run does not evaluate, or
+    evaluates one pass over all of --eval-data (`eval_pass`)."""
+    loader: Callable[..., Iterable[Batch]] | None = None
+    """`(start=, stop=, rank=, world_size=, pin_memory=)`: this rank's batches of steps
+    `start .. stop - 1`, fetched by loader workers (`tessera.data.loader`); None: the loop
+    calls `batches` (the demo's token windows, in memory)."""
+    eval_pass: Callable[..., Iterable[tuple[Batch, int]]] | None = None
+    """`(rank=, world_size=, pin_memory=)`: this rank's `(batch, items in it)` of one pass over
+    all of --eval-data (`tessera.data.passes`); None unless the run evaluates so."""
+    steps_per_epoch: int | None = None
+    """Optimizer steps in one pass over --data (None: the demo, whose windows have no epochs)."""
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -164,16 +180,20 @@ def _demo(config: TrainConfig) -> Workload:
     )
 
 
-def _first_items(dataset: Any, spec: str) -> Batch:
+def _first_items(dataset: Any, spec: str, shape: BatchShape) -> Batch:
     """Collate the first two items (one if that is all): checks their kind and shapes agree."""
-    if len(dataset) < 1:
+    if not is_stream(dataset) and len(dataset) < 1:
         raise ConfigError(f"{spec}: the data set is empty")
     try:
-        items = [dataset[i] for i in range(min(2, len(dataset)))]
-        item_kind(items[0])
-        return collate(items)
-    except (ValueError, TypeError, IndexError, KeyError) as exc:
-        raise ConfigError(f"{spec}: {exc}") from None
+        if is_stream(dataset):
+            items = list(islice(stream_items(dataset, 0), 2))
+        else:
+            items = [dataset[i] for i in range(min(2, len(dataset)))]
+        if shape.collate_fn is DEFAULT_COLLATE:
+            item_kind(items[0])
+        return shape(items)
+    except Exception as exc:
+        raise ConfigError(f"{spec}: {type(exc).__name__}: {exc}") from None
 
 
 def _tokens_per_item(sample: Batch) -> tuple[int, str]:
@@ -182,12 +202,101 @@ def _tokens_per_item(sample: Batch) -> tuple[int, str]:
     return 1, "samples"
 
 
+def _batch_kind(sample: Batch) -> str:
+    return "dict" if isinstance(sample, Mapping) else "pair"
+
+
+def _shape(config: TrainConfig) -> BatchShape:
+    """The collate step of --collate, --input-keys and --target-keys."""
+    settings = config.loader
+    collate_fn = None
+    if settings.collate is not None:
+        collate_fn = load_reference(settings.collate, what="--collate")
+    return BatchShape(collate_fn, split_keys(settings.input_keys), split_keys(settings.target_keys))
+
+
+def _workers(config: TrainConfig) -> int:
+    """--num-workers, or for -1 the machine's default for the ranks it runs."""
+    if config.loader.num_workers >= 0:
+        return config.loader.num_workers
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return default_workers(int(local) if local else config.nproc)
+
+
+def _eval_pass(config: TrainConfig, dataset: Any, shape: BatchShape, workers: int) -> Any:
+    """`Workload.eval_pass` of --eval-data: one pass, split over the ranks."""
+    global_batch = config.batch_size
+
+    def make(*, rank: int, world_size: int, pin_memory: bool) -> Iterable[tuple[Batch, int]]:
+        shares = chunk_shares(len(dataset), global_batch, rank, world_size)
+        loader = eval_loader(
+            dataset,
+            shape,
+            global_batch_size=global_batch,
+            seed=config.seed + 1,
+            rank=rank,
+            world_size=world_size,
+            num_workers=workers,
+            pin_memory=pin_memory,
+        )
+        return zip(loader, (len(share) for share in shares))
+
+    return make
+
+
+@dataclass(frozen=True)
+class _TrainingData:
+    batches: Callable[[int, int, int], Batch]
+    loader: Callable[..., Iterable[Batch]]
+    steps_per_epoch: int | None
+    items: int | None
+
+
+def _training_data(
+    config: TrainConfig, dataset: Any, shape: BatchShape, workers: int
+) -> _TrainingData:
+    """The batches of --data: a map-style set's epochs (`tessera.data.order`) or a stream's
+    items in order (`tessera.data.stream`), with the loader that fetches them."""
+    G = config.step_batch_size
+    if is_stream(dataset):
+        if config.loader.epochs:
+            raise ConfigError(
+                f"--epochs needs the length of --data {config.data}, a streaming data set: "
+                "give --steps"
+            )
+
+        def first(step: int, rank: int, world_size: int) -> Batch:  # preflight's one row
+            b = G // world_size
+            return shape(list(islice(stream_items(dataset, config.seed), b)))
+
+        def loader(*, start, stop, rank, world_size, pin_memory, state=None) -> StreamLoader:
+            return StreamLoader(
+                dataset, shape, global_batch_size=G, steps=(start, stop),
+                rank_world=(rank, world_size), seed=config.seed, num_workers=workers,
+                pin_memory=pin_memory, state=state,
+            )  # fmt: skip
+
+        return _TrainingData(first, loader, None, None)
+    try:
+        batches = DatasetBatches(dataset, global_batch_size=G, seed=config.seed, collate_fn=shape)
+    except ValueError as exc:
+        raise ConfigError(f"--data {config.data}: {exc}") from None
+
+    def steps(*, state: Any = None, **where: Any) -> Iterable[Batch]:
+        return step_loader(dataset, batches.order, shape, num_workers=workers, **where)
+
+    return _TrainingData(batches.batch, steps, batches.order.steps_per_epoch, len(dataset))
+
+
 def _user(config: TrainConfig) -> Workload:
+    """Why so long: it opens and checks the data, the evaluation data and the loss, and builds
+    the loaders of both, each step short and in the order its errors should come."""
     assert config.model_factory is not None and config.data is not None
     build = model_factory(config.model_factory, config.model_config)
     opened = open_data(config.data, tokenizer=config.tokenizer, block_size=config.model.block_size)
-    sample = _first_items(opened.dataset, config.data)
-    kind = "dict" if isinstance(sample, dict) else "pair"
+    shape = _shape(config)
+    sample = _first_items(opened.dataset, config.data, shape)
+    kind = _batch_kind(sample)
     loss_fn: LossFn | None = None  # dict items without --loss: the model's own (batch rule)
     if config.loss is not None:
         loss_fn = load_reference(config.loss, what="--loss")
@@ -195,13 +304,9 @@ def _user(config: TrainConfig) -> Workload:
         raise ConfigError(
             "(inputs, targets) items need --loss PKG.MODULE:FN: loss(output, targets)"
         )
-    try:
-        batches = DatasetBatches(
-            opened.dataset, global_batch_size=config.step_batch_size, seed=config.seed
-        )
-    except ValueError as exc:
-        raise ConfigError(f"--data {config.data}: {exc}") from None
-    eval_data = None
+    workers = _workers(config)
+    train = _training_data(config, opened.dataset, shape, workers)
+    eval_data = eval_batches = eval_pass = None
     if config.eval_data is not None:
         eval_opened = open_data(
             config.eval_data,
@@ -209,35 +314,51 @@ def _user(config: TrainConfig) -> Workload:
             block_size=config.model.block_size,
             what="--eval-data",
         )
-        eval_sample = _first_items(eval_opened.dataset, config.eval_data)
-        eval_kind = "dict" if isinstance(eval_sample, dict) else "pair"
+        eval_kind = _batch_kind(_first_items(eval_opened.dataset, config.eval_data, shape))
         if eval_kind != kind:
             raise ConfigError(
                 f"--eval-data {config.eval_data} has {eval_kind} items, --data has {kind} items"
             )
         eval_data = eval_opened.dataset
-    eval_batches = None
-    if config.eval_every:  # (the config refused --eval-every without --eval-data)
+        if is_stream(eval_data):
+            raise ConfigError(
+                f"--eval-data {config.eval_data} is a streaming data set: evaluation passes "
+                "over a set of known length (a map-style data set)"
+            )
+    if config.eval_every and config.eval_batches == 0:  # one pass over all of it
+        if len(eval_data) < config.nproc:
+            raise ConfigError(
+                f"--eval-data {config.eval_data} has {len(eval_data)} items, fewer than the "
+                f"{config.nproc} ranks that split it"
+            )
+        eval_pass = _eval_pass(config, eval_data, shape, workers)
+    elif config.eval_every:  # (the config refused --eval-every without --eval-data)
         try:
             eval_batches = DatasetBatches(
-                eval_data, global_batch_size=config.batch_size, seed=config.seed + 1
+                eval_data,
+                global_batch_size=config.batch_size,
+                seed=config.seed + 1,
+                collate_fn=shape,
             ).batch
         except ValueError as exc:
             raise ConfigError(f"--eval-data {config.eval_data}: {exc}") from None
     per_item, unit = _tokens_per_item(sample)
+    settings = config.loader
     identity = {
         "workload": {
             "model": config.model_factory,
             "data": config.data,
             "loss": config.loss,
             "model_config": read_model_config(config.model_config) if config.model_config else None,
-            "items": len(opened.dataset),
+            "items": train.items,
             "tokenizer": opened.tokenizer,
+            "order": "epochs",  # batches drawn from epochs' permutations (tessera.data.order)
+            "collate": [settings.collate, settings.input_keys, settings.target_keys],
         }
     }
     return Workload(
         model_fn=build,
-        batches=batches.batch,
+        batches=train.batches,
         loss_fn=loss_fn,
         batch_kind=kind,
         tokens_per_step=config.step_batch_size * per_item,
@@ -245,6 +366,9 @@ def _user(config: TrainConfig) -> Workload:
         identity=identity,
         eval_data=eval_data,
         eval_batches=eval_batches,
+        loader=train.loader,
+        eval_pass=eval_pass,
+        steps_per_epoch=train.steps_per_epoch,
     )
 
 
