@@ -105,6 +105,7 @@ def test_two_epochs_run_eight_steps_and_workers_resume_bit_exact(tmp_path):
     metrics.jsonl. --num-workers 2 for 3 steps, resumed to 6, equals its first 6 steps, loss for
     loss and weight for weight; the first loss is the plain batch's through the factory's model."""
     common = ["--nproc", "1", "--strategy", "single", *IMAGES, "--batch-size", "16"]
+    common += ["--decay-steps", "8"]  # else a --model run's schedule spans its own --steps
     _run(tmp_path / "epochs", *common, "--epochs", "2", "--num-workers", "0",
          "--checkpoint-every", "6")  # fmt: skip
     records = read_metrics(tmp_path / "epochs" / "metrics.jsonl")
@@ -202,7 +203,8 @@ def test_a_stream_splits_over_ranks_and_workers_once_per_epoch_and_resumes_exact
     take the same ids and losses."""
     stream = ["--nproc", "2", "--strategy", "ddp", "--model", "user_data_loading:id_model",
               "--data", "user_data_loading:stream", "--loss", "user_data_loading:logged_mse",
-              "--batch-size", "8", "--num-workers", "2", "--checkpoint-every", "3"]  # fmt: skip
+              "--batch-size", "8", "--num-workers", "2", "--checkpoint-every", "3",
+              "--decay-steps", "5"]  # fmt: skip (else the schedule spans each run's --steps)
     seen = {}
     for name, steps in (("straight", ["--steps", "5"]), ("split", ["--steps", "3"])):
         (tmp_path / f"{name}-ids").mkdir()
