@@ -141,7 +141,7 @@ def _offload_ranks(nvme_root: str) -> dict:
             _train(engine, ctx, range(STEPS))
             plain[key] = engine.full_state_dict()
             engine.close()
-        folder = Path(nvme_root) / f"{strategy}-{precision}-{device}"  # the checkpoint: shared
+        folder = Path(nvme_root) / f"{strategy}-{precision}-{device}-{params}"  # shared by ranks
         swap = folder / f"swap{ctx.rank}"
         nvme = dict(nvme_dir=str(swap), nvme_buffer_mb=2) if device == "nvme" else {}
         if nvme:
@@ -198,33 +198,37 @@ def test_offload_equals_no_offload_through_setup(run_ranks, tmp_path):
 
 
 def _during_backward_ranks() -> list[int]:
-    """zero2, offload="cpu": when the first layer's gradient arrives (the end of the backward:
-    the layers before it have reduced their buckets), how many buckets have gone down."""
+    """zero2, offload="cpu": when the gradient of the stem's output is computed (before the
+    stem's own parameter gradients, so before the last bucket can be reduced), how many buckets
+    have gone down in this backward."""
     ctx = tessera.init()
     torch.set_num_threads(1)
     engine = _engine(ctx, "zero2", "fp32", "cpu")
-    link = engine.zero.link
+    link, buckets = engine.zero.link, len(engine.zero.flats)
     seen: list[int] = []
 
-    def first_layer_arrived(param: torch.Tensor) -> None:
+    def stem_output_gradient(grad: torch.Tensor) -> None:
+        before = len(seen) * buckets  # the copies of the earlier backwards
         deadline = time.monotonic() + 20.0  # the communication thread copies bucket 0 meanwhile
-        while link.copies["to_host"] == len(seen) * len(engine.zero.flats):
-            if time.monotonic() > deadline:
-                break
+        while link.copies["to_host"] == before and time.monotonic() < deadline:
             time.sleep(0.01)
-        seen.append(link.copies["to_host"] - len(seen) * len(engine.zero.flats))
+        seen.append(link.copies["to_host"] - before)
 
-    handle = engine.module.stem.weight.register_post_accumulate_grad_hook(first_layer_arrived)
+    def hook_output(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            output.register_hook(stem_output_gradient)
+
+    handle = engine.module.stem.register_forward_hook(hook_output)
     _train(engine, ctx, range(2))
     handle.remove()
     engine.close()
-    return [len(engine.zero.flats), *seen]
+    return [buckets, *seen]
 
 
 def test_gradients_go_down_per_bucket_during_the_backward(run_ranks):
     """The gradient partition of a bucket goes to the host as soon as that bucket is reduced,
-    not after the backward: by the time the first layer's gradient arrives, at least one bucket
-    (and not yet the first layer's own) has been copied, in both backwards."""
+    not after the backward: before the first layer's gradients exist, at least one bucket (and
+    not yet the first layer's own) has been copied, in both backwards."""
     for buckets, *seen in run_ranks(_during_backward_ranks, 2):
         assert buckets >= 3
         assert len(seen) == 2 and all(1 <= n < buckets for n in seen), (buckets, seen)

@@ -131,9 +131,7 @@ class TrainConfig:
     nvme_dir: str | None = _option(None, "offload nvme: existing writable folder for the files.")
     nvme_buffer_mb: float = _option(64.0, "offload nvme: memory of the streaming buffers, MB.")
     offload_params: bool = _option(
-        False,
-        "zero3 with offload: the parameter partitions leave the device too (cpu: host memory, "
-        "nvme: nvme_dir), each gather copying them up ahead of use.",
+        False, "zero3 with offload: the parameter partitions go to the host (cpu) or nvme_dir."
     )
     offload_moments: str = _option(
         "fp32",
@@ -393,10 +391,8 @@ class TrainConfig:
             raise ConfigError(f"offload={self.offload} runs a CPU Adam: it needs optimizer adamw")
         if self.offload != "nvme" and self.nvme_dir is not None:
             raise ConfigError("nvme_dir needs offload nvme")
-        if self.offload is None and self.offload_params:
-            raise ConfigError("offload_params needs offload cpu or nvme")
-        if self.offload_params and self.strategy != "zero3":
-            raise ConfigError("offload_params moves ZeRO-3's parameter partitions: use zero3")
+        if self.offload_params and (self.strategy != "zero3" or self.offload is None):
+            raise ConfigError("offload_params moves ZeRO-3's partitions: use zero3 with offload")
         if self.offload_moments not in OFFLOAD_MOMENTS:
             raise ConfigError(
                 f"offload_moments must be one of {', '.join(OFFLOAD_MOMENTS)}, "

@@ -99,7 +99,7 @@ class SwappedMasters:
         flats = {id(flat.master): flat for flat in zero.flats}
         ordered = [flats[id(master)] for master in zero.optimizer.params]  # by optimizer group
         zero.optimizer.step(
-            grads=[zero._gradient_slice(flat) for flat in ordered],
+            grads=[zero.step_gradient(flat) for flat in ordered],  # the host copies, clipped
             publish=[zero._publish_target(flat) for flat in ordered],
         )
 
