@@ -277,6 +277,8 @@ class _TwoSides:
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         from torch.utils._pytree import tree_flatten
 
+        if getattr(self.local, "in_collective", False):  # the CPU transport's own tensors
+            return func(*args, **kwargs)  # (shared-memory segments no dispatch made: no tags)
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         sides = self.side(inputs)
         if len(sides) > 1 and not self.crossing:
