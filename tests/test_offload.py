@@ -566,7 +566,7 @@ def test_nvme_bad_input(tmp_path, monkeypatch):
             host_optimizer("nvme", 2, model, adamw, {}, nvme_dir="/sys")
     with pytest.raises(ValueError, match="offload must be one of"):
         host_optimizer("disk", 2, model, adamw, {})
-    with pytest.raises(ValueError, match="go with offload='nvme'"):
+    with pytest.raises(ValueError, match="goes with offload='nvme'"):
         host_optimizer("cpu", 2, model, adamw, {}, nvme_dir=str(tmp_path))
     with pytest.raises(ValueError, match="offload_params=True .* stage 2"):
         host_optimizer("nvme", 2, model, adamw, {}, nvme_dir=str(tmp_path), offload_params=True)
@@ -646,7 +646,7 @@ def test_train_config_offload_and_activation_checkpointing(tmp_path):
         ({"strategy": "zero2", "offload": "gpu"}, "offload must be cpu, nvme or unset"),
         ({"strategy": "zero2", "offload": "nvme"}, "nvme_dir is required"),
         ({"strategy": "zero2", "offload": "nvme", "nvme_dir": str(tmp_path / "x")}, "not exist"),
-        ({"strategy": "zero2", "offload": "cpu", "nvme_dir": str(tmp_path)}, "need offload nvme"),
+        ({"strategy": "zero2", "offload": "cpu", "nvme_dir": str(tmp_path)}, "needs offload nvme"),
         (
             {
                 "strategy": "zero2",

@@ -9,13 +9,15 @@ and Adam's moments in host memory and runs the step there, so the step must be a
 step with the moments in files under `nvme_dir` streamed through `nvme_buffer_mb` of buffers.
 The fp32 master weights are files too where they are a copy (`mixed_precision="bf16"`), and with
 `offload_params=True` (stage 3 only) ZeRO-3's parameter partition itself: gathers read it back.
+With `offload="cpu"`, `offload_params=True` keeps that partition in host memory instead.
 
 ZeRO-Offload's one-step delayed parameter update (`initialize(..., offload="cpu",
 delayed_update=True)`, the paper's section 5: the host step overlapped with the next forward and
 backward) lives with the ZeRO engine, in `tessera.zero.delayed`.
 
-What is not done yet: on CUDA, streaming gradients to pinned host buffers and the updated
-parameters back, overlapped with backward/forward: refused with a clear error.
+The model may be on any device: the ZeRO engine moves each bucket's gradient partition to the
+host and the updated parameters back (`tessera.zero.host_link`: pinned buffers and a side stream
+on CUDA, the same copies between host tensors on the CPU).
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ def host_optimizer(
     """
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
-    if offload != "nvme" and (nvme_dir is not None or offload_params):
-        raise ValueError(
-            f"nvme_dir and offload_params go with offload='nvme', not offload={offload!r}"
-        )
+    if offload != "nvme" and nvme_dir is not None:
+        raise ValueError(f"nvme_dir goes with offload='nvme', not offload={offload!r}")
+    if offload is None and offload_params:
+        raise ValueError("offload_params goes with offload='cpu' or 'nvme', not offload=None")
     if offload is None:
         return optimizer_class, optimizer_kwargs
     if stage == 0:
@@ -81,12 +83,6 @@ def host_optimizer(
                 "offload='nvme' keeps fp32 moments: bf16_moments and moments_rounding are not "
                 "supported"
             )
-    devices = {p.device.type for p in model.parameters()}
-    if devices - {"cpu"}:
-        raise NotImplementedError(
-            f"offload={offload!r} with parameters on {sorted(devices - {'cpu'})}: streaming "
-            "between device and host is not implemented yet; the CPU-only path is"
-        )
     cpu_class, cpu_kwargs = _as_cpu_adam(offload, optimizer_class, optimizer_kwargs)
     if offload == "cpu":
         return cpu_class, cpu_kwargs

@@ -230,7 +230,12 @@ def _memory(
     states = {k: float(v) for k, v in states.items()}
     states["host"] = 0.0
     if s.offload:  # the optimizer step runs on the host (CPU Adam), its state in host memory
-        states["host"], states["optimizer"] = states["optimizer"], 0.0
+        # beside it the gradient partition copied down, and a partition in the parameters'
+        # bytes: fp32, the master (the device's copy is not stepped); mixed, the pinned buffer
+        # each upload converts into (`tessera.zero.host_link`)
+        part = round(shard) / s.dp if s.zero else round(shard)
+        host = states["optimizer"] + (grad_b + param_b) * part
+        states["host"], states["optimizer"] = host, 0.0
     layers = model.layers / s.pp
     in_flight = s.microbatches if s.schedule == "gpipe" else min(s.pp, s.microbatches)
     kind = "full" if s.recompute else "none"

@@ -139,7 +139,7 @@ class TrainConfig:
     nvme_dir: str | None = _option(None, "offload nvme: existing writable folder for the files.")
     nvme_buffer_mb: float = _option(64.0, "offload nvme: memory of the streaming buffers, MB.")
     offload_params: bool = _option(
-        False, "offload nvme with zero3: the parameter partitions go to nvme_dir too."
+        False, "zero3 with offload: the parameter partitions go to the host (cpu) or nvme_dir."
     )
     offload_moments: str = _option(
         "fp32",
@@ -388,10 +388,10 @@ class TrainConfig:
             )
         if self.offload and self.optimizer != "adamw":
             raise ConfigError(f"offload={self.offload} runs a CPU Adam: it needs optimizer adamw")
-        if self.offload != "nvme" and (self.nvme_dir is not None or self.offload_params):
-            raise ConfigError("nvme_dir and offload_params need offload nvme")
-        if self.offload_params and self.strategy != "zero3":
-            raise ConfigError("offload_params moves ZeRO-3's parameter partitions: use zero3")
+        if self.offload != "nvme" and self.nvme_dir is not None:
+            raise ConfigError("nvme_dir needs offload nvme")
+        if self.offload_params and (self.strategy != "zero3" or self.offload is None):
+            raise ConfigError("offload_params moves ZeRO-3's partitions: use zero3 with offload")
         if self.offload_moments not in OFFLOAD_MOMENTS:
             raise ConfigError(
                 f"offload_moments must be one of {', '.join(OFFLOAD_MOMENTS)}, "

@@ -208,6 +208,7 @@ def shard(
             extra["delayed_update_after"] = offload.delayed_update_after
         if offload.device == "cpu":  # CPUAdam streams the masters and gradient slices
             extra["host_huge_pages"] = True
+        extra["host_step"] = True  # the step on the host, apart from the device's tensors
     optimizer = STAGES[stage](
         model, groups, group=group, mixed_precision=policy.mixed_precision, **extra
     )

@@ -44,7 +44,7 @@ from tessera.runtime.wait import wait_or_raise
 if TYPE_CHECKING:
     from tessera.zero.optimizer import ZeroOptimizer
 
-__all__ = ["DEFAULT_WARMUP_STEPS", "DelayedUpdate", "check_delayed_update"]
+__all__ = ["DEFAULT_WARMUP_STEPS", "DelayedUpdate", "check_collaborators", "check_delayed_update"]
 
 DEFAULT_WARMUP_STEPS = 40
 """Steps without delay before DPU starts ("a few dozen" in the paper; this value is ours)."""
@@ -70,6 +70,18 @@ def check_delayed_update(
         )
     if stage not in (1, 2, 3):
         raise ValueError(f"delayed_update needs ZeRO stage 1, 2 or 3, not stage {stage}")
+
+
+def check_collaborators(delayed_update: bool, after: int, swap_masters: bool) -> None:
+    """Refuse a delayed update that cannot run, and one beside masters in files."""
+    # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
+    # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
+    check_delayed_update(delayed_update, after, offload="cpu")
+    if delayed_update and swap_masters:
+        raise ValueError(
+            "delayed_update cannot run with the masters in files (offload='nvme'): the "
+            "swapped step streams them through shared buffers on the training thread"
+        )
 
 
 class DelayedUpdate:
@@ -162,7 +174,7 @@ class DelayedUpdate:
         # write the stage's buffers while the step reads this one.
         masters = [flat.master for flat in zero.flats]
         for flat, grad in zip(zero.flats, self.grad_buffers(masters)):
-            grad.copy_(zero._gradient_slice(flat))
+            grad.copy_(zero.step_gradient(flat))
             flat.master.grad = grad
         self.steps += 1
         # The step's own copy of the hyper-parameters, taken here on the training thread: a

@@ -5,7 +5,8 @@ masters are: building the flats and the inner optimizer, the step, reading and r
 master, and the slice stages 1/2 all-gather after the step.
 
 * `HeldMasters` (the default): each master is a tensor (a view of the flat buffer where stages
-  1/2 train in fp32 without DPU, a copy otherwise); the inner optimizer steps it in place.
+  1/2 train in fp32 without DPU or offload, a copy otherwise: under offload a host tensor, see
+  `tessera.zero.host_link`); the inner optimizer steps it in place.
 * `SwappedMasters` (`offload="nvme"`): the masters live in the files of an optimizer that keeps
   its parameters there (`NVMeAdam(swap_params=True)`). They have no storage in memory; the step
   streams them through the optimizer's buffers and publishes each updated chunk into the
@@ -43,7 +44,7 @@ class HeldMasters:
     def step(self, zero: ZeroOptimizer) -> None:
         """The inner optimizer's step on the masters, each with its gradient slice."""
         for flat in zero.flats:
-            grad = zero._gradient_slice(flat)
+            grad = zero.step_gradient(flat)  # on the host under offload
             flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
         zero.optimizer.step()
         for flat in zero.flats:
@@ -98,7 +99,7 @@ class SwappedMasters:
         flats = {id(flat.master): flat for flat in zero.flats}
         ordered = [flats[id(master)] for master in zero.optimizer.params]  # by optimizer group
         zero.optimizer.step(
-            grads=[zero._gradient_slice(flat) for flat in ordered],
+            grads=[zero.step_gradient(flat) for flat in ordered],  # the host copies, clipped
             publish=[zero._publish_target(flat) for flat in ordered],
         )
 
@@ -122,6 +123,6 @@ def _storageless_master(zero: ZeroOptimizer, bucket: Bucket) -> nn.Parameter:
     """A master of the right length with no memory behind it (its value goes to a file)."""
     numel = sum(p.numel() for p in bucket.params)
     lo, hi = shard_range(numel, zero.world, zero.rank)
-    master = torch.empty(hi - lo, dtype=torch.float32, device=bucket.params[0].device)
+    master = torch.empty(hi - lo, dtype=torch.float32)  # the host's: NVMeAdam steps it there
     master.untyped_storage().resize_(0)
     return nn.Parameter(master)

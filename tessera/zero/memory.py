@@ -27,7 +27,7 @@ from torch import nn
 
 from tessera.memory.storage import storage_bytes, storage_id
 
-__all__ = ["estimate_memory", "measure_memory", "storage_bytes"]
+__all__ = ["estimate_memory", "held_bytes", "measure_memory", "storage_bytes"]
 
 
 def estimate_memory(
@@ -90,6 +90,39 @@ def measure_memory(model: nn.Module, optimizer: Any) -> dict[str, int]:
         "params": storage_bytes(params, seen),
         "gradients": gradients,
         "optimizer": storage_bytes(_optimizer_tensors(optimizer), seen),
+    }
+    counted["total"] = sum(counted.values())
+    return counted
+
+
+def held_bytes(zero: Any) -> dict[str, int]:
+    """Bytes of params, gradients and optimizer state a `ZeroOptimizer` holds on this rank,
+    counted from storages (each once; a freed ZeRO-3 buffer counts zero). Under offload the
+    host's buffers (masters, gradient partitions, staging) count with the device's."""
+    seen: set[int] = set()
+    mixed = zero.mixed_precision is not None
+    params = list(zero.module.parameters()) + [f.flat_param for f in zero.flats]
+    params += zero._parameter_shards()
+    if not mixed:
+        params += [f.master for f in zero.flats]
+    grads = [p.grad for p in zero.module.parameters()]
+    grads += [f.bucket.buffer for f in zero.flats] + [f.grad_shard for f in zero.flats]
+    grads += zero.delayed.grads if zero.delayed is not None else []
+    if zero.link is not None:
+        grads += zero.link.grads
+        params += [t for t in zero.link.staging if t is not None]
+    states = [
+        value
+        for state in zero.optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    counted = {
+        "params": storage_bytes(params, seen),
+        "gradients": storage_bytes(grads, seen),
+        "optimizer": storage_bytes(
+            states + ([f.master for f in zero.flats] if mixed else []), seen
+        ),
     }
     counted["total"] = sum(counted.values())
     return counted

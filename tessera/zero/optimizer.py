@@ -22,7 +22,8 @@ any other engine on the group, so every rank issues them in the same order.
 `delayed_update=True` runs the inner step in a background thread, overlapped with the next
 forward and backward (ZeRO-Offload's DPU): a `DelayedUpdate` (`tessera.zero.delayed`) the
 optimizer holds. Where the fp32 masters live (in memory, or in the files of `offload="nvme"`) is
-another collaborator, `HeldMasters` or `SwappedMasters` (`tessera.zero.masters`).
+another collaborator, `HeldMasters` or `SwappedMasters` (`tessera.zero.masters`). Under offload
+the step's tensors are on the host, moved per bucket by a `HostLink` (`tessera.zero.host_link`).
 
 Transport: a reduce-scatter and an all-gather (the paper's Ψ elements each) through
 `tessera.comm` with the cost model's choice: on one host its shared-memory collectives
@@ -51,10 +52,11 @@ from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import current_context
 from tessera.runtime.wait import wait_or_raise
 from tessera.zero.bf16_forward import Bf16Forward, kept_in_fp32, to_bf16_storageless
-from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_delayed_update
+from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_collaborators
 from tessera.zero.groups import OptimizerGroups
+from tessera.zero.host_link import HostLink
 from tessera.zero.masters import HeldMasters, SwappedMasters
-from tessera.zero.memory import storage_bytes
+from tessera.zero.memory import held_bytes
 from tessera.zero.partition import FlatLayout, padded_numel, shard_range
 
 __all__ = ["FlatShard", "ZeroOptimizer"]
@@ -95,7 +97,10 @@ class ZeroOptimizer:
         delayed_update: bool = False,
         delayed_update_after: int = DEFAULT_WARMUP_STEPS,
         host_huge_pages: bool = False,
+        host_step: bool = False,
     ) -> None:
+        """Why so many parameters: a keyword per collaborator switch (`zero.api.shard` sets them).
+        Why so long: it builds those collaborators (link, reducer, masters) in dependency order."""
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
         if mixed_precision not in (None, "bf16"):
@@ -106,7 +111,7 @@ class ZeroOptimizer:
         self.rank = dist.get_rank(group)
         self.timeout_s = current_context().timeout_s
         self.mixed_precision = mixed_precision
-        _check_collaborators(delayed_update, delayed_update_after, swap_masters)
+        check_collaborators(delayed_update, delayed_update_after, swap_masters)
         self.groups = OptimizerGroups.of(module, make_optimizer)  # (stage 3 read them first)
         self._fp32_kept = kept_in_fp32(module, mixed_precision)
         self.delayed: DelayedUpdate | None = None
@@ -119,6 +124,8 @@ class ZeroOptimizer:
         named, units = self._ordered_parameters()
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
+        self.link = HostLink.of(named, host_huge_pages) if host_step else None
+        """Offload: the host tensors the step reads and writes, copied to and from the device."""
         stream = stream_for(group)  # construction's collectives, in order with other engines'
         stream.run(_check_same_model, module, group, what=f"ZeRO-{self.stage} model check")
         self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
@@ -137,7 +144,7 @@ class ZeroOptimizer:
         self.reducer = Reducer(
             named,
             cap_bytes=int(bucket_cap_mb * 2**20),
-            reduce_bucket=self._reduce_bucket,
+            reduce_bucket=self._reduce_and_offload,
             rank=dist.get_rank(),
             timeout_s=self.timeout_s,
             allocate=lambda n, dtype, device: self._zeros(
@@ -214,6 +221,7 @@ class ZeroOptimizer:
             and self.mixed_precision is None
             and self.stage < 3
             and self.delayed is None
+            and self.link is None  # offloaded: the master is on the host
         )
         # Stages 1/2 in fp32 without DPU: the master is a view of this buffer, stepped in place.
         flat_param = self._zeros(padded, first.dtype, first.device, stepped=aliased)
@@ -232,12 +240,18 @@ class ZeroOptimizer:
             self.masters.write(master, master_full[lo:hi])  # only `SwappedMasters` passes one
         elif aliased:
             master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
+        elif self.link is not None:
+            master = nn.Parameter(self.link.host_zeros(hi - lo, torch.float32))
+            master.detach().copy_(master_full[lo:hi])
         else:
             master = self._zeros(hi - lo, torch.float32, first.device, stepped=True)
             master = nn.Parameter(master.copy_(master_full[lo:hi]))
         grad_shard = None
-        if self.release_gradients:
-            grad_shard = self._zeros(hi - lo, first.dtype, first.device, stepped=True)
+        if self.release_gradients:  # not stepped under offload: the host's `link.grads` are
+            grad_shard = self._zeros(hi - lo, first.dtype, first.device, stepped=self.link is None)
+        if self.link is not None:
+            converted, published = master.dtype != first.dtype, self.masters.swapped
+            self.link.add_bucket(hi - lo, first.dtype, converted=converted, published=published)
         return FlatShard(bucket, layout, flat_param, lo, hi, master, grad_shard)
 
     # -- hooks ------------------------------------------------------------------------------
@@ -255,25 +269,42 @@ class ZeroOptimizer:
         """Reduce one bucket's gradients (on the communication stream); per stage."""
         raise NotImplementedError
 
+    def _reduce_and_offload(self, bucket: Bucket) -> None:
+        """The stage's reduction; under offload the partition then goes to the host at once."""
+        self._reduce_bucket(bucket)
+        if self.link is not None:
+            self.link.to_host(bucket.index, self._gradient_slice(self.flats[bucket.index]))
+
     def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:
         """This rank's averaged gradient slice, in the compute dtype."""
         assert flat.grad_shard is not None
         return flat.grad_shard
 
+    def step_gradient(self, flat: FlatShard) -> torch.Tensor:
+        """The gradient slice the step reads: the stage's, or under offload its host copy."""
+        if self.link is None:
+            return self._gradient_slice(flat)
+        return self.link.gradient(flat.bucket.index, lambda: self._gradient_slice(flat))
+
     def gradient_slices(self) -> list[torch.Tensor]:
-        """This rank's averaged gradient slice of every bucket (after the reduction)."""
-        return [self._gradient_slice(flat) for flat in self.flats]
+        """This rank's averaged gradient slice of every bucket, as the step reads it."""
+        return [self.step_gradient(flat) for flat in self.flats]
 
     def _publish(self) -> None:
         """After the inner step: make the new slices visible as the module's parameters (stages
         1/2: all-gather every flat buffer from the slices; stage 3 overrides)."""
+        if self.link is not None:  # under offload: each slice goes up, then the gather
+            self.link.publish_flats(self)
+            return
         for index, flat in enumerate(self.flats):
             master = self._publish_source(flat)
             self._collective(self._all_gather_into, flat.flat_param, master, item=index)
 
     def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
         """Where a swapped master's new value goes in the step (stages 1/2: the flat buffer's
-        slice, in the compute dtype; stage 3 overrides)."""
+        slice, in the compute dtype, under offload a host buffer; stage 3 overrides)."""
+        if self.link is not None:
+            return self.link.staging[flat.bucket.index]
         return flat.flat_param[flat.lo : flat.hi]
 
     def _publish_source(self, flat: FlatShard) -> torch.Tensor:
@@ -355,6 +386,8 @@ class ZeroOptimizer:
         for flat in self.flats:
             if flat.grad_shard is not None:
                 flat.grad_shard.zero_()
+        if self.link is not None:
+            self.link.forget_gradients()
 
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -362,8 +395,14 @@ class ZeroOptimizer:
         return clip_grad_norm(
             self.gradient_slices(),
             max_norm,
-            all_reduce=lambda total: self._collective(_all_reduce_sum, total, self.group),
+            all_reduce=lambda total: self._collective(
+                _all_reduce_sum, self._on_device(total), self.group
+            ),
         )
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` where the collectives run (a host value goes to the device: NCCL)."""
+        return tensor if self.link is None else tensor.to(self.link.device)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
@@ -389,31 +428,9 @@ class ZeroOptimizer:
             self.delayed.finish(self)
 
     def memory_usage(self) -> dict[str, int]:
-        """Bytes of params, gradients and optimizer state held on this rank, from storages."""
-        seen: set[int] = set()
-        mixed = self.mixed_precision is not None
-        params = list(self.module.parameters()) + [f.flat_param for f in self.flats]
-        params += self._parameter_shards()
-        if not mixed:
-            params += [f.master for f in self.flats]
-        grads = [p.grad for p in self.module.parameters()]
-        grads += [f.bucket.buffer for f in self.flats] + [f.grad_shard for f in self.flats]
-        grads += self.delayed.grads if self.delayed is not None else []
-        states = [
-            value
-            for state in self.optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        ]
-        counted = {
-            "params": storage_bytes(params, seen),
-            "gradients": storage_bytes(grads, seen),
-            "optimizer": storage_bytes(
-                states + ([f.master for f in self.flats] if mixed else []), seen
-            ),
-        }
-        counted["total"] = sum(counted.values())
-        return counted
+        """Bytes of params, gradients and optimizer state held on this rank, from storages
+        (`tessera.zero.memory.held_bytes`; under offload the host's included)."""
+        return held_bytes(self)
 
     def _parameter_shards(self) -> list[torch.Tensor]:
         """Parameter storage besides the flat buffers (stage 3's compute-dtype shards)."""
@@ -431,7 +448,7 @@ class ZeroOptimizer:
         self.wait_for_step()
         out: dict[str, torch.Tensor] = {}
         for index, flat in enumerate(self.flats):
-            master = self.master_value(flat)
+            master = self._on_device(self.master_value(flat))
             full = self._collective(_all_gather, master, self.group, item=index)
             offsets = flat.layout.offsets
             for index, name in enumerate(flat.layout.names):
@@ -454,18 +471,6 @@ class ZeroOptimizer:
         close = getattr(self.optimizer, "close", None)
         if close is not None:  # offload="nvme": remove its files now, not at exit
             close()
-
-
-def _check_collaborators(delayed_update: bool, after: int, swap_masters: bool) -> None:
-    """Refuse a delayed update that cannot run, and one beside masters in files."""
-    # Any element-wise inner optimizer may be delayed here; `initialize` and the trainer
-    # allow it with offload="cpu" only (the paper's setting: the step runs on the host).
-    check_delayed_update(delayed_update, after, offload="cpu")
-    if delayed_update and swap_masters:
-        raise ValueError(
-            "delayed_update cannot run with the masters in files (offload='nvme'): the "
-            "swapped step streams them through shared buffers on the training thread"
-        )
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

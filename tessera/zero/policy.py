@@ -39,7 +39,8 @@ class OffloadPolicy:
     nvme_buffer_mb: float = 64.0
     """`nvme`: memory of the streaming buffers, in MB."""
     params: bool = False
-    """`nvme` with stage 3: ZeRO-3's parameter partitions go to files too."""
+    """Stage 3: ZeRO-3's parameter partitions leave the device too (`cpu`: host memory, `nvme`:
+    files), each gather copying them up ahead of use."""
     moments: str = "fp32"
     """`cpu`: how CPUAdam stores Adam's moments: fp32, bf16 or bf16-stochastic."""
     delayed_update: bool = False
@@ -50,10 +51,8 @@ class OffloadPolicy:
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "nvme"):
             raise ValueError(f"offload device must be 'cpu' or 'nvme', got {self.device!r}")
-        if self.device != "nvme" and (self.nvme_dir is not None or self.params):
-            raise ValueError(
-                f"nvme_dir and offload_params go with offload='nvme', not offload={self.device!r}"
-            )
+        if self.device != "nvme" and self.nvme_dir is not None:
+            raise ValueError(f"nvme_dir goes with offload='nvme', not offload={self.device!r}")
         if not self.nvme_buffer_mb > 0:
             raise ValueError(f"nvme_buffer_mb must be positive, got {self.nvme_buffer_mb!r}")
         if self.moments not in MOMENT_STORAGE:

@@ -69,8 +69,11 @@ class ZeroStage3(ZeroOptimizer):
 
     `units`: module classes and/or dotted name patterns choosing what is gathered as one
     (`tessera.zero.units.select_units`); `None` keeps the default `find_units`.
-    `offload_params`: this rank's parameter partition is the inner optimizer's (an `NVMeAdam`
-    with `swap_params=True`): no copy is kept in memory, each gather reads it from disk.
+    `offload_params`: this rank's parameter partition stays off the device: with
+    `swap_masters` it is the inner optimizer's (an `NVMeAdam` with `swap_params=True`, no copy
+    in memory, each gather reads it from disk); else (offload="cpu") it is a host tensor. Each
+    gather copies it up first, on the communication stream, so a unit prefetched is also a
+    unit uploaded ahead of its use (ZeRO-Infinity's parameter offload).
     `swap_masters`: the fp32 masters are in the inner optimizer's files (`offload="nvme"`).
     `meta_init`: the model was built on the meta device (`tessera.zero.materialize`): each unit
     is initialised in turn and only this rank's slice of it is kept.
@@ -95,10 +98,12 @@ class ZeroStage3(ZeroOptimizer):
         delayed_update: bool = False,
         delayed_update_after: int = DEFAULT_WARMUP_STEPS,
         host_huge_pages: bool = False,
+        host_step: bool = False,
         meta_init: PendingInit | None = None,
     ) -> None:
         self._units = select_units(module, units)
         self._offload_params = offload_params
+        """This rank's parameter partition lives off the device (host memory or files)."""
         self._shards: list[torch.Tensor] = []
         self._initial: dict[int, tuple[list[str], torch.Tensor]] | None = None
         """A meta-device model's first values: per bucket, its names and this rank's slice."""
@@ -109,9 +114,9 @@ class ZeroStage3(ZeroOptimizer):
         # One bucket per unit, whatever its size: the cap never splits one.
         super().__init__(
             module, make_optimizer, group=group, mixed_precision=mixed_precision,
-            bucket_cap_mb=_ONE_BUCKET_MB, swap_masters=swap_masters or offload_params,
+            bucket_cap_mb=_ONE_BUCKET_MB, swap_masters=swap_masters,
             delayed_update=delayed_update, delayed_update_after=delayed_update_after,
-            host_huge_pages=host_huge_pages,
+            host_huge_pages=host_huge_pages, host_step=host_step,
         )  # fmt: skip
         self._lock = threading.RLock()  # backward hooks may run on autograd's worker threads
         self._residency = ResidencyScheduler(
@@ -183,10 +188,16 @@ class ZeroStage3(ZeroOptimizer):
             sources = self._initial_sources(bucket)
         flat = super()._make_flat(bucket, sources, master)
         # Under DPU the gathers read a copy: the background step writes the master meanwhile.
-        if (self.mixed_precision is None and self.delayed is None) or self._offload_params:
-            # The fp32 master is the shard (with offload_params, in the optimizer's files:
-            # `_shard_value` reads it, rounded to the compute dtype, for each gather).
+        # Under offload the master is on the host: the gathers read a device copy.
+        same = self.mixed_precision is None and self.delayed is None
+        if (same and (self.link is None or self._offload_params)) or self._in_files():
+            # The fp32 master is the shard (in the optimizer's files under offload_params with
+            # offload="nvme": `_shard_value` reads it, rounded to the compute dtype).
             self._shards.append(flat.master.detach())
+        elif self._offload_params:  # offload="cpu": a host copy in the compute dtype
+            assert self.link is not None, "offload_params goes with the host step"
+            shard = self.link.host_zeros(flat.hi - flat.lo, flat.flat_param.dtype)
+            self._shards.append(shard.copy_(flat.flat_param[flat.lo : flat.hi]))
         else:
             self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
         flat.flat_param.untyped_storage().resize_(0)
@@ -237,14 +248,34 @@ class ZeroStage3(ZeroOptimizer):
             self._all_gather_into(flat.flat_param, self._shard_value(flat))
 
     def _shard_value(self, flat: FlatShard) -> torch.Tensor:
-        """This rank's slice of a flat in the compute dtype (from disk under offload_params)."""
-        if self._offload_params:
-            return self.optimizer.read_param(flat.master).to(flat.flat_param.dtype)
-        return self._shards[flat.bucket.index]
+        """This rank's slice of a flat in the compute dtype (from disk under offload_params,
+        and then, under offload, copied up into the flat buffer's own slice)."""
+        if not self._offload_params:
+            return self._shards[flat.bucket.index]
+        if self._in_files():
+            value = self.optimizer.read_param(flat.master).to(flat.flat_param.dtype)
+        else:
+            value = self._shards[flat.bucket.index]
+        if self.link is None:
+            return value
+        mine = flat.flat_param[flat.lo : flat.hi]
+        self.link.to_device(flat.bucket.index, value, mine)
+        self.link.device_ready()  # the gather that follows reads `mine` on this stream
+        self.link.wait()  # `value` is freed on return
+        return mine
+
+    def _in_files(self) -> bool:
+        """The parameter partition is the inner optimizer's file (offload="nvme")."""
+        return self._offload_params and self.swapped_masters
 
     def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
-        """The compute-dtype shard the step refreshes; none when the shard is the master."""
-        return None if self._offload_params else self._shards[flat.bucket.index]
+        """The compute-dtype shard the step refreshes (under offload, its host staging buffer,
+        copied up at publish); none when the shard is the master."""
+        if self._in_files():
+            return None
+        if self.link is not None:
+            return self.link.staging[flat.bucket.index]
+        return self._shards[flat.bucket.index]
 
     def _request(self, unit: int | None) -> Future | None:
         """Queue the gather of a unit unless it is gathered or on its way; its future."""
@@ -365,6 +396,17 @@ class ZeroStage3(ZeroOptimizer):
     @torch.no_grad()
     def _publish(self) -> None:
         self._release_unused()  # also after load_shards replaced the masters
+        if self.link is not None:  # under offload: each partition goes up into its shard
+            for flat, shard in zip(self.flats, self._shards):
+                if self._in_files() or shard.data_ptr() == flat.master.data_ptr():
+                    continue  # the gathers read the master itself
+                if self._offload_params:  # a host shard: the gathers copy it up
+                    shard.copy_(self.link.host_value(self, flat))
+                else:
+                    self.link.to_device(flat.bucket.index, self.link.host_value(self, flat), shard)
+            self.link.device_ready()
+            self.link.wait()  # the host buffers may change again (a delayed step starts)
+            return
         copied = self.mixed_precision is not None or self.delayed is not None
         if copied and not self.swapped_masters:
             for flat, shard in zip(self.flats, self._shards):

@@ -1,0 +1,211 @@
+"""`HostLink`: ZeRO-Offload's traffic between the training device and the host step.
+
+ZeRO-Offload (Ren et al., USENIX ATC 2021) keeps the model, its gradients and the activations
+on the accelerator and the fp32 master weights, the gradient partition and Adam's moments in
+host memory, where the optimizer step runs. Per step, each rank moves its gradient partition
+down (device to host) and its updated parameter partition up (host to device), in the compute
+dtype: Ψ/N elements each way. As in the paper, the gradient copies overlap the backward: a
+bucket goes down as soon as its reduction has finished, while the backward computes the
+gradients of earlier layers. ZeRO-Infinity (Rajbhandari et al., SC 2021) streams the same host
+buffers on to NVMe (`tessera.optim.nvme.NVMeAdam`).
+
+One code path, with the device a parameter (`tessera`'s design principle 7): the device is the
+parameters' own (`cuda:k`, or `cpu`), and the host buffers are always a set of tensors distinct
+from the device's, so the CPU suite runs every copy this class makes. What differs per device:
+
+* on CUDA the host buffers are pinned (page-locked), so the copies are DMA transfers that run
+  asynchronously on a side stream (`torch.cuda.Stream`) beside the compute stream; each copy
+  waits for the work already queued on the stream that produced its source and records an event
+  that the consumer waits on (`wait`, `device_ready`);
+* on the CPU the "device" tensors are host memory too: the copies are plain `copy_` calls (the
+  host buffers the step streams go on huge pages, `tessera.optim.cpu_adam.host_zeros`). This
+  costs a copy of each gradient partition (and, where the master used to alias the parameter
+  buffer, of the parameter partition) that a CPU-only run without this class would not pay.
+
+Every copy is counted (`copies`), the latest listed in `log` as ("to_host" | "to_device",
+bucket index): the tests check that the copies happen per bucket, during the backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from tessera.optim.cpu_adam import host_zeros
+from tessera.runtime.wait import wait_or_raise
+
+if TYPE_CHECKING:
+    from tessera.zero.optimizer import FlatShard, ZeroOptimizer
+
+__all__ = ["HostLink", "link_device"]
+
+_LOG_LENGTH = 4096
+"""Copies `HostLink.log` remembers (a few steps' worth: it must not grow with the run)."""
+
+
+def link_device(params: list[torch.Tensor]) -> torch.device:
+    """The one device the parameters a ZeRO stage offloads live on; a clear error if several."""
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(
+            f"offload moves one device's parameters to the host; the trainable parameters are "
+            f"on {sorted(map(str, devices))}: put the model on one device first"
+        )
+    return next(iter(devices))
+
+
+class HostLink:
+    """The host side of one ZeRO optimizer's buffers and the copies to and from its device."""
+
+    def __init__(self, device: torch.device | str, *, huge_pages: bool = False) -> None:
+        self.device = torch.device(device)
+        """Where the parameters, their gradients and the collectives live."""
+        self.pinned = self.device.type == "cuda" and torch.cuda.is_available()
+        """Host buffers page-locked and copies asynchronous on `_stream` (a real CUDA device)."""
+        self._huge_pages = huge_pages and not self.pinned
+        self._stream = torch.cuda.Stream(self.device) if self.pinned else None
+        self._events: list[torch.cuda.Event] = []
+        self._lock = threading.Lock()  # copies are issued by the comm thread and the trainer
+        self.grads: list[torch.Tensor] = []
+        """Per bucket: this rank's reduced gradient partition on the host (compute dtype)."""
+        self.staging: list[torch.Tensor | None] = []
+        """Per bucket: the updated partition in the compute dtype, on the host, before it goes
+        up (None where the fp32 master itself is in the compute dtype)."""
+        self._fresh: list[bool] = []
+        """Per bucket: the host gradient was copied since the last `forget_gradients`."""
+        self.log: deque[tuple[str, int]] = deque(maxlen=_LOG_LENGTH)
+        """The latest copies, in issue order: ("to_host" | "to_device", bucket index)."""
+        self.copies = {"to_host": 0, "to_device": 0}
+        """Copies made so far, per direction."""
+
+    @classmethod
+    def of(cls, named: list[tuple[str, torch.Tensor]], huge_pages: bool) -> HostLink:
+        """The link of a ZeRO optimizer over the trainable parameters `named`."""
+        return cls(link_device([param for _, param in named]), huge_pages=huge_pages)
+
+    # -- host buffers ---------------------------------------------------------------------------
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero host buffer: pinned for a CUDA device, on huge pages for the CPU step."""
+        if self.pinned:
+            return torch.zeros(numel, dtype=dtype, pin_memory=True)
+        if self._huge_pages:
+            return host_zeros((numel,), dtype)
+        return torch.zeros(numel, dtype=dtype)
+
+    def add_bucket(
+        self, numel: int, compute_dtype: torch.dtype, *, converted: bool, published: bool
+    ) -> None:
+        """Host buffers of the next bucket: its gradient partition of `numel` elements, and a
+        staging buffer where the step's result is `published` into one (a swapped step), or
+        `converted` to the compute dtype before an asynchronous upload (pinned: on the CPU
+        `copy_` converts as it copies, and the buffer would only cost memory)."""
+        self.grads.append(self.host_zeros(numel, compute_dtype))
+        staged = published or (converted and self.pinned)
+        self.staging.append(self.host_zeros(numel, compute_dtype) if staged else None)
+        self._fresh.append(False)
+
+    # -- copies ---------------------------------------------------------------------------------
+    def _copy(self, kind: str, index: int, source: torch.Tensor, target: torch.Tensor) -> None:
+        """`target.copy_(source)`; on CUDA asynchronously on the side stream, after the work
+        the calling thread's stream has queued (which produced `source`)."""
+        with self._lock:
+            self.log.append((kind, index))
+            self.copies[kind] += 1
+            if self._stream is None:
+                target.copy_(source)
+                return
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                target.copy_(source, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._events.append(event)
+
+    def to_host(self, index: int, source: torch.Tensor) -> None:
+        """Copy bucket `index`'s reduced gradient partition (a device tensor) to the host, as
+        soon as its reduction has been queued (called on the communication thread)."""
+        self._copy("to_host", index, source.reshape(-1), self.grads[index])
+        self._fresh[index] = True
+
+    def forget_gradients(self) -> None:
+        """The gradients were cleared (`zero_grad`): the host copies are stale until the next
+        reduction copies them again (a step before that copies the device's zeros)."""
+        self._fresh = [False] * len(self._fresh)
+
+    def gradient(self, index: int, device_slice: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Bucket `index`'s gradient partition on the host, every copy of it finished. A bucket
+        not reduced since the last `forget_gradients` is copied now from `device_slice()`."""
+        if not self._fresh[index]:
+            self.to_host(index, device_slice())
+        self.wait()
+        return self.grads[index]
+
+    def to_device(self, index: int, master: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy bucket `index`'s updated partition up into `target` (a device tensor in the
+        compute dtype), converted on the host first (into `staging`, pinned) if the dtypes
+        differ. The consumer of `target` calls `device_ready` first."""
+        source = master.detach().reshape(-1)
+        staging = self.staging[index]
+        if source.dtype != target.dtype and staging is not None:
+            source = staging.copy_(source)
+        self._copy("to_device", index, source, target.reshape(-1))
+
+    def device_ready(self) -> None:
+        """Make the calling thread's device stream wait for every copy issued so far."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+
+    def wait(self) -> None:
+        """Block the host until every copy issued so far has finished (the host may then read
+        what went down and overwrite what went up)."""
+        with self._lock:
+            events, self._events = self._events, []
+        for event in events:
+            event.synchronize()
+
+    # -- publishing the step's result (the ZeRO optimizer's side) -----------------------------
+    def host_value(self, zero: ZeroOptimizer, flat: FlatShard) -> torch.Tensor:
+        """The updated partition of `flat` on the host: its master, or the compute-dtype copy
+        a swapped (offload="nvme") step published into the staging buffer."""
+        if zero.masters.swapped:
+            staging = self.staging[flat.bucket.index]
+            assert staging is not None, "a swapped step publishes into a staging buffer"
+            return staging
+        return flat.master
+
+    def publish_flats(self, zero: ZeroOptimizer) -> None:
+        """Stages 1/2: each rank's updated partition goes up into its slice of the flat buffer,
+        then the flat is all-gathered in place on the group's stream (bucket k's gather runs
+        while bucket k+1 goes up); returns once every copy and gather has finished, so the host
+        buffers may change again (a delayed step starts right after)."""
+        futures = []
+        for index, flat in enumerate(zero.flats):
+            mine = flat.flat_param[flat.lo : flat.hi]
+            self.to_device(index, self.host_value(zero, flat), mine)
+            gather = _gather_uploaded(self, zero, flat.flat_param, mine)
+            futures.append(zero.reducer.submit(gather, item=index))
+        for future in futures:
+            wait_or_raise(
+                future, f"ZeRO-{zero.stage} all_gather", zero.timeout_s, dist.get_rank(),
+                "another rank has not reached the same step (or has failed)",
+            )  # fmt: skip
+        self.wait()
+
+
+def _gather_uploaded(
+    link: HostLink, zero: ZeroOptimizer, full: torch.Tensor, mine: torch.Tensor
+) -> Callable[[], None]:
+    """The gather of one flat, run on the group's stream once its upload has landed."""
+
+    @torch.no_grad()
+    def all_gather() -> None:
+        link.device_ready()
+        zero._all_gather_into(full, mine.detach())
+
+    all_gather.__name__ = "all_gather"
+    return all_gather
