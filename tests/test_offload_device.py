@@ -330,9 +330,13 @@ def _two_sides_ranks() -> dict:
             sides.crossing = False
         sides.tag([target], "host" if kind == "to_host" else "device")
 
-    def to_device(self, tensor):  # on CUDA a copy; on the CPU `.to` would alias the host's
-        moved = on_device(self, tensor).clone()
-        sides.tag([moved], "device")
+    def to_device(self, tensor, host=False):  # on CUDA a copy; on the CPU `.to` would alias
+        sides.crossing = True
+        try:
+            moved = on_device(self, tensor, host=host).clone()
+        finally:
+            sides.crossing = False
+        sides.tag([moved], "host" if host else "device")
         return moved
 
     def checked_numpy(tensor, *args, **kwargs):

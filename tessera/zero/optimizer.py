@@ -392,17 +392,16 @@ class ZeroOptimizer:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients to global norm <= `max_norm`; the norm is summed over all shards."""
-        return clip_grad_norm(
-            self.gradient_slices(),
-            max_norm,
-            all_reduce=lambda total: self._collective(
-                _all_reduce_sum, self._on_device(total), self.group
+        return clip_grad_norm(  # offloaded: the norm is summed, reduced, and scales on the host
+            self.gradient_slices(), max_norm, all_reduce=lambda total: self._on_device(
+                self._collective(_all_reduce_sum, self._on_device(total), self.group), host=True
             ),
         )
 
-    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` where the collectives run (a host value goes to the device: NCCL)."""
-        return tensor if self.link is None else tensor.to(self.link.device)
+    def _on_device(self, tensor: torch.Tensor, host: bool = False) -> torch.Tensor:
+        """`tensor` where the collectives run (a host value goes to the device: NCCL); `host`:
+        back on the host (offloaded gradients are clipped there, no device scalar beside them)."""
+        return tensor if self.link is None else tensor.to("cpu" if host else self.link.device)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
