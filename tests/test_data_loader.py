@@ -294,6 +294,31 @@ def test_val_loss_is_the_plain_mean_over_every_item_of_the_evaluation_set(tmp_pa
     assert val_loss == pytest.approx(plain, rel=16 * torch.finfo(torch.float32).eps)
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_val_loss_of_a_token_averaged_loss_is_the_mean_over_every_token(tmp_path, nproc):
+    """13 padded sequences of 3-9 tokens (--batch-size 4, so batches and ranks hold different
+    token counts), nn.CrossEntropyLoss ignoring the padding's -100: val_loss equals the plain
+    loop's summed token losses over the set divided by its tokens, not a mean of batch means."""
+    tags = ["--model", "user_data_loading:tagger", "--data", "user_data_loading:texts",
+            "--loss", "user_data_loading:token_loss", "--collate", "user_data_loading:tag_collate",
+            "--input-keys", "input_ids", "--target-keys", "labels",
+            "--eval-data", "user_data_loading:texts_13", "--eval-every", "1", "--steps", "1",
+            "--batch-size", "4", "--num-workers", "0"]  # fmt: skip
+    strategy = "single" if nproc == 1 else "ddp"
+    _run(tmp_path, "--nproc", str(nproc), "--strategy", strategy, *tags)
+    model = udl.tagger()
+    model.load_state_dict(_weights(tmp_path))
+    batch = udl.tag_collate([udl.texts_13()[i] for i in range(13)])
+    with torch.no_grad():
+        summed = torch.nn.functional.cross_entropy(
+            model(batch["input_ids"]), batch["labels"], reduction="sum"
+        )
+    plain = float(summed) / int((batch["labels"] != -100).sum())
+    val_loss = read_metrics(tmp_path / "metrics.jsonl")[-1]["val_loss"]
+    # float32 sums of about 80 token losses of order 1 in another grouping
+    assert val_loss == pytest.approx(plain, rel=80 * torch.finfo(torch.float32).eps)
+
+
 def test_the_step_time_counts_the_wait_for_the_batch(tmp_path):
     """Items costing 10 ms each, fetched in the rank (--num-workers 0), 4 a step: every step
     waits at least 40 ms for its batch (data_s), and step_s, which samples/s divides, holds it."""

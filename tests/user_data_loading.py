@@ -210,3 +210,38 @@ def logged_mse(output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Te
         with open(os.path.join(folder, name), "a") as file:
             file.write(" ".join(str(int(i)) for i in batch["id"]) + "\n")
     return F.mse_loss(output, batch["y"])
+
+
+class Tagger(nn.Module):
+    """A per-token classifier: logits (batch, classes, length), as nn.CrossEntropyLoss takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 8, padding_idx=0)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(input_ids)).transpose(1, 2)
+
+
+def tagger() -> nn.Module:
+    torch.manual_seed(0)
+    return Tagger()
+
+
+def texts_13() -> Texts:
+    return Texts(13)
+
+
+def tag_collate(items: list[dict[str, object]]) -> dict[str, torch.Tensor]:
+    """Padded ids; each real token's tag is its id mod 5, padding's -100 (not counted)."""
+    longest = max(len(item["tokens"]) for item in items)
+    ids = torch.zeros(len(items), longest, dtype=torch.long)
+    tags = torch.full((len(items), longest), -100, dtype=torch.long)
+    for row, item in enumerate(items):
+        seq = torch.tensor(item["tokens"])
+        ids[row, : len(seq)], tags[row, : len(seq)] = seq, seq % 5
+    return {"input_ids": ids, "labels": tags}
+
+
+token_loss = nn.CrossEntropyLoss()  # mean over the tokens not ignored (-100)

@@ -3,9 +3,12 @@
 By default (`--eval-batches 0`) one pass over all of `--eval-data`, split over the ranks with
 every item once (`tessera.data.passes`, fetched by the loader's workers): `val_loss` is the mean
 over the items of the per-batch mean loss, each batch weighted by its items, which is what a
-plain loop over the set computes for a loss averaged over a batch's rows. With `--eval-batches K`
-(and for the demo's held-out text) the same K batches, a pure function of the seed
-(`Workload.eval_batches`), drawn once and kept.
+plain loop over the set computes for a loss averaged over a batch's rows. A loss averaged over
+tokens (labels -100, `ignore_index`, a loss's `count_items`: `tessera.strategies.batch.
+item_counter`, the rule accumulation weighs by) weighs each batch by its tokens instead, so
+`val_loss` is the mean over every token of the set, not a mean of batch means. With
+`--eval-batches K` (and for the demo's held-out text) the same K batches, a pure function of
+the seed (`Workload.eval_batches`), drawn once and kept.
 
 `engine.eval_step` leaves training as it was (no gradient, no optimizer or RNG state touched), so
 a run that evaluates takes exactly the steps of one that does not.
@@ -22,6 +25,7 @@ import torch.distributed as dist
 
 from tessera.runtime.context import Context
 from tessera.strategies import Engine
+from tessera.strategies.batch import item_counter, loss_targets
 from tessera.train.config import TrainConfig
 from tessera.train.workload import Workload
 
@@ -68,12 +72,16 @@ class Evaluator:
             )
         else:
             weighted = [(batch, 1) for batch in self._kept_batches()]
+        count = item_counter(engine.loss_fn, engine.module)  # None: a batch's rows are its items
         total = torch.zeros(2, dtype=torch.float64)  # (sum of weight * loss, sum of weights)
         for batch, weight in weighted:
             # a data-parallel rank's loss is its share's; an engine that gathers the batch
             # returns the whole batch's on every rank: weighted by this rank's share, it counts
-            # once with the whole batch's items (tessera.data.passes)
-            total[0] += engine.eval_step(self.to_device(batch, ctx.device)) * weight
+            # once with the whole batch's items (tessera.data.passes); a token-averaged loss
+            # counts this rank's tokens in the same way
+            tokens = count(loss_targets(batch)) if count is not None and weight else None
+            weight = weight if tokens is None else tokens
+            total[0] += float(engine.eval_step(self.to_device(batch, ctx.device))) * weight
             total[1] += weight
         if ctx.world_size > 1:
             total = total.to(ctx.device)
