@@ -12,8 +12,9 @@ below over the whole global batch (float32, and float64 as the reference: `_tole
   halves holding 7 and 21 tokens); the dict also holds a 0-dim tensor, which accumulation must
   pass whole to every micro-batch (it crashed in slicing);
 * a loss that declares what it averages over (`loss_fn.count_items`), single;
+* the same under torch-ddp, zero1 and zero3 (the SGD step);
 * `nn.CrossEntropyLoss(ignore_index=-100)` on `(inputs, targets)` pairs, pipeline (2 stages,
-  2 micro-batches x grad_accum 2).
+  2 micro-batches x grad_accum 2), tensor (grad_accum 2) and hybrid dp=2 (grad_accum 2).
 """
 
 from __future__ import annotations
@@ -153,12 +154,23 @@ def items_worker() -> bool:
         grads = _full_grads(engine)
         _check(engine, "lm", strategy, {n: grads[n] for n, _ in engine.module.named_parameters()})
         engine.close()
-    engine = tessera.setup(
-        _fresh("seq"), _sgd, strategy="pipeline", loss_fn=nn.CrossEntropyLoss(ignore_index=-100),
-        grad_accum=2, microbatches=2, ctx=ctx,
-    )  # fmt: skip
-    engine.train_step(_pairs(_half(ctx, _batch())))
-    _check(engine, "seq", "pipeline")
+    for strategy in ("torch-ddp", "zero1", "zero3"):  # (the SGD step: no gradients gathered)
+        engine = tessera.setup(_fresh("lm"), _sgd, strategy=strategy, grad_accum=2)
+        engine.train_step(_half(ctx, _batch()))
+        _check(engine, "lm", strategy)
+        engine.close()
+    for strategy, options in (
+        ("pipeline", {"microbatches": 2}),
+        ("tensor", {"plan": {"1": "column", "3": "row"}}),
+        ("hybrid", {"dp": 2, "microbatches": 2}),
+    ):
+        engine = tessera.setup(
+            _fresh("seq"), _sgd, strategy=strategy, loss_fn=nn.CrossEntropyLoss(ignore_index=-100),
+            grad_accum=2, ctx=ctx, **options,
+        )  # fmt: skip
+        engine.train_step(_pairs(_half(ctx, _batch())))
+        _check(engine, "seq", strategy)
+        engine.close()
     return True
 
 
