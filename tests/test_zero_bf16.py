@@ -1,9 +1,10 @@
-"""bf16 and fp16 with a frozen layer and a dict batch of float inputs, under ZeRO and DDP.
+"""bf16 and fp16 with a frozen layer and a dict batch of float inputs, under every strategy.
 
 ZeRO's bf16 keeps bf16 weights; a frozen layer (not sharded) stays fp32 and a keyword argument
 is not cast, and both once met bf16 activations: "mat1 and mat2 must have the same dtype". On 2
 ranks, each with half the batch, `tessera.setup(..., precision="bf16" | "fp16")` of ddp,
-torch-ddp and zero1-3 trains a model with a frozen first layer on a dict batch whose float
+torch-ddp, zero1-3, pipeline, tensor and hybrid dp=2 (single: each rank the whole batch) trains a
+model with a frozen first layer on a dict batch whose float
 `scale` is a keyword argument, 3 SGD steps. Against the plain fp32 loop written here, the budget
 is derived from the low precision's rounding, as in `test_precision`: after T SGD steps the
 weights differ by lr * sum_t (g_t' - g_t), and each gradient element is a chain of at most
@@ -38,7 +39,17 @@ ROUNDINGS = 3 * 6 + 2 * 2 + 2 + 1
 rounds its input, its weight and its output in forward and the incoming gradient, the other
 factor and the product in backward (6); each tanh its output and its gradient (2); the product
 with `scale` its result and its gradient (2); the reduction the averaged gradient (1)."""
-STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3")
+STRATEGIES = {
+    "single": {},  # (every rank alone on the whole batch)
+    "ddp": {},
+    "torch-ddp": {},
+    "zero1": {},
+    "zero2": {},
+    "zero3": {},
+    "pipeline": {"split": ["head"], "microbatches": 2},
+    "tensor": {"plan": {"adapter": "column", "head": "row"}},
+    "hybrid": {"dp": 2, "microbatches": 2},
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("pair", "dict")
 
@@ -93,14 +104,16 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 def _ranks() -> tuple[dict, dict]:
     rank = tessera.init().rank
     finals = {}
-    for strategy in STRATEGIES:
+    for strategy, options in STRATEGIES.items():
         for precision in ("bf16", "fp16"):
             for kind in KINDS:  # pair: bf16 inputs meet the frozen layer; dict: a kwarg, bf16
                 engine = tessera.setup(
-                    _model(), _sgd, strategy=strategy, loss_fn=_loss, precision=precision
-                )
+                    _model(), _sgd, strategy=strategy, loss_fn=_loss, precision=precision,
+                    **options,
+                )  # fmt: skip
                 for step in range(STEPS):
-                    engine.train_step(_half(_batch(step, kind), rank))
+                    batch = _batch(step, kind)
+                    engine.train_step(batch if strategy == "single" else _half(batch, rank))
                     engine.step()
                 finals[strategy, precision, kind] = engine.full_state_dict()
                 engine.close()
@@ -174,7 +187,7 @@ def _plain(kind: str, dtype: torch.dtype | None) -> tuple[dict, dict[str, float]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def test_low_precision_trains_frozen_layers_and_dict_batches_under_zero_and_ddp(run_ranks):
+def test_low_precision_trains_frozen_layers_and_dict_batches_under_every_strategy(run_ranks):
     finals, batch_norm = run_ranks(_ranks, 2)[0]
     plain = {k: (_plain(k, None), {p: _plain(k, d)[0] for p, d in DTYPES.items()}) for k in KINDS}
     start = _model().state_dict()
