@@ -5,9 +5,11 @@ Through `tessera.setup` on 2 ranks, against a plain PyTorch loop written here on
 - optimizer groups by shape and by identity (decay on matrices only, none on vectors, the head
   at 5x the lr: three groups whose hyper-parameters differ) under single, ddp, torch-ddp,
   pipeline, tensor and hybrid (dp=2, tp=2), 3 AdamW steps (ZeRO: test_zero_groups);
-- an auxiliary head the forward never calls under single, zero1-3, zero2/zero3 with
-  `offload="cpu"`, pipeline and tensor, 3 AdamW steps with weight decay: the head takes no
-  step (no gradient: AdamW skips it, where a zero gradient would let the decay move it);
+- an auxiliary head the forward never calls under single, pipeline and tensor, 3 AdamW steps
+  with weight decay: the head takes no step (no gradient: AdamW skips it, where a zero gradient
+  would let the decay move it); zero1-3 (with and without `offload="cpu"`) refuse it at the
+  first step naming it (a reduce-scattered bucket would give it a zero gradient), and refuse
+  `find_unused_parameters` in `setup` (ddp, torch-ddp, hybrid: test_recipes_strategies);
 - dropout + BatchNorm: `eval_step` of the whole batch equals the plain model in `eval()`
   (dropout off, running statistics read) and leaves every tensor as it was, under single, ddp,
   torch-ddp, zero1-3, zero2 with `offload="cpu"`, tensor and hybrid dp=2 (the traced pipeline:
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from _tolerance import check_close
@@ -179,6 +182,8 @@ def _cases() -> None:
             assert torch.equal(state[key], initial[key]), (strategy, key)
         check_close(state, oracle, exact, what=f"{strategy} unused head")
     for strategy, options in REFUSED_UNUSED.items():  # as PyTorch DDP without the option
+        with pytest.raises(TypeError, match="has no option 'find_unused_parameters'"):
+            tessera.setup(Net(), _adamw, strategy=strategy.split()[0], find_unused_parameters=True)
         try:
             _train(strategy, options, _adamw, ctx, aux=True)
         except RuntimeError as error:
