@@ -12,8 +12,10 @@ below over the whole global batch (float32, and float64 as the reference: `_tole
   halves holding 7 and 21 tokens); the dict also holds a 0-dim tensor, which accumulation must
   pass whole to every micro-batch (it crashed in slicing);
 * a loss that declares what it averages over (`loss_fn.count_items`), single;
+* the same under torch-ddp, zero1 and zero3 (the SGD step), and zero2 with `offload="cpu"` (an
+  AdamW step: offload steps Adam(W) only);
 * `nn.CrossEntropyLoss(ignore_index=-100)` on `(inputs, targets)` pairs, pipeline (2 stages,
-  2 micro-batches x grad_accum 2).
+  2 micro-batches x grad_accum 2), tensor (grad_accum 2) and hybrid dp=2 (grad_accum 2).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from test_setup import _full_grads
 from torch import nn
 
 import tessera
+from tessera.zero import OffloadPolicy
 
 VOCAB, WIDTH, T, ROWS = 13, 8, 7, 8
 VALID = [1, 2, 1, 3, 6, 5, 6, 4]  # counted tokens per row (after the shift): rank 0 7, rank 1 21
@@ -145,6 +148,32 @@ def _half(ctx: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value[a:b] if value.dim() else value for key, value in batch.items()}
 
 
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    """eps 1: the first step is lr * g / (|g| + 1), not Adam's usual lr * sign(g), which would
+    hide how the micro-batches and ranks are weighted."""
+    return torch.optim.AdamW(params, lr=0.5, eps=1.0, weight_decay=0.0)
+
+
+def _offload_case(ctx: Any) -> None:
+    """zero2 with `offload="cpu"` (which steps Adam(W) only): one AdamW step of the model's own
+    token loss, grad_accum 2, against the plain loop's AdamW step on the whole batch."""
+    engine = tessera.setup(
+        _fresh("lm"), _adamw, strategy="zero2", grad_accum=2, offload=OffloadPolicy(device="cpu")
+    )
+    engine.train_step(_half(ctx, _batch()))
+    engine.step()
+    full = engine.full_state_dict()
+    want = []
+    for dtype in (torch.float32, torch.float64):
+        model = _fresh("lm", dtype)
+        model(**_batch(dtype))["loss"].backward()
+        _adamw(model.parameters()).step()
+        want.append({n: p.detach() for n, p in model.named_parameters()})
+    got = {name: full[name] for name in want[1]}
+    check_close(got, want[0], want[1], what="zero2 offload AdamW step")
+    engine.close()
+
+
 def items_worker() -> bool:
     ctx = tessera.init()
     for strategy in ("ddp", "zero2"):
@@ -153,12 +182,24 @@ def items_worker() -> bool:
         grads = _full_grads(engine)
         _check(engine, "lm", strategy, {n: grads[n] for n, _ in engine.module.named_parameters()})
         engine.close()
-    engine = tessera.setup(
-        _fresh("seq"), _sgd, strategy="pipeline", loss_fn=nn.CrossEntropyLoss(ignore_index=-100),
-        grad_accum=2, microbatches=2, ctx=ctx,
-    )  # fmt: skip
-    engine.train_step(_pairs(_half(ctx, _batch())))
-    _check(engine, "seq", "pipeline")
+    for strategy in ("torch-ddp", "zero1", "zero3"):  # (the SGD step: no gradients gathered)
+        engine = tessera.setup(_fresh("lm"), _sgd, strategy=strategy, grad_accum=2)
+        engine.train_step(_half(ctx, _batch()))
+        _check(engine, "lm", strategy)
+        engine.close()
+    _offload_case(ctx)
+    for strategy, options in (
+        ("pipeline", {"microbatches": 2}),
+        ("tensor", {"plan": {"1": "column", "3": "row"}}),
+        ("hybrid", {"dp": 2, "microbatches": 2}),
+    ):
+        engine = tessera.setup(
+            _fresh("seq"), _sgd, strategy=strategy, loss_fn=nn.CrossEntropyLoss(ignore_index=-100),
+            grad_accum=2, ctx=ctx, **options,
+        )  # fmt: skip
+        engine.train_step(_pairs(_half(ctx, _batch())))
+        _check(engine, "seq", strategy)
+        engine.close()
     return True
 
 

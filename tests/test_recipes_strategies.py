@@ -9,7 +9,8 @@ Models tessera never built, trained through `tessera.setup` (and `tessera train`
   `find_unused_parameters=True` where PyTorch DDP refuses it, trained with it as one process
   trains it. AdamW with weight decay tells "no gradient" (one process: the optimizer skips the
   head) from "a zero gradient" (weight decay would shrink it);
-- a language model whose head is its embedding (tied) under every strategy: one step equals the
+- a language model whose head is its embedding (tied) under every strategy (zero3 with
+  `offload="cpu"` too, one AdamW step: offload steps Adam(W) only): one step equals the
   plain loop, and save, load (the next step bit for bit) and a safetensors export that a plain
   model loads all work (a tied Hugging Face T5 cut into pipeline stages: test_recipes_pipeline).
 
@@ -31,6 +32,7 @@ from torch import nn
 
 import tessera
 from tessera.cli import main
+from tessera.zero import OffloadPolicy
 
 ROWS, LR, DECAY, VOCAB = 8, 1e-2, 0.1, 12
 PLAN = {"blocks.up": "column", "blocks.down": "row"}
@@ -227,6 +229,7 @@ TIED_STRATEGIES = {
     "pipeline": {"split": ["blocks.down"], "microbatches": 2},
     "tensor": {"plan": PLAN},
     "hybrid": {"dp": 2, "microbatches": 2},
+    "zero3 cpu": {"offload": OffloadPolicy(device="cpu")},  # (AdamW: offload steps Adam(W) only)
 }
 
 
@@ -234,20 +237,24 @@ def _tied_cases(folder: str) -> None:
     from safetensors.torch import load_file
 
     ctx = tessera.init()
-    oracle, exact = _built(TiedLM), _built(TiedLM).double()
-    for model in (oracle, exact):
-        _lm_loss(model(_lm_batch(0)[0]), _lm_batch(0)[1]).backward()
-        torch.optim.SGD(model.parameters(), lr=0.5).step()
 
     def sgd(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.5)
+
+    def adamw(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=DECAY)
 
     for strategy, options in TIED_STRATEGIES.items():
         # single: every rank trains alone on the whole batch (rank 0 writes, as for the others)
         world = 1 if strategy == "single" else ctx.world_size
         rank = 0 if strategy == "single" else ctx.rank
         where = Path(folder) / strategy
-        engine = tessera.setup(_built(TiedLM), sgd, strategy=strategy, loss_fn=_lm_loss, **options)
+        name, factory = strategy.split()[0], adamw if "offload" in options else sgd
+        oracle, exact = _built(TiedLM), _built(TiedLM).double()
+        for model in (oracle, exact):
+            _lm_loss(model(_lm_batch(0)[0]), _lm_batch(0)[1]).backward()
+            factory(model.parameters()).step()
+        engine = tessera.setup(_built(TiedLM), factory, strategy=name, loss_fn=_lm_loss, **options)
         engine.train_step(_shard(_lm_batch(0), rank, world))
         engine.step()
         state = engine.full_state_dict()
@@ -259,7 +266,7 @@ def _tied_cases(folder: str) -> None:
         plain.load_state_dict(load_file(where / "model.safetensors"), strict=False)
         assert all(torch.equal(v, state[k]) for k, v in plain.state_dict().items()), strategy
         assert plain.head.weight is plain.emb.weight  # still tied
-        again = tessera.setup(_built(TiedLM), sgd, strategy=strategy, loss_fn=_lm_loss, **options)
+        again = tessera.setup(_built(TiedLM), factory, strategy=name, loss_fn=_lm_loss, **options)
         again.load(where / "checkpoint")
         for each in (engine, again):
             each.train_step(_shard(_lm_batch(1), rank, world))

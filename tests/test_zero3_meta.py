@@ -248,7 +248,8 @@ def test_what_cannot_take_a_meta_model_says_so_before_anything_is_built():
     with torch.device("meta"):
         model = Net()
     adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
-    for strategy in ("single", "torch-ddp", "ddp", "local-sgd", "zero2"):  # pipeline: slow import
+    for strategy in ("single", "torch-ddp", "ddp", "local-sgd", "zero1", "zero2", "pipeline",
+                     "tensor", "hybrid"):  # fmt: skip
         with pytest.raises(ValueError, match=f"strategy '{strategy}' cannot take a model on the "
                            "meta device .* only ZeRO-3"):  # fmt: skip
             tessera.setup(model, adamw, strategy=strategy)

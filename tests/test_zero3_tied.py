@@ -5,7 +5,8 @@
 values and the head's own Kaiming draw is dropped. Materialised on the meta device it must keep
 the same values (not the head's init, which the walk also runs) and every other tensor must
 equal the whole model's too (the head's draw still advances the random stream in the same way).
-Checked through `tessera.setup(..., strategy="zero3")` on 2 ranks, and through the trainer
+Checked through `tessera.setup(..., strategy="zero3")` on 2 ranks (with and without
+`offload="cpu"`), and through the trainer
 (`--strategy zero3` builds on the meta device by default) against `--no-meta-init`.
 """
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 import tessera
+from tessera.zero import OffloadPolicy
 
 VOCAB, WIDTH, SEED = 11, 6, 7
 
@@ -55,24 +57,31 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def _ranks() -> dict[str, torch.Tensor]:
-    torch.manual_seed(SEED)
-    with torch.device("meta"):
-        model = TiedLM()
-    engine = tessera.setup(
-        model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), strategy="zero3", loss_fn=lm_loss
-    )
-    return engine.full_state_dict()
+def _ranks() -> list[dict[str, torch.Tensor]]:
+    """Materialised without and with `offload="cpu"` (the host keeps the fp32 shards)."""
+    states = []
+    for options in ({}, {"offload": OffloadPolicy(device="cpu")}):
+        torch.manual_seed(SEED)
+        with torch.device("meta"):
+            model = TiedLM()
+        engine = tessera.setup(
+            model, lambda ps: torch.optim.AdamW(ps, lr=1e-2), strategy="zero3", loss_fn=lm_loss,
+            **options,
+        )  # fmt: skip
+        states.append(engine.full_state_dict())
+        engine.close()
+    return states
 
 
 def test_a_tied_meta_model_equals_the_model_built_whole(run_ranks):
     torch.manual_seed(SEED)
     whole = TiedLM().state_dict()
     assert torch.equal(whole["head.weight"], whole["embed.weight"])
-    for materialised in run_ranks(_ranks, 2):
-        assert list(materialised) == list(whole)
-        for key, value in whole.items():
-            assert torch.equal(materialised[key], value), key
+    for states in run_ranks(_ranks, 2):
+        for materialised in states:
+            assert list(materialised) == list(whole)
+            for key, value in whole.items():
+                assert torch.equal(materialised[key], value), key
 
 
 def test_the_trainer_gives_a_tied_model_the_same_losses_on_the_meta_device(tmp_path):

@@ -1,10 +1,12 @@
-"""bf16 and fp16 with a frozen layer and a dict batch of float inputs, under ZeRO and DDP.
+"""bf16 and fp16 with a frozen layer and a dict batch of float inputs, under every strategy.
 
 ZeRO's bf16 keeps bf16 weights; a frozen layer (not sharded) stays fp32 and a keyword argument
 is not cast, and both once met bf16 activations: "mat1 and mat2 must have the same dtype". On 2
 ranks, each with half the batch, `tessera.setup(..., precision="bf16" | "fp16")` of ddp,
-torch-ddp and zero1-3 trains a model with a frozen first layer on a dict batch whose float
-`scale` is a keyword argument, 3 SGD steps. Against the plain fp32 loop written here, the budget
+torch-ddp, zero1-3, pipeline, tensor and hybrid dp=2 (single: each rank the whole batch) trains a
+model with a frozen first layer on a dict batch whose float `scale` is a keyword argument, 3 SGD
+steps (zero2/zero3 with `offload="cpu"`, which steps Adam(W) only: one AdamW step, `_adamw`).
+Against the plain fp32 loop written here, the budget
 is derived from the low precision's rounding, as in `test_precision`: after T SGD steps the
 weights differ by lr * sum_t (g_t' - g_t), and each gradient element is a chain of at most
 ROUNDINGS roundings of relative error <= u, so ||w' - w|| <= lr * ROUNDINGS * u * sum_t ||g_t||
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tessera
+from tessera.zero import OffloadPolicy
 from tests._tolerance import FP32_ULP, check_close
 
 LR, STEPS, ROWS = 0.05, 3, 8
@@ -38,7 +41,19 @@ ROUNDINGS = 3 * 6 + 2 * 2 + 2 + 1
 rounds its input, its weight and its output in forward and the incoming gradient, the other
 factor and the product in backward (6); each tanh its output and its gradient (2); the product
 with `scale` its result and its gradient (2); the reduction the averaged gradient (1)."""
-STRATEGIES = ("ddp", "torch-ddp", "zero1", "zero2", "zero3")
+STRATEGIES = {
+    "single": {},  # (every rank alone on the whole batch)
+    "ddp": {},
+    "torch-ddp": {},
+    "zero1": {},
+    "zero2": {},
+    "zero3": {},
+    "pipeline": {"split": ["head"], "microbatches": 2},
+    "tensor": {"plan": {"adapter": "column", "head": "row"}},
+    "hybrid": {"dp": 2, "microbatches": 2},
+    "zero2 cpu": {"offload": OffloadPolicy(device="cpu")},  # one AdamW step (`_adamw`)
+    "zero3 cpu": {"offload": OffloadPolicy(device="cpu")},
+}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("pair", "dict")
 
@@ -90,17 +105,31 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    """Offload steps Adam(W) only. One step with eps 1 moves a weight by lr * g / (|g| + 1),
+    whose change is at most lr times the gradient's: SGD's budget holds for it."""
+    return torch.optim.AdamW(params, lr=LR, eps=1.0, weight_decay=0.0)
+
+
+def _recipe(strategy: str) -> tuple[Any, int]:
+    """(optimizer factory, steps) of a run: offload one AdamW step, the others SGD."""
+    return (_adamw, 1) if strategy.endswith("cpu") else (_sgd, STEPS)
+
+
 def _ranks() -> tuple[dict, dict]:
     rank = tessera.init().rank
     finals = {}
-    for strategy in STRATEGIES:
+    for strategy, options in STRATEGIES.items():
         for precision in ("bf16", "fp16"):
             for kind in KINDS:  # pair: bf16 inputs meet the frozen layer; dict: a kwarg, bf16
+                factory, steps = _recipe(strategy)
                 engine = tessera.setup(
-                    _model(), _sgd, strategy=strategy, loss_fn=_loss, precision=precision
-                )
-                for step in range(STEPS):
-                    engine.train_step(_half(_batch(step, kind), rank))
+                    _model(), factory, strategy=strategy.split()[0], loss_fn=_loss,
+                    precision=precision, **options,
+                )  # fmt: skip
+                for step in range(steps):
+                    batch = _batch(step, kind)
+                    engine.train_step(batch if strategy == "single" else _half(batch, rank))
                     engine.step()
                 finals[strategy, precision, kind] = engine.full_state_dict()
                 engine.close()
@@ -154,13 +183,14 @@ def _batch_norm_plain(dtype: torch.dtype, autocast: bool) -> dict[str, torch.Ten
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _plain(kind: str, dtype: torch.dtype | None) -> tuple[dict, dict[str, float]]:
-    """The whole batch in one process, under autocast to `dtype` (None: fp32); the final
-    weights and, per tensor, sum_t ||g_t||."""
+def _plain(kind: str, dtype: torch.dtype | None, strategy: str = "") -> tuple[dict, dict]:
+    """The whole batch in one process, under autocast to `dtype` (None: fp32), with the
+    optimizer and steps of `strategy`'s runs; the final weights and, per tensor, sum_t ||g_t||."""
     model = _model()
-    optimizer = _sgd(model.parameters())
+    factory, steps = _recipe(strategy)
+    optimizer = factory(model.parameters())
     norms = dict.fromkeys(model.state_dict(), 0.0)
-    for step in range(STEPS):
+    for step in range(steps):
         batch = _batch(step, kind)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             output = model(**batch) if kind == "dict" else model(batch[0])
@@ -174,14 +204,15 @@ def _plain(kind: str, dtype: torch.dtype | None) -> tuple[dict, dict[str, float]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def test_low_precision_trains_frozen_layers_and_dict_batches_under_zero_and_ddp(run_ranks):
+def test_low_precision_trains_frozen_layers_and_dict_batches_under_every_strategy(run_ranks):
     finals, batch_norm = run_ranks(_ranks, 2)[0]
     plain = {k: (_plain(k, None), {p: _plain(k, d)[0] for p, d in DTYPES.items()}) for k in KINDS}
     start = _model().state_dict()
     runs = {**finals, **{("plain autocast", p, k): plain[k][1][p] for p in DTYPES for k in KINDS}}
     assert len(runs) == 4 * len(STRATEGIES) + 4
+    adamw = {k: _plain(k, None, "zero2 cpu") for k in KINDS}
     for (strategy, precision, kind), state in runs.items():
-        fp32, norms = plain[kind][0]
+        fp32, norms = adamw[kind] if strategy.endswith("cpu") else plain[kind][0]
         assert any(not torch.equal(state[k], fp32[k]) for k in state), (strategy, precision, kind)
         for name in ("base.weight", "base.bias"):  # frozen: fp32 and untouched
             assert state[name].dtype == torch.float32, (strategy, precision, kind, name)

@@ -88,6 +88,8 @@ def sum_tied_gradients(
     earlier in the same global order, which their holders reach first too.
     """
     for param, position, stages in tied:
+        if not param.requires_grad:  # frozen on every holder: a summed zero gradient would let
+            continue  # AdamW's weight decay move it
         tag = tag_base + position
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         others = [s for s in stages if s != stage]

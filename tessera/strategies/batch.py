@@ -243,12 +243,18 @@ def item_counter(loss_fn: LossFn | None, module: nn.Module | None = None) -> Cal
     return None
 
 
-def items_weighted(loss_fn: LossFn, count: Callable | None, targets: Any) -> LossFn:
+def items_weighted(
+    loss_fn: LossFn, count: Callable | None, targets: Any, total: float | None = None
+) -> LossFn:
     """`loss_fn` for a pipeline, which weighs each micro-batch's loss by its share of the rows:
     times `(its items / the batch's items) / (its rows / the batch's rows)`, so the weights are
     the shares of the items (`count`: `item_counter`). `loss_fn` itself where the items are the
-    rows or `targets` is not on this stage (None: not the last)."""
-    total = count(targets) if count is not None and targets is not None else None
+    rows or `targets` is not on this stage (None: not the last). `total`: the batch's items
+    where the dp replicas' gradients are averaged (the global batch's items / dp: a replica
+    with few items then weighs less, as the whole batch's loss weighs it)."""
+    if count is None or targets is None:
+        return loss_fn
+    total = count(targets) if total is None else total
     if not total:
         return loss_fn
     from tessera.pipeline.microbatch import batch_rows  # the rows as the pipeline counts them

@@ -221,6 +221,7 @@ class PipelineEngine(Engine):
         if rows % dp:
             raise ValueError(f"global batch of {rows} rows does not split over dp={dp}")
         d, share = self.mesh.rank("dp"), rows // dp
+        self._whole_targets = self._loss_parts(batch)[1] if dp > 1 else None  # (train_step)
         inputs, targets, loss_fn = self._loss_parts(take_rows(batch, d * share, (d + 1) * share))
         if not self.pipe.ready:
             self.pipe.prepare(inputs)
@@ -240,7 +241,10 @@ class PipelineEngine(Engine):
         if self.loss_scaler is not None:
             loss_fn = _scaled_loss(loss_fn, scale)
         counter = rule.item_counter(self.loss_fn, self.module)  # micro-batches by their items
-        loss_fn = rule.items_weighted(loss_fn, counter, targets)
+        whole = self._whole_targets  # dp replicas averaged: each weighs by its items too
+        total = counter(whole) if counter and whole is not None else None
+        total = total / self.mesh.size("dp") if total else None
+        loss_fn = rule.items_weighted(loss_fn, counter, targets, total)
         if self.dp_sync is None:
             with self.autocast():
                 return StepLoss(self.pipe.train_step(inputs, targets, loss_fn) / scale)

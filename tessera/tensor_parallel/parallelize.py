@@ -94,6 +94,23 @@ def _pair_convolutions(targets: list[_Target]) -> set[str]:
     return paired
 
 
+def _refuse_adapter(named: Mapping[str, nn.Module], name: str) -> None:
+    """ValueError when `name` is, or sits inside, an adapter wrapper (peft's LoRA and the other
+    tuners keep the wrapped layer as `base_layer`): splitting the base layer without the
+    adapter's own matrices would add a full output to a rank's share of it."""
+    parts = name.split(".")
+    for k in range(len(parts), 0, -1):
+        outer = ".".join(parts[:k])
+        if isinstance(getattr(named[outer], "base_layer", None), nn.Module):
+            kind = type(named[outer])
+            raise ValueError(
+                f"{name}: {outer} is wrapped by an adapter ({kind.__module__}.{kind.__name__}, "
+                f"e.g. a peft LoRA layer), which tensor parallelism cannot split; leave it out "
+                f"of the plan (split the layers the adapter does not wrap) or merge the adapter "
+                f"first (peft's merge_and_unload)"
+            )
+
+
 def _match_plan(module: nn.Module, plan: Mapping[str, str]) -> list[_Target]:
     """The submodules `plan` names, in registration order; ValueError for an unknown style, a
     pattern matching nothing, a module matched twice or of a type its style cannot split."""
@@ -117,6 +134,7 @@ def _match_plan(module: nn.Module, plan: Mapping[str, str]) -> list[_Target]:
                 )
             chosen[name] = pattern
             sub = named[name]
+            _refuse_adapter(named, name)
             kind = next((k for k in KINDS[style] if k.matches(sub)), None)
             if kind is None:
                 allowed = [k.name for k in KINDS[style]]
