@@ -77,6 +77,10 @@ def setup(
     ddp, `offload="cpu"` for zero1-3). `ctx` defaults to `tessera.init()`. Every rank calls
     `setup` with the same model (same initial weights).
 
+    Why so many parameters: it is the one entry point, and each keyword is a step every strategy
+    takes (loss, clip, accumulation, precision, batch keys); a strategy's own knobs go in
+    `options`, its policy.
+
     `precision`: "fp32", "bf16" or "fp16" (autocast compute, fp32 master weights and optimizer
     state, gradients reduced in the low dtype where the strategy communicates them; fp16 with
     dynamic loss scaling by `loss_scaler`, default `DynamicLossScaler()`): see
