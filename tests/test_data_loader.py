@@ -256,6 +256,49 @@ def _setup_checks() -> None:
             torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=tolerance)
 
 
+def test_setup_takes_input_and_target_keys_of_dict_batches(run_ranks):
+    """`tessera.setup(..., input_keys=["a", "b"], target_keys=["y"])` on dict batches that also
+    hold a key the model must not get ("id"): single and ddp on 2 ranks (each its half of the
+    rows) give the plain loop's loss and one SGD step; keys without their partner, or a key the
+    batch lacks, are refused in one message."""
+    run_ranks(_keyed_checks, 2)
+
+
+def _keyed_checks() -> None:
+    import tessera
+
+    ctx = tessera.init()
+    generator = torch.Generator().manual_seed(3)
+    a, b, y = (torch.randn(8, n, generator=generator) for n in (5, 3, 2))
+    plain = udl.two_input()
+    udl.mse(plain(a, b), y).backward()
+    expected = {n: p.detach() - 0.1 * p.grad for n, p in plain.named_parameters()}
+    rows = slice(4 * ctx.rank, 4 * ctx.rank + 4)
+    for strategy, part in (("single", slice(None)), ("ddp", rows)):
+        model = udl.two_input()
+        engine = tessera.setup(
+            model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy=strategy, loss_fn=udl.mse,
+            input_keys=["a", "b"], target_keys=["y"],
+        )  # fmt: skip
+        batch = {"a": a[part], "b": b[part], "y": y[part], "id": torch.arange(8)[part]}
+        loss = engine.train_step(batch)
+        engine.step()
+        # two halves' mean against the whole batch's, SGD at lr 0.1: a few float32 roundings
+        tolerance = 8 * torch.finfo(torch.float32).eps
+        assert abs(float(loss) - float(udl.mse(udl.two_input()(a, b), y))) < tolerance, strategy
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(value.detach(), expected[name], rtol=0, atol=tolerance)
+    model = udl.two_input()
+    with pytest.raises(ValueError, match="go together"):
+        tessera.setup(model, torch.optim.SGD, strategy="single", input_keys=["a"])
+    engine = tessera.setup(
+        model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="single", loss_fn=udl.mse,
+        input_keys=["a", "c"], target_keys=["y"],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="no key 'c'"):
+        engine.train_step({"a": a, "b": b, "y": y})
+
+
 def test_one_pass_splits_every_item_once_over_the_ranks():
     from tessera.data.passes import chunk_shares
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera._atomic import write_atomically
+from tessera.data.loader import select_keys
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.runtime.scalar import DeviceScalar
@@ -208,6 +209,14 @@ class Engine:
                 self.forward, micro, self.loss_fn, model_name=type(self.module).__name__
             )
 
+    batch_keys: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    """`setup(input_keys=, target_keys=)`: dict batches become `(inputs, targets)` pairs by
+    these keys before the batch rule (`as_pair`); None: batches are taken as they come."""
+
+    def as_pair(self, batch: Batch) -> Batch:
+        """`batch` by `batch_keys` (`tessera.data.loader.select_keys`), or as it is."""
+        return batch if self.batch_keys is None else select_keys(batch, *self.batch_keys)
+
     def train_step(self, batch: Batch) -> StepLoss:
         """Forward and backward of this rank's `batch` (the batch rule); return the loss.
 
@@ -221,6 +230,7 @@ class Engine:
         but the last run under `no_sync()`, and the returned loss is the shares' weighted mean:
         the whole batch's. Data-parallel engines also weigh the ranks by their items.
         """
+        batch = self.as_pair(batch)
         count = item_counter(self.loss_fn, self.module)
         parts = split_for_accumulation(batch, self.grad_accum, count)
         scale = self._items_scale(batch, count)
@@ -275,7 +285,7 @@ class Engine:
         loss on every rank. Collective wherever `train_step` is: every rank calls it.
         """
         with evaluating(*self._eval_modules()):
-            return self._eval_loss(batch)
+            return self._eval_loss(self.as_pair(batch))
 
     def _eval_modules(self) -> list[nn.Module]:
         """The modules `eval_step` puts into eval mode."""

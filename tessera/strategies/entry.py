@@ -8,6 +8,7 @@ value (the policy's own checks), so a typo costs one message, before any rank bu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,6 +55,8 @@ def setup(
     precision: str = "fp32",
     loss_scaler: DynamicLossScaler | None = None,
     ctx: Context | None = None,
+    input_keys: Sequence[str] | None = None,
+    target_keys: Sequence[str] | None = None,
     **options: Any,
 ) -> Engine:
     """Wrap `model` for training under `strategy`; return its `Engine`.
@@ -74,16 +77,26 @@ def setup(
     ddp, `offload="cpu"` for zero1-3). `ctx` defaults to `tessera.init()`. Every rank calls
     `setup` with the same model (same initial weights).
 
+    Why so many parameters: it is the one entry point, and each keyword is a step every strategy
+    takes (loss, clip, accumulation, precision, batch keys); a strategy's own knobs go in
+    `options`, its policy.
+
     `precision`: "fp32", "bf16" or "fp16" (autocast compute, fp32 master weights and optimizer
     state, gradients reduced in the low dtype where the strategy communicates them; fp16 with
     dynamic loss scaling by `loss_scaler`, default `DynamicLossScaler()`): see
     `tessera.strategies.precision`.
+
+    `input_keys` and `target_keys` (together) take dict batches the user's way: each batch
+    becomes `({k: batch[k] for k in input_keys}, targets)` before the batch rule, so the model
+    gets only the inputs (`model(**inputs)`) and `loss_fn(output, targets)` the named target
+    (or a dict of several): `tessera train --input-keys/--target-keys` does the same.
 
     A model built on the meta device (`with torch.device("meta"): ...`) is taken by `zero3`
     (with or without offload; `init_fn=` as in `tessera.zero.materialize`): each rank
     materialises only its shard. tessera's other strategies refuse it.
     """
     check_precision(precision, loss_scaler)
+    batch_keys = _batch_keys(input_keys, target_keys)
     policy = make_policy(strategy, options)
     policy, precision = route_to_policy(policy, precision)
     own_low_precision = getattr(policy, "mixed_precision", None) is not None
@@ -113,10 +126,28 @@ def setup(
     engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
     engine.grad_accum = grad_accum
     engine.strategy_name = strategy
+    engine.batch_keys = batch_keys
 
     if precision != "fp32":
         engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)
     return engine
+
+
+def _batch_keys(
+    input_keys: Sequence[str] | None, target_keys: Sequence[str] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """`setup`'s keys checked up front: both or neither, each a non-empty list of names."""
+    if input_keys is None and target_keys is None:
+        return None
+    keys = []
+    for name, given in (("input_keys", input_keys), ("target_keys", target_keys)):
+        if isinstance(given, str) or not given or not all(isinstance(k, str) for k in given):
+            raise ValueError(
+                f"{name} must be a non-empty list of dict keys (input_keys and target_keys go "
+                f"together), got {given!r}"
+            )
+        keys.append(tuple(given))
+    return keys[0], keys[1]
 
 
 def _any_meta(model: nn.Module) -> bool:

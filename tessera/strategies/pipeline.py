@@ -234,7 +234,7 @@ class PipelineEngine(Engine):
     def train_step(self, batch: Any) -> StepLoss:
         """Forward and backward of the global batch (this rank passes its shard); its mean loss
         (the dp replicas' means averaged without waiting, `StepLoss`)."""
-        inputs, targets, loss_fn = self._replica_rows(batch)
+        inputs, targets, loss_fn = self._replica_rows(self.as_pair(batch))
         # fp16: the last stage's loss is scaled before its backward; the mean returned unscaled
         # (the scale is a power of two: exact)
         scale = self.loss_scale or 1.0
