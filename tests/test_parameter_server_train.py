@@ -77,8 +77,12 @@ def _oracle(dtype: torch.dtype) -> dict[str, torch.Tensor]:
             dropout=0.0,
         )
     ).to(dtype)
+    # the trainer's AdamW decays matrices and embeddings only, not biases and norm gains
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=TINY["lr"], betas=(0.9, 0.95), weight_decay=TINY["weight_decay"]
+        groups, lr=TINY["lr"], betas=(0.9, 0.95), weight_decay=TINY["weight_decay"]
     )
     for step in range(STEPS):
         for group in optimizer.param_groups:

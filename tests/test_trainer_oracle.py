@@ -84,9 +84,12 @@ def expected_lr(step: int, config: TrainConfig) -> float:
     peak, floor = config.lr, config.lr / 10
     if step < config.warmup_steps:
         return peak * (step + 1) / config.warmup_steps
-    if config.decay_steps == 0:
+    decay = config.decay_steps
+    if decay is None:  # unset: the demo GPT's tuned 450, a --model run's own steps after warmup
+        decay = 450 if config.model_factory is None else max(0, config.steps - config.warmup_steps)
+    if decay == 0:
         return peak
-    done = min(step - config.warmup_steps, config.decay_steps) / config.decay_steps
+    done = min(step - config.warmup_steps, decay) / decay
     return floor + (peak - floor) * (1 + math.cos(math.pi * done)) / 2
 
 

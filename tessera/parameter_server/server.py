@@ -77,6 +77,8 @@ class ShardServer:
         self.num_servers = num_servers
         """Servers of the run: a checkpoint is kept until a newer one is common to all of them."""
         self.pieces = [p.detach().clone().requires_grad_(True) for p in pieces]
+        for piece, given in zip(self.pieces, pieces):  # a factory grouping by shape reads it
+            piece.source_ndim = getattr(given, "source_ndim", given.dim())  # type: ignore[attr-defined]
         self.optimizer = optimizer_fn(self.pieces)
         self.policy = policy
         self.num_workers = num_workers

@@ -50,11 +50,16 @@ class ShardPlan:
         return len(self.shards)
 
     def gather(self, server: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Server `server`'s pieces cut from full tensors (parameters or gradients), as copies."""
-        return [
-            tensors[p.param_index].detach().reshape(-1)[p.start : p.stop].clone()
-            for p in self.shards[server]
-        ]
+        """Server `server`'s pieces cut from full tensors (parameters or gradients), as copies;
+        each knows its whole tensor's number of dims (`source_ndim`): an optimizer factory that
+        groups by shape (weight decay on matrices only) groups a piece as its parameter."""
+        pieces = []
+        for p in self.shards[server]:
+            whole = tensors[p.param_index]
+            piece = whole.detach().reshape(-1)[p.start : p.stop].clone()
+            piece.source_ndim = whole.dim()  # type: ignore[attr-defined]
+            pieces.append(piece)
+        return pieces
 
     def scatter(self, server: int, pieces: list[torch.Tensor], into: list[torch.Tensor]) -> None:
         """Write server `server`'s pieces into the full tensors `into`, in place."""

@@ -124,8 +124,9 @@ def decay_groups(params: Any, weight_decay: float) -> list[dict[str, Any]]:
     params = list(params)
     if params and isinstance(params[0], dict):
         return params  # the caller's own groups: kept as they are
-    matrices = [p for p in params if p.dim() >= 2]
-    vectors = [p for p in params if p.dim() < 2]
+    # a parameter server's piece of a flattened parameter keeps the parameter's dims
+    matrices = [p for p in params if getattr(p, "source_ndim", p.dim()) >= 2]
+    vectors = [p for p in params if getattr(p, "source_ndim", p.dim()) < 2]
     groups = [{"params": matrices, "weight_decay": weight_decay}] if matrices else []
     return groups + ([{"params": vectors, "weight_decay": 0.0}] if vectors else [])
 
