@@ -112,7 +112,8 @@ def test_two_epochs_run_eight_steps_and_workers_resume_bit_exact(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["epoch"] for r in records] == [s / 4 for s in range(1, 9)]
     first = udl.cross_entropy(*_first_forward(udl.images(), 16))
-    assert records[0]["loss"] == pytest.approx(float(first), rel=1e-6)
+    # the same float32 batch loss, reduced in another order: a few roundings
+    assert records[0]["loss"] == pytest.approx(float(first), rel=8 * torch.finfo(torch.float32).eps)
 
     _run(tmp_path / "split", *common, "--steps", "3", "--num-workers", "2",
          "--checkpoint-every", "3")  # fmt: skip
@@ -146,7 +147,8 @@ def test_padding_collate_with_input_and_target_keys_and_a_two_input_model(tmp_pa
     with torch.no_grad():
         plain = udl.cross_entropy(udl.bag()(batch["input_ids"], batch["lengths"]), batch["labels"])
     records = read_metrics(tmp_path / "text" / "metrics.jsonl")
-    assert len(records) == 3 and records[0]["loss"] == pytest.approx(float(plain), rel=1e-6)
+    few = 8 * torch.finfo(torch.float32).eps  # two halves' means against the whole batch's
+    assert len(records) == 3 and records[0]["loss"] == pytest.approx(float(plain), rel=few)
 
     two = ["--model", "user_data_loading:two_input", "--data", "user_data_loading:two_inputs",
            "--loss", "user_data_loading:mse"]  # fmt: skip
@@ -158,7 +160,7 @@ def test_padding_collate_with_input_and_target_keys_and_a_two_input_model(tmp_pa
     with torch.no_grad():
         plain = udl.mse(udl.two_input()(a, b), y)
     first = read_metrics(tmp_path / "two" / "metrics.jsonl")[0]["loss"]
-    assert first == pytest.approx(float(plain), rel=1e-6)
+    assert first == pytest.approx(float(plain), rel=few)
 
 
 def test_bad_loader_options_stop_before_any_rank(tmp_path, capsys):

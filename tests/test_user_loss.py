@@ -68,10 +68,11 @@ def test_a_hugging_face_models_own_loss_loses_to_the_users(grad_accum):
     assert abs(out.loss.item() - want.item()) > 1  # the premise: the two losses differ
     want.backward()
     got = engine.train_step(batch)
-    assert got == pytest.approx(want.item(), rel=1e-6)
+    few = 8 * torch.finfo(torch.float32).eps  # the same float32 loss (in halves: another order)
+    assert got == pytest.approx(want.item(), rel=few)
     for (name, p), q in zip(model.named_parameters(), oracle.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
-    assert engine.eval_step(batch) == pytest.approx(want.item(), rel=1e-6)
+    assert engine.eval_step(batch) == pytest.approx(want.item(), rel=few)
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -136,4 +137,5 @@ def test_the_trainers_loss_flag_wins_over_the_models_own(tmp_path):
     assert main([*args, "--loss", "user_workloads:doubled_loss", "--out", str(tmp_path / "u")]) == 0
     own = read_metrics(tmp_path / "own/metrics.jsonl")[0]["loss"]
     users = read_metrics(tmp_path / "u/metrics.jsonl")[0]["loss"]
-    assert users == pytest.approx(2 * own, rel=1e-5)
+    # the user's loss is twice the model's cross-entropy, computed apart: a few float32 roundings
+    assert users == pytest.approx(2 * own, rel=8 * torch.finfo(torch.float32).eps)
