@@ -14,12 +14,6 @@ the dp replicas.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from tessera.comm.stream import run_in_order
 from tessera.runtime.scalar import DeviceScalar
 
 __all__ = ["StepLoss"]
@@ -29,12 +23,3 @@ class StepLoss(DeviceScalar):
     """A training step's loss: the global batch's mean, read from its device when used."""
 
     __slots__ = ()
-
-    @classmethod
-    def mean_over(cls, local: torch.Tensor, group: dist.ProcessGroup | None = None) -> Any:
-        """`DeviceScalar.mean_over`, its all-reduce issued behind the collectives an engine has
-        queued on the group's communication stream (`tessera.comm.stream.run_in_order`: the
-        delayed update's and ZeRO-3's prefetch run there), so every rank pairs the same
-        operations; it is still only issued there, and waited for when the loss is read."""
-        base = super().mean_over.__func__  # type: ignore[attr-defined]
-        return run_in_order(group, base, cls, local, group)
