@@ -46,9 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SIZES_MB = (1, 16, 128)
 GPU_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50304)
+OFFLOAD_SHAPE = dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304)
+"""GPT-2 medium (355M): the issue's FSDP2 anchor, 602 ms with CPUOffloadPolicy against 141 ms
+without it on an H100 (bf16, batch 8 x 1024)."""
 CPU_SHAPE = dict(n_layer=2, n_embd=64, n_head=2, block_size=64, vocab_size=512)
 TESTS_TIMEOUT_S = 240  # of the 6 minutes the whole check may take on one GPU
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_setup.py"]
+GPU_TESTS = ["tests/test_gpu.py", "tests/test_setup.py", "tests/test_offload_device.py"]
 
 Step = Callable[[], None]
 
@@ -77,10 +80,11 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class _Bench:
     """The model, data and step builders of one rank (`--cpu`: tiny, fp32, on the CPU)."""
 
-    def __init__(self, cpu: bool, batch: int) -> None:
+    def __init__(self, cpu: bool, batch: int, shape: dict[str, int] | None = None) -> None:
         self.ctx = tessera.init()
         self.device = self.ctx.device
-        self.config = GPTConfig(**(CPU_SHAPE if cpu else GPU_SHAPE))
+        self.shape = shape or (CPU_SHAPE if cpu else GPU_SHAPE)
+        self.config = GPTConfig(**self.shape)
         self.dtype = None if cpu else torch.bfloat16
         self.backend = "aot_eager" if cpu else "inductor"
         generator = torch.Generator().manual_seed(self.ctx.rank)
@@ -116,10 +120,12 @@ class _Bench:
 
         return step
 
-    def tessera(self, strategy: str, compiled: bool = False, **options: Any) -> Step:
+    def tessera(
+        self, strategy: str, compiled: bool = False, precision: str = "bf16", **options: Any
+    ) -> Step:
         engine = tessera.setup(
             self.model(compiled), self.adamw, strategy=strategy, loss_fn=_loss,
-            precision="bf16" if self.dtype is not None else "fp32", **options,
+            precision=precision if self.dtype is not None else "fp32", **options,
         )  # fmt: skip
 
         def step() -> None:
@@ -161,6 +167,15 @@ def _pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Callable[[
          lambda: bench.plain(True)),
         ("ddp", "torch DDP", lambda: t("ddp"), lambda: t("torch-ddp")),
         ("zero3", "FSDP2", lambda: t("zero3"), bench.fsdp2),
+        ("single fp16", "single bf16", lambda: t("single", precision="fp16"),
+         lambda: t("single")),
+    ]  # fmt: skip
+
+
+def _offload_pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Callable[[], Step]]]:
+    """ZeRO-Offload from GPU memory against the same stage without it, and against FSDP2's."""
+    t = bench.tessera
+    return [
         ("zero2 offload=cpu", "zero2", lambda: t("zero2", offload="cpu"), lambda: t("zero2")),
         ("zero3 offload=cpu", "zero3", lambda: t("zero3", offload="cpu"), lambda: t("zero3")),
         ("zero3 offload=cpu", "FSDP2 CPUOffloadPolicy", lambda: t("zero3", offload="cpu"),
@@ -212,15 +227,24 @@ def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     result: dict[str, Any] = {"world": bench.ctx.world_size, "device": name}
     result["torch"] = torch.__version__
     result["precision"] = "bf16 autocast, fused AdamW" if cuda else "fp32, AdamW"
-    result["shape"] = {**(CPU_SHAPE if cpu else GPU_SHAPE), "batch": batch}
+    result["shape"] = {**bench.shape, "batch": batch}
     if bench.ctx.world_size > 1:
         result["all_reduce"] = _all_reduce_rows(bench.device, steps)
     result["training"] = [_pair_row(bench, pair, steps, blocks) for pair in _pairs(bench)]
+    big = _Bench(cpu, batch, None if cpu else OFFLOAD_SHAPE)  # offload: GPT-2 medium on a GPU
+    result["offload_shape"] = {**big.shape, "batch": batch}
+    result["offload"] = [
+        _pair_row(big, pair, max(1, steps // 2), blocks) for pair in _offload_pairs(big)
+    ]
     return result
 
 
-def _gpu_tests() -> str:
-    """Run the `gpu` tests; their pytest summary line (skipped on a CPU-only machine)."""
+def _gpu_tests(log: str | None = None) -> str:
+    """Run the `gpu` tests; their pytest summary line (skipped on a CPU-only machine). With
+    `log`, the summary line of a run already made (`pytest ... | tee LOG`), not run again."""
+    if log is not None:
+        lines = [line for line in Path(log).read_text().splitlines() if line.strip()]
+        return lines[-1] if lines else f"{log} is empty"
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
     try:
         done = subprocess.run(
@@ -248,7 +272,11 @@ def _markdown(result: dict[str, Any]) -> str:
         "| tessera | anchor | tessera step | anchor step | ratio |",
         "|---|---|---|---|---|",
     ]
-    for row in result["training"]:
+    for row in result["training"] + result["offload"]:
+        if row is result["offload"][0]:
+            big = result["offload_shape"]
+            shape = f"GPT {big['n_layer']} x {big['n_embd']}, batch {big['batch']}"
+            lines.append(f"| *offload: {shape}* | | | | |")
         if "error" in row:
             lines.append(f"| {row['tessera']} | {row['anchor']} | {row['error']} | | |")
             continue
@@ -282,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", "--dry", action="store_true", help="tiny, on the CPU: does it run")
     parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--tests-log", help="the gpu tests' log of a run already made: not rerun")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device here: run it on a GPU host, or --cpu to check that it runs")
@@ -290,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     world = 1 if args.cpu else torch.cuda.device_count()
     env = {"TESSERA_BACKEND": "gloo"} if args.cpu else None
     started = time.perf_counter()
-    gpu_tests = _gpu_tests()
+    gpu_tests = _gpu_tests(args.tests_log)
     result = tessera.launch(_rank, world, args.cpu, steps, blocks, 4 if args.cpu else 8, env=env)[0]
     result["gpu_tests"] = gpu_tests
     result["seconds"] = round(time.perf_counter() - started, 1)

@@ -536,7 +536,11 @@ def test_offload_trains_a_model_whose_optimizer_state_does_not_fit_on_the_gpu(ru
     out = run_ranks(_gpu_memory_rank, 1, 4.0, deadline_s=900)[0]
     assert out["state_bytes"] > out["cap"], "the test model must not fit without offload"
     assert out["plain"] == "out of memory", out["plain"]
-    assert out["peak"] < out["state_bytes"] / 2, out  # the device never held the state
+    # The device holds bf16 parameters, their bf16 gradients and the reduced gradient partition
+    # (one rank: all of it), 2 + 2 + 2 bytes a parameter (activations: 16 x 4096 per layer, a
+    # few MB). Any fp32 master or moment on it would add 4 bytes a parameter: the bound is half.
+    numel = out["state_bytes"] // 12
+    assert out["peak"] < (6 + 4 / 2) * numel, out  # the device never held the state
     assert all(torch.isfinite(torch.tensor(out["losses"]))), out["losses"]
 
 

@@ -22,7 +22,9 @@ tensors in its `reset_parameters()` and modules are constructed in the order the
 (torch.nn's Linear, Embedding, LayerNorm, Conv, BatchNorm), or the model's construction draws
 nothing and then runs `for m in model.modules(): init_fn(m)` (the demo GPT: `GPT.init_module`).
 A model that re-initialises weights after construction any other way gets the walk's values, not
-its own.
+its own. On a GPU each module's init still runs on the CPU (its tensors copied up after), so the
+values are those of the model built whole on the CPU and moved, as the trainer builds it for
+every other strategy: CUDA's generator would give other numbers on the same seed.
 
 A tied parameter (an embedding shared with the LM head) is written by the init of every module
 that holds it. Built whole, it keeps the value of the module that made it: the tie assigns one
@@ -44,7 +46,8 @@ the meta device, so `init_fn` (or `reset_parameters`) must compute it again.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -196,8 +199,8 @@ class _Walk:
                 self.version[id(param)] = param._version
                 self.where[id(param)] = _qualified(prefix, name)
         for name, buffer in sub._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                real = torch.empty(buffer.shape, dtype=buffer.dtype, device=self.pending.device)
+            if buffer is not None and buffer.is_meta:  # made on the host: see `_init_on_host`
+                real = torch.empty(buffer.shape, dtype=buffer.dtype)
                 sub._buffers[name] = real
                 made.append((name, real))
         return made
@@ -214,7 +217,7 @@ class _Walk:
             ]  # fmt: skip
         buffers = self.give_memory(prefix, sub)
         reset = getattr(sub, "reset_parameters", None)
-        with torch.no_grad():
+        with torch.no_grad(), _init_on_host(sub):
             if self.pending.init_fn is not None:
                 self.pending.init_fn(sub)
             elif callable(reset):
@@ -249,6 +252,31 @@ class _Walk:
 
     def _how(self) -> str:
         return "init_fn" if self.pending.init_fn is not None else "reset_parameters()"
+
+
+@contextmanager
+def _init_on_host(sub: nn.Module) -> Iterator[None]:
+    """Run `sub`'s init on host copies of its parameters, then copy the values to the device.
+
+    The model built whole (the trainer's other strategies, and this walk on the CPU) draws its
+    random numbers from the CPU's generator and is then moved to the device; an init run on CUDA
+    tensors would draw from CUDA's generator (another algorithm: other values on the same seed).
+    `param.data` is swapped, not the parameter: ZeRO-3's hooks and units hold the objects, and
+    a parameter's `_version` counts only the init's own writes (`check_written`)."""
+    moved = []
+    for param in sub._parameters.values():
+        if param is None or param.device.type == "cpu" or not param.untyped_storage().nbytes():
+            continue
+        on_device = param.data
+        param.data = on_device.to("cpu")  # (a tied value an earlier module wrote comes along)
+        moved.append((param, on_device))
+    try:
+        yield
+    finally:
+        for param, on_device in moved:
+            on_host = param.data
+            param.data = on_device
+            on_device.copy_(on_host)
 
 
 @torch.no_grad()
