@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -9,6 +10,12 @@ import pytest
 
 import tessera
 from tessera.runtime.devices import BACKEND_ENV
+
+os.environ[BACKEND_ENV] = "gloo"
+"""Also before any test module is imported: a module that copies the environment at import
+(`ENV = {**os.environ, ...}` for its subprocesses) must see gloo too. On a one-GPU machine
+test_cli's `tessera run -n 2` got NCCL from such a copy and was refused for want of a second GPU.
+`gpu` tests take it away again (`_backend_of_the_test`)."""
 
 SPAWN_TIMEOUT_S = 120.0
 """Hard bound of one multi-rank test: a hang fails the test instead of the whole suite."""
