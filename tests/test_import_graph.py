@@ -23,8 +23,7 @@ LAYERS = {
     "data_parallel": 2, "zero": 2, "pipeline": 2, "tensor_parallel": 2,
     "parameter_server": 2, "federated": 2,
     # layer 1: mechanisms shared by the strategies
-    "mesh": 1, "comm": 1, "memory": 1, "optim": 1, "checkpoint": 1, "clip": 1, "flat": 1,
-    "_atomic": 1,
+    "comm": 1, "memory": 1, "optim": 1, "checkpoint": 1,
     # layer 0: processes, errors, data
     "runtime": 0, "models": 0, "data": 0, "errors": 0,
 }  # fmt: skip
