@@ -149,3 +149,14 @@ def test_no_import_cycle_even_through_function_level_imports():
         if node not in state:
             visit(node, [node])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_registry_names_nothing_above_the_strategies():
+    """The registry's "module:attr" strings are imports too, made when a name is looked up: none
+    may point above layer 3 (the parameter server's job once hid a layer-4 import in one)."""
+    from tessera.strategies.registry import BUILTIN_STRATEGIES, OWN_ENTRY_POINTS
+
+    targets = [t for pair in BUILTIN_STRATEGIES.values() for t in pair]
+    targets += list(OWN_ENTRY_POINTS.values())
+    upward = [t for t in targets if LAYERS[_part(t.partition(":")[0])] > LAYERS["strategies"]]
+    assert not upward, f"registry entries above the strategies: {upward}"
