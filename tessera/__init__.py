@@ -47,7 +47,7 @@ _LAZY = {
     "tensor_parallel": ("tessera.tensor_parallel", None),
     "zero": ("tessera.zero", None),
     "DataParallel": ("tessera.data_parallel", "DataParallel"),
-    "Mesh": ("tessera.mesh", "Mesh"),
+    "Mesh": ("tessera.runtime.mesh", "Mesh"),
     "strategies": ("tessera.strategies", None),
     "setup": ("tessera.strategies.entry", "setup"),
     "Engine": ("tessera.strategies.engine", "Engine"),

@@ -1,4 +1,4 @@
-"""`tessera.clip` (the one global-norm clipping) and `tessera.flat`, against torch's own.
+"""`tessera.optim.clip` (the one global-norm clipping) and `tessera.comm.flat`, against torch's own.
 
 The clipping is checked directly against `torch.nn.utils.clip_grad_norm_`, then through each
 engine that calls it (ZeRO, the pipeline) against a plain PyTorch loop on one process.
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tessera
-from tessera.clip import clip_grad_norm, squared_sum, sum_over
-from tessera.flat import flatten, unflatten_into
+from tessera.comm.flat import flatten, unflatten_into
+from tessera.optim.clip import clip_grad_norm, squared_sum, sum_over
 
 EPS32 = torch.finfo(torch.float32).eps
 

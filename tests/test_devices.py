@@ -24,8 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tessera
-from tessera.clip import clip_grad_norm, squared_sum
 from tessera.errors import ConfigError
+from tessera.optim.clip import clip_grad_norm, squared_sum
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.devices import BACKEND_ENV
 from tessera.train import TrainConfig, run_training

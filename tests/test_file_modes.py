@@ -74,8 +74,8 @@ export_run(sys.argv[1], sys.argv[2], format="safetensors")
 
 def test_a_killed_export_leaves_no_half_file(tmp_path):
     """The export process is held after its weights are written but before the rename (the test
-    hook of `tessera._atomic`) and killed there: the final name holds nothing, the previous
-    export stays whole; unhindered, the export then completes."""
+    hook of `tessera.checkpoint.atomic`) and killed there: the final name holds nothing, the
+    previous export stays whole; unhindered, the export then completes."""
     run = tmp_path / "run"
     args = ["train", "--strategy", "single", "--nproc", "1", "--steps", "1", "--out", str(run)]
     assert main([*args, *USER]) == 0

@@ -112,8 +112,8 @@ def test_a_rank_that_stops_is_named_and_every_rank_dumps(run_ranks, tmp_path):
 
 
 def test_the_trainer_names_a_rank_stuck_in_a_save_and_dumps_into_its_run_folder(tmp_path):
-    # Rank 0 holds inside its checkpoint write (the test hook of tessera._atomic); rank 1 waits
-    # at the checkpoint's barrier, a direct gloo call, until the run's 2 s timeout.
+    # Rank 0 holds inside its checkpoint write (the test hook of tessera.checkpoint.atomic); rank 1
+    # waits at the checkpoint's barrier, a direct gloo call, until the run's 2 s timeout.
     config = build_config(
         {
             "model": {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16},

@@ -13,9 +13,9 @@ from _tolerance import check_close
 from test_pipeline import _check_mlp  # tests/ is on sys.path under pytest
 
 import tessera
-from tessera.mesh import AXES, Mesh
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline import HybridPolicy
+from tessera.runtime.mesh import AXES, Mesh
 from tessera.strategies.engine import Engine
 from tessera.strategies.pipeline import build_hybrid
 

@@ -682,7 +682,7 @@ def test_asp_shards_checkpoint_every_n_clocks_and_resume_without_applying_twice(
 def test_a_kill_while_ps_metrics_are_rewritten_leaves_the_previous_file(tmp_path):
     # A resumed ps run rewrites metrics.jsonl whole; killed half-way, the previous file must
     # remain (a plain write_text left half a file that every later resume failed to read).
-    from tessera import _atomic
+    from tessera.checkpoint import atomic
     from tessera.parameter_server import write_metrics
     from tessera.parameter_server.result import PSResult
 
@@ -695,7 +695,7 @@ def test_a_kill_while_ps_metrics_are_rewritten_leaves_the_previous_file(tmp_path
     before = (tmp_path / "metrics.jsonl").read_bytes()
     pid = os.fork()
     if pid == 0:  # the child dies by SIGKILL in the middle of the rewrite
-        _atomic.arm_write_crash(lambda: True)
+        atomic.arm_write_crash(lambda: True)
         write_metrics(result(50), tmp_path, plot=False)
         os._exit(0)
     _, status = os.waitpid(pid, 0)

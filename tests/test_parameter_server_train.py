@@ -26,9 +26,10 @@ from tessera.errors import ConfigError
 from tessera.models import GPT, GPTConfig
 from tessera.parameter_server.options import parse_slow_workers, ps_policy
 from tessera.parameter_server.policy import ASP, BSP, SSP
+from tessera.strategies.ps import SERVERS_FOLDER, _server_optimizer
 from tessera.strategies.registry import OWN_ENTRY_POINTS, own_entry_point, strategy_names
 from tessera.train import build_config, load_checkpoint, run_training
-from tessera.train.ps import SERVERS_FOLDER, _server_optimizer
+from tessera.train.run import job_tools
 
 STEPS, SPLIT, WORKERS, SERVERS = 4, 2, 2, 1
 TINY = {
@@ -172,7 +173,10 @@ def test_tessera_train_ps_matches_synchronous_training_and_resumes_bit_for_bit(t
     # Starting afresh over server checkpoints, without --resume, is refused.
     with pytest.raises(ConfigError, match="holds the server checkpoints of an earlier run"):
         own_entry_point("ps")(
-            build_config(TINY, {"strategy": "ps", "out": str(crashed)}), tmp_path / "crashed", False
+            build_config(TINY, {"strategy": "ps", "out": str(crashed)}),
+            tmp_path / "crashed",
+            False,
+            job_tools(),
         )
 
 
@@ -186,20 +190,21 @@ def test_the_server_optimizer_follows_the_schedule_by_clock():
         (True, [x / 2 for x in expected_by_clock for _ in range(2)]),
     ):
         param = torch.zeros(3, requires_grad=True)
-        optimizer = _server_optimizer(config, per_gradient, [param])
+        optimizer = _server_optimizer(config, job_tools(), per_gradient, [param])
         seen = []
         for _ in lrs:
             param.grad = torch.ones(3)
             optimizer.step()
             seen.append(optimizer.param_groups[0]["lr"])
         assert seen == pytest.approx(lrs, rel=1e-12)
-        again = _server_optimizer(config, per_gradient, [param])
+        again = _server_optimizer(config, job_tools(), per_gradient, [param])
         again.load_state_dict(optimizer.state_dict())  # a restored server continues the count
         param.grad = torch.ones(3)
         again.step()
         assert again.param_groups[0]["lr"] == pytest.approx(lr / (2 if per_gradient else 1))
     sgd = _server_optimizer(
         build_config(TINY, {"strategy": "ps", "optimizer": "sgd"}),
+        job_tools(),
         True,
         [torch.zeros(1, requires_grad=True)],
     )

@@ -5,8 +5,8 @@ For each registered strategy: `--steps 2k` straight, and `--steps k` then `--res
 replicas) and RNG states, compared with `torch.equal`, and the same metrics.jsonl losses: a
 resumed run performs the very float operations of the straight one, so nothing is approximate.
 
-The kill tests hold a real trainer inside a save (`tessera._atomic.pause_point`, enabled by an
-environment variable), SIGKILL its whole process group, and resume from what is on disk.
+The kill tests hold a real trainer inside a save (`tessera.checkpoint.atomic.pause_point`, enabled
+by an environment variable), SIGKILL its whole process group, and resume from what is on disk.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@
   `AutoModel*.from_pretrained(path)` reads (its config.json and safetensors weights).
 
 Both are written beside their final name and renamed into it once complete
-(`tessera._atomic.replace_atomically`): an export killed half-way leaves no half file under the
-name a loader opens, and the files get the mode a plain `open` gives.
+(`tessera.checkpoint.atomic.replace_atomically`): an export killed half-way leaves no half file
+under the name a loader opens, and the files get the mode a plain `open` gives.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tessera._atomic import replace_atomically
+from tessera.checkpoint.atomic import replace_atomically
 
 __all__ = ["EXPORT_FORMATS", "export_model", "untied"]
 

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from tessera._atomic import write_atomically
+from tessera.checkpoint.atomic import write_atomically
 from tessera.errors import CheckpointError
 
 __all__ = ["load_checkpoint", "save_checkpoint"]

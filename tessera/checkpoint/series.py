@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tessera._atomic import fsync_folder, pause_point, write_atomically
+from tessera.checkpoint.atomic import fsync_folder, pause_point, write_atomically
 from tessera.errors import CheckpointError
 
 __all__ = [

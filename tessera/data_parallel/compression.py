@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from tessera.comm.flat import flatten, unflatten_into
 from tessera.data_parallel.bucket import Bucket
-from tessera.flat import flatten, unflatten_into
 
 __all__ = ["CompressionHook", "PowerSGD", "cast_hook", "resolve_compression"]
 

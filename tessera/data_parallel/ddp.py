@@ -26,11 +26,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tessera import comm
+from tessera.comm.flat import flatten, unflatten_into
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.compression import CompressionHook, cast_hook, resolve_compression
 from tessera.data_parallel.reducer import Reducer
-from tessera.flat import flatten, unflatten_into
 from tessera.runtime.context import default_timeout_s
 
 __all__ = ["DataParallel", "broadcast_from_first"]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
-from tessera.flat import flatten, unflatten_into
+from tessera.comm.flat import flatten, unflatten_into
 
 __all__ = ["average_gradients", "average_parameters"]
 

@@ -2,8 +2,8 @@
 
 Layout: `DIR/server-S/applied-V.pt`, V the number of gradients the server had applied (a BSP
 clock of W workers applies W). A file holds the shard's pieces, its optimizer state, the workers'
-clocks and the shard layout (checked on load). Files are written through `tessera._atomic`, so a
-crash leaves the previous file or the new one, never half of one.
+clocks and the shard layout (checked on load). Files are written through
+`tessera.checkpoint.atomic`, so a crash leaves the previous file or the new one, never half of one.
 
 When: every `checkpoint_every` clocks and, in every mode, once at the end of the run. Under BSP a
 clock boundary is the same state on every server. Under ASP and SSP a server saves after every
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tessera._atomic import write_atomically
+from tessera.checkpoint.atomic import write_atomically
 from tessera.errors import CheckpointError
 
 __all__ = ["latest_common_version", "load_shard", "resume_version", "save_shard"]

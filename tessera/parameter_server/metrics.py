@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-from tessera._atomic import write_atomically
+from tessera.checkpoint.atomic import write_atomically
 from tessera.parameter_server.result import PSResult
 
 __all__ = ["staleness_histogram", "write_metrics"]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.clip import clip_grad_norm, squared_sum, sum_over
+from tessera.optim.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.pipeline import messages
 from tessera.pipeline.chunks import ChunkedStage, cut_layers, sum_tied_gradients
 from tessera.pipeline.deferred import WeightGradDeferral

@@ -4,8 +4,8 @@ A Python float would be read from the GPU where it is computed: the host then wa
 device's queue to drain, and the next kernels are not queued while the GPU finishes these (the
 plain loop that never calls `.item()` keeps the GPU busy; on an H100 that wait cost tessera 7%
 of a GPT-2-small step). So a step's loss (`tessera.strategies.StepLoss`) and a clipped gradient
-norm (`tessera.clip.clip_grad_norm`) are this small number-like object: it holds a scalar tensor
-on its device and, where the value is averaged over ranks, the all-reduce in flight (started
+norm (`tessera.optim.clip.clip_grad_norm`) are this small number-like object: it holds a scalar
+tensor on its device and, where the value is averaged over ranks, the all-reduce in flight (started
 asynchronously, never waited for by the step). `float(x)`, printing, formatting, comparisons and
 arithmetic read it then (one sync, once; the value is kept). Pickling turns it into a plain
 float (a rank's return value travels to the launcher so). `torch.tensor(x)` does not take it:

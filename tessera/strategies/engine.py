@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera._atomic import write_atomically
+from tessera.checkpoint.atomic import write_atomically
 from tessera.data.loader import select_keys
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context

@@ -29,9 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.clip import clip_grad_norm, squared_sum, sum_over
-from tessera.mesh import Mesh
 from tessera.models import GPT
+from tessera.optim.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.pipeline.chunks import forward_only_interleaved
 from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
 from tessera.pipeline.evaluate import forward_only
@@ -46,6 +45,7 @@ from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
+from tessera.runtime.mesh import Mesh
 from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies import batch as rule
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message

@@ -60,11 +60,12 @@ BUILTIN_STRATEGIES: dict[str, tuple[str, str]] = {
 """tessera's strategies: name -> ("module:builder", "module:PolicyClass")."""
 
 OWN_ENTRY_POINTS: dict[str, str] = {
-    "ps": "tessera.train.ps:train_ps",
+    "ps": "tessera.strategies.ps:train_ps",
 }
 """Strategies whose ranks play different roles (parameter servers and workers), so no `Engine`
 run alike on every rank fits them: the trainer hands them the whole job,
-`entry(config, run_dir, resume) -> summary`."""
+`entry(config, run_dir, resume, tools) -> summary`, `tools` the trainer's functions they call
+(`tessera.strategies.own_job.JobTools`)."""
 
 NOT_COMPILABLE: dict[str, str] = {
     "zero3": "its module hooks gather and free each parameter's storage around every forward",

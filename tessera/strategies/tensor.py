@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.clip import clip_grad_norm, squared_sum, sum_over
+from tessera.optim.clip import clip_grad_norm, squared_sum, sum_over
 from tessera.runtime.context import Context
 from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies.batch import LossFn, gather_batch

@@ -20,7 +20,7 @@ Each fault fires once per run folder: before firing, the rank creates `faults-fi
 exclusively (O_EXCL, fsync'ed), so a restarted run that re-runs step S finds the record and goes
 on. The spec is checked whole before anything starts (`check_faults`): a malformed entry is one
 ConfigError naming it. The trainer makes one call per step (`FaultInjector.at_step`); everything
-else happens here and in `tessera._atomic` (the half-written file).
+else happens here and in `tessera.checkpoint.atomic` (the half-written file).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tessera import _atomic
+from tessera.checkpoint import atomic
 from tessera.errors import ConfigError, TesseraError
 
 if TYPE_CHECKING:
@@ -185,12 +185,12 @@ class FaultInjector:
 
     def at_step(self, step: int) -> None:
         """Called before the trainer runs (1-based) `step`: fire this rank's fault of that step."""
-        _atomic.arm_write_crash(None)  # a `checkpoint` fault covers its own step's save only
+        atomic.arm_write_crash(None)  # a `checkpoint` fault covers its own step's save only
         now = time.perf_counter()
         previous_s = None if self._last_mark is None else now - self._last_mark
         fault = self.pending.pop(step, None)
         if fault is not None and fault.kind == "checkpoint":  # recorded when it fires
-            _atomic.arm_write_crash(lambda: self._claim(fault))
+            atomic.arm_write_crash(lambda: self._claim(fault))
         elif fault is not None and self._claim(fault):
             self._fire(fault)
         if self._slow and previous_s is not None:  # the first step of a run has no previous
@@ -220,7 +220,7 @@ class FaultInjector:
             file.write(json.dumps(record))
             file.flush()
             os.fsync(file.fileno())
-        _atomic.fsync_folder(folder)  # the record survives the kill that follows
+        atomic.fsync_folder(folder)  # the record survives the kill that follows
         return True
 
     def _hang(self, fault: Fault) -> None:

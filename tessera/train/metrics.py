@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 import torch.distributed as dist
 
-from tessera._atomic import write_atomically
+from tessera.checkpoint.atomic import write_atomically
 
 __all__ = [
     "RESTART_ENV",

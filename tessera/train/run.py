@@ -23,12 +23,15 @@ from tessera.checkpoint import series
 from tessera.errors import ConfigError
 from tessera.runtime.context import shutdown
 from tessera.runtime.devices import check_visible_gpus
+from tessera.strategies.own_job import JobTools
 from tessera.strategies.registry import own_entry_point
 from tessera.train.callbacks import check_callbacks
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
 from tessera.train.faults import faults_from_env
 from tessera.train.loop import train_worker
+from tessera.train.metrics import read_metrics
+from tessera.train.optimizers import lr_at, make_optimizer
 from tessera.train.preflight import preflight_workload
 from tessera.train.restarts import (
     check_restart_options,
@@ -37,6 +40,7 @@ from tessera.train.restarts import (
     supervise,
 )
 from tessera.train.resume import check_fresh_out, check_resume
+from tessera.train.workload import gpt_sample
 
 __all__ = ["print_summary", "run_training"]
 
@@ -102,6 +106,18 @@ def _write_config(config: TrainConfig, run_dir: Path) -> None:
     tmp.replace(run_dir / "config.yaml")
 
 
+def job_tools() -> JobTools:
+    """The trainer's functions a strategy that runs its own job calls (ps: the servers'
+    optimizer and schedule, the config record, the sample, the earlier run's log on resume)."""
+    return JobTools(
+        make_optimizer=make_optimizer,
+        lr_at=lr_at,
+        config_to_dict=config_to_dict,
+        gpt_sample=gpt_sample,
+        read_metrics=read_metrics,
+    )
+
+
 def run_training(
     config: TrainConfig,
     *,
@@ -135,7 +151,7 @@ def run_training(
             check_resume(config, run_dir)
         if not _under_torchrun() or int(os.environ.get("RANK", "0")) == 0:
             _write_config(config, run_dir)
-        summary = entry(config, run_dir, resume)
+        summary = entry(config, run_dir, resume, job_tools())
         return summary if not _under_torchrun() or int(os.environ["RANK"]) == 0 else None
     if _under_torchrun():
         if restarted_by_torchrun():  # torchrun's agent restarted us: continue the run folder

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Protocol
 
 import torch
 
-from tessera._atomic import write_atomically
+from tessera.checkpoint.atomic import write_atomically
 
 __all__ = ["Streamed", "TensorFile", "file_sha256", "layout", "tensor_bytes", "write_tensors"]
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera._atomic import fsync_folder, pause_point, write_atomically
+from tessera.checkpoint.atomic import fsync_folder, pause_point, write_atomically
 from tessera.errors import CheckpointError
 from tessera.zero._offloaded_state import (
     MOMENTS,

@@ -43,11 +43,11 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera import comm
-from tessera.clip import clip_grad_norm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.ddp import broadcast_from_first
 from tessera.data_parallel.reducer import Reducer
+from tessera.optim.clip import clip_grad_norm
 from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import current_context
 from tessera.runtime.wait import wait_or_raise

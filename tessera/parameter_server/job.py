@@ -1,19 +1,22 @@
-"""`tessera train --strategy ps`: the reference GPT trained by S servers and W workers.
+"""The reference GPT trained by S servers and W workers, its run folder written as the trainer's.
 
-Why an entry point of its own and not an `Engine`: the trainer's loop runs the same step on every
-rank, while here ranks play different roles (servers apply, workers compute) and under ASP they
-do not even take the same number of steps at the same time. So `run_training` hands the whole job
-to `train_ps`, which calls `parameter_server.run` with the GPT, the corpus and the config's
-optimizer, and writes the run folder as the other strategies do (config.yaml, checkpoint.pt,
-metrics.jsonl, loss.png, sample.txt) plus `metrics.png` (staleness histogram, rates per worker).
+Why a job of its own and not an `Engine`: the trainer's loop runs the same step on every rank,
+while here ranks play different roles (servers apply, workers compute) and under ASP they do not
+even take the same number of steps at the same time. So `tessera train --strategy ps` hands the
+whole job to its adapter (`tessera.strategies.ps`), which describes it as a `GPTJob` (the
+trainer's optimizer, schedule, sample and log reader as callables: this layer imports no trainer)
+and calls `run_gpt_job`. That calls `parameter_server.run` with the GPT and the corpus and writes
+the run folder as the other strategies do (config.yaml, checkpoint.pt, metrics.jsonl, loss.png,
+sample.txt) plus `metrics.png` (staleness histogram, rates per worker).
 
 "The same way" as the other strategies: worker w's batch of its step-th update is the w-th of W
 slices of the global batch of that step, so under BSP one clock is one synchronous data-parallel
-step of `batch_size` sequences. `steps` is the number of updates of each worker. The learning rate
-follows the config's schedule by the server's clock; under ASP and SSP each gradient is applied
-alone, as 1/W of a clock: SGD gets the gradient scaled by 1/W (the runtime's update rule), AdamW,
-whose step does not shrink with its gradient, gets lr/W. Not applied: `grad_clip` (a worker would
-clip its own slice's gradient, which is not the clipping of the mean; said in the config's help).
+step of `batch_size` sequences. `steps` is the number of updates of each worker. The learning
+rate follows the config's schedule by the server's clock (`GPTJob.optimizer_fn`); under ASP and
+SSP each gradient is applied alone, as 1/W of a clock: SGD gets the gradient scaled by 1/W (the
+runtime's update rule), AdamW, whose step does not shrink with its gradient, gets lr/W. Not
+applied: `grad_clip` (a worker would clip its own slice's gradient, which is not the clipping of
+the mean; said in the config's help).
 
 Checkpoints: the servers write their shards to `RUN/servers/` every `checkpoint_every` clocks
 (under ASP/SSP every `checkpoint_every` x W applied gradients) and at the end, keeping the
@@ -29,6 +32,8 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +46,10 @@ from tessera.models import GPT, GPTConfig
 from tessera.parameter_server.api import run
 from tessera.parameter_server.checkpoint import latest_common_version
 from tessera.parameter_server.metrics import staleness_histogram, write_metrics
-from tessera.parameter_server.options import parse_slow_workers, ps_policy
-from tessera.parameter_server.policy import aggregates
+from tessera.parameter_server.policy import ConsistencyPolicy, aggregates
 from tessera.parameter_server.result import PSResult
-from tessera.train.config_build import config_to_dict
-from tessera.train.engine_setup import lr_at, make_optimizer
-from tessera.train.metrics import read_metrics
-from tessera.train.workload import gpt_sample
 
-__all__ = ["SERVERS_FOLDER", "train_ps"]
+__all__ = ["SERVERS_FOLDER", "GPTJob", "run_gpt_job"]
 
 SERVERS_FOLDER = "servers"
 """Sub-folder of the run folder holding the servers' shard checkpoints."""
@@ -86,94 +86,99 @@ def _next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _server_optimizer(config: Any, per_gradient: bool, params: list[torch.Tensor]) -> Any:
-    """The config's optimizer over one shard, its lr set before each step from the schedule.
-
-    The count of steps lives in the param group, so it is saved and restored with the
-    optimizer's state_dict (a resumed server continues the schedule where it stopped).
-    """
-    optimizer = make_optimizer(config, params)
-    workers = config.workers
-    lr_scale = 1 / workers if per_gradient and config.optimizer == "adamw" else 1.0
-    for group in optimizer.param_groups:
-        group["ps_steps"] = 0
-
-    def schedule(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in opt.param_groups:
-            clock = group["ps_steps"] // workers if per_gradient else group["ps_steps"]
-            group["lr"] = lr_at(clock, config) * lr_scale
-            group["ps_steps"] += 1
-
-    optimizer.register_step_pre_hook(schedule)
-    return optimizer
-
-
 # --- the job ---------------------------------------------------------------------------------
-def train_ps(config: Any, run_dir: str | Path, resume: bool) -> dict[str, Any]:
-    """Train as `config` says with a parameter server; the summary (on every rank)."""
+@dataclass(frozen=True)
+class GPTJob:
+    """One run: the data, the GPT's shape, the servers' and workers' settings, and what the
+    trainer lends (its optimizer by clock, its sample, its log reader, the config as plain data).
+
+    Why so many fields: it is the whole of a `tessera train --strategy ps` run, named field by
+    field so that this layer reads no trainer config.
+    """
+
+    corpus: str
+    corpus_bytes: int
+    model: dict[str, Any]
+    """`GPTConfig` keywords but the vocabulary (the corpus gives it)."""
+    batch_size: int
+    seed: int
+    servers: int
+    workers: int
+    consistency: str
+    """As the user named it (the plot's title); `policy` is what it means."""
+    policy: ConsistencyPolicy
+    steps: int
+    slow_workers: dict[int, float]
+    timeout_s: float
+    checkpoint_every: int
+    keep_checkpoints: int
+    optimizer_fn: Callable[[bool, list[torch.Tensor]], torch.optim.Optimizer]
+    """(one gradient per step, not one clock, params) -> the server's optimizer; picklable."""
+    record: dict[str, Any]
+    """The config as plain data, kept in checkpoint.pt."""
+    sample: Callable[[dict[str, torch.Tensor], GPTConfig, CharTokenizer], str]
+    read_log: Callable[[Path], list[dict[str, Any]]]
+    """The step records of an earlier run's metrics.jsonl (a resume merges them)."""
+
+
+def run_gpt_job(job: GPTJob, run_dir: str | Path, resume: bool) -> dict[str, Any]:
+    """Train `job` with a parameter server; the summary (on every rank)."""
     out = Path(run_dir)
     main = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank gets here
     servers_dir = out / SERVERS_FOLDER
     if (
         not resume
         and servers_dir.exists()
-        and latest_common_version(servers_dir, config.servers) is not None
+        and latest_common_version(servers_dir, job.servers) is not None
     ):
         raise ConfigError(
             f"{servers_dir} holds the server checkpoints of an earlier run; "
             f"continue it with --resume {out} or choose another --out"
         )
-    policy = ps_policy(config.consistency, config.staleness)
-    text = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    text = load_corpus(job.corpus, max_bytes=job.corpus_bytes)
     tokenizer = CharTokenizer.from_text(text)
-    model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **config_to_dict(config)["model"])
-    source = (
-        config.corpus,
-        config.corpus_bytes,
-        config.model.block_size,
-        config.batch_size,
-        config.seed,
-    )
+    model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **job.model)
+    source = (job.corpus, job.corpus_bytes, job.model["block_size"], job.batch_size, job.seed)
     record = {
         "tokenizer": tokenizer.to_dict(),
-        "config": config_to_dict(config),
+        "config": job.record,
         "parameter_server": SERVERS_FOLDER,
     }
     started = time.perf_counter()
     if main and not resume:  # a crash from here on can be resumed from the server checkpoints
         save_checkpoint(out / CHECKPOINT_NAME, {"step": 0, "engine": None, **record})
     result = run(
-        functools.partial(_gpt, model_config, config.seed),
+        functools.partial(_gpt, model_config, job.seed),
         _next_token_loss,
-        functools.partial(_worker_batch, source, config.workers),
-        optimizer_fn=functools.partial(_server_optimizer, config, not aggregates(policy)),
-        num_servers=config.servers,
-        num_workers=config.workers,
-        consistency=policy,
-        steps=config.steps,
-        slow_workers=parse_slow_workers(config.slow_worker, config.workers),
-        timeout_s=config.timeout_s,
+        functools.partial(_worker_batch, source, job.workers),
+        optimizer_fn=functools.partial(job.optimizer_fn, not aggregates(job.policy)),
+        num_servers=job.servers,
+        num_workers=job.workers,
+        consistency=job.policy,
+        steps=job.steps,
+        slow_workers=job.slow_workers,
+        timeout_s=job.timeout_s,
         checkpoint_dir=servers_dir,
-        checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.keep_checkpoints,
+        checkpoint_every=job.checkpoint_every,
+        keep_checkpoints=job.keep_checkpoints,
     )
     wall_s = time.perf_counter() - started
     if not main:
-        return _summary(out, config, result, result.log, wall_s, "")
-    log = _merge_earlier_log(out / "metrics.jsonl", result.log) if resume else result.log
+        return _summary(out, job, result, result.log, wall_s, "")
+    log = _merge_earlier_log(job, out / "metrics.jsonl", result.log) if resume else result.log
     full = PSResult(**{**result.__dict__, "log": log})
     write_metrics(full, out)
     _plot_loss(
         full,
         out / "loss.png",
-        f"ps: {config.servers} server(s), {config.workers} workers, {config.consistency}",
+        f"ps: {job.servers} server(s), {job.workers} workers, {job.consistency}",
     )
-    weights = _full_state_dict(_gpt(model_config, config.seed), result.state_dict)
-    step = _completed_clock(log, config.workers, result.dropped_workers)
+    weights = _full_state_dict(_gpt(model_config, job.seed), result.state_dict)
+    step = _completed_clock(log, job.workers, result.dropped_workers)
     save_checkpoint(out / CHECKPOINT_NAME, {"step": step, "engine": {"model": weights}, **record})
-    sample = gpt_sample(weights, model_config, tokenizer, config)
+    sample = job.sample(weights, model_config, tokenizer)
     (out / "sample.txt").write_text(sample)
-    return _summary(out, config, result, log, wall_s, sample)
+    return _summary(out, job, result, log, wall_s, sample)
 
 
 def _full_state_dict(
@@ -201,12 +206,12 @@ def _completed_clock(log: list[dict[str, Any]], workers: int, dropped: list[int]
     return min(done, default=0)
 
 
-def _merge_earlier_log(path: Path, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _merge_earlier_log(job: GPTJob, path: Path, log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A resumed run's log preceded by the earlier run's gradients it did not redo."""
     redone = {(r["worker"], r["clock"]) for r in log}
     earlier = [
         {k: v for k, v in r.items() if k != "kind"}
-        for r in read_metrics(path)
+        for r in job.read_log(path)
         if r.get("kind") == "gradient" and (r["worker"], r["clock"]) not in redone
     ]
     return sorted(earlier, key=lambda r: r["time"]) + log
@@ -238,18 +243,17 @@ def _plot_loss(result: PSResult, path: Path, title: str) -> None:
 
 
 def _summary(
-    out: Path, config: Any, result: PSResult, log: list[dict[str, Any]], wall_s: float, sample: str
+    out: Path, job: GPTJob, result: PSResult, log: list[dict[str, Any]], wall_s: float, sample: str
 ) -> dict[str, Any]:
-    window = max(1, config.workers)  # the first and last clock's worth of gradients
+    window = max(1, job.workers)  # the first and last clock's worth of gradients
     losses = [r["loss"] for r in log]
     rates = [r for r in result.updates_per_s if not math.isnan(r)]
     histogram = staleness_histogram(result)
-    policy = ps_policy(config.consistency, config.staleness)
     summary = {
         "run_dir": str(out),
         "strategy": "ps",
-        "world_size": config.servers + config.workers,
-        "steps": config.steps,
+        "world_size": job.servers + job.workers,
+        "steps": job.steps,
         "first_loss": statistics.fmean(losses[:window]),
         "final_loss": statistics.fmean(losses[-window:]),
         "updates_per_s": sum(rates),
@@ -267,9 +271,9 @@ def _summary(
     summary["rows"] = [
         (
             "servers / workers / consistency",
-            f"{config.servers} / {config.workers} / {policy}",
+            f"{job.servers} / {job.workers} / {job.policy}",
         ),
-        ("updates per worker", str(config.steps)),
+        ("updates per worker", str(job.steps)),
         (
             "loss (first -> last clock)",
             f"{summary['first_loss']:.3f} -> {summary['final_loss']:.3f}",
