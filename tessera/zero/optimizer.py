@@ -86,7 +86,8 @@ class ZeroOptimizer:
         host_step: bool = False,
     ) -> None:
         """Why so many parameters: a keyword per collaborator switch (`zero.api.shard` sets them).
-        Why so long: it builds those collaborators (link, reducer, masters) in dependency order."""
+        Why so long: it builds those collaborators (link, layout, reducer, masters) in dependency
+        order."""
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
         if mixed_precision not in (None, "bf16"):
