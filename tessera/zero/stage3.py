@@ -85,6 +85,8 @@ class ZeroStage3(ZeroOptimizer):
 
     stage = 3
     release_gradients = True
+    layout: Stage3Layout
+    """The flats and this rank's compute-dtype shard of each (`_new_layout`)."""
 
     def __init__(
         self,
