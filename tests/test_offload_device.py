@@ -151,7 +151,7 @@ def _offload_ranks(nvme_root: str) -> dict:
         zero = engine.zero
         assert zero.link is not None and all(
             g.data_ptr() != s.data_ptr()
-            for g, s in zip(zero.link.grads, [zero._gradient_slice(f) for f in zero.flats])
+            for g, s in zip(zero.link.grads, [zero.layout.gradient_slice(f) for f in zero.flats])
         ), "the host gradients must be tensors of their own"
         counts = _train(engine, ctx, range(2))
         engine.save(folder / "ckpt")
@@ -370,11 +370,11 @@ def _two_sides_ranks() -> dict:
         zero = engine.zero
         sides.tags.clear()
         sides.tag([*engine.module.parameters(), *[f.flat_param for f in zero.flats]], "device")
-        sides.tag([f.grad_shard for f in zero.flats] + zero._parameter_shards(), "device")
+        sides.tag([f.grad_shard for f in zero.flats] + zero.layout.parameter_shards(), "device")
         sides.tag([f.bucket.buffer for f in zero.flats], "device")
         sides.tag([*zero.link.grads, *zero.link.staging, *[f.master for f in zero.flats]], "host")
         if params:
-            sides.tag(zero._parameter_shards(), "host")
+            sides.tag(zero.layout.parameter_shards(), "host")
         worker, on_worker = zero.reducer.stream, sides.mode()
         worker.run(on_worker.__enter__, what="two sides on the communication thread")
         with sides.mode():

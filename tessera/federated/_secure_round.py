@@ -1,6 +1,10 @@
 """A secure-aggregation round over the network: the deployed server's side of Bonawitz et al.'s
-four phases (`keys`, `shares`, `masked`, `unmask`), driven through `FederatedServer._collect`
-with the same `SecAggServer` as simulation.
+four phases (`keys`, `shares`, `masked`, `unmask`), driven through the server's collection of
+one phase's messages with the same `SecAggServer` as simulation.
+
+The server (`tessera.federated.deployed.FederatedServer`) hands the round a `ServerSide`: the
+round's index, its settings and how to collect a phase. This module therefore does not import
+the server's, which calls it: the dependency goes one way.
 
 A client whose `keys`, `shares` or `unmask` message is malformed is dropped from the round (it
 counts as a dropout of that phase: logged, never an exception that stops `run()`), and the round
@@ -13,44 +17,60 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tessera.federated import wire
-from tessera.federated.secure_aggregation import SecAggServer, dequantize
+from tessera.federated.secure_aggregation import SecAggConfig, SecAggServer, dequantize
 
-if TYPE_CHECKING:
-    from tessera.federated.deployed import FederatedServer
+__all__ = ["ServerSide", "secure_round"]
 
 log = logging.getLogger("tessera.federated.deployed")  # one logger for the deployed server
 
 
-def secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
+@dataclass(frozen=True)
+class ServerSide:
+    """What a secure round needs of the deployed server, for one round."""
+
+    round_index: int
+    secagg: SecAggConfig
+    collect: Callable[[str, set[int], Callable[[int], bytes]], dict]
+    """`collect(phase, expected, task)`: ask the `expected` clients for a `phase` submission
+    (`task(client)` is the message each gets); `{client: (header, payload)}` of what arrived
+    before the deadline."""
+    settings: Callable[[], dict]
+    """The task header's training settings (the round, the clients' settings, the dtype)."""
+    global_payload: Callable[[], np.ndarray]
+    """The global weights as they travel."""
+
+
+def secure_round(server: ServerSide, selected: set[int]) -> tuple[torch.Tensor, list[int]]:
     """Bonawitz et al.'s four rounds over the network (see `secure_aggregation`)."""
-    config = server.config.secagg
+    config = server.secagg
     secagg = SecAggServer(selected, config.threshold, config.neighbours)
-    round_index = server._round
+    round_index = server.round_index
 
     def ask(kind: str, **fields) -> Callable[[int], bytes]:
         message = wire.encode({"kind": kind, "round": round_index, **fields})
         return lambda _: message
 
-    keys = _well_formed(server, "keys", server._collect("keys", selected, ask("keys")),
+    keys = _well_formed(server, "keys", server.collect("keys", selected, ask("keys")),
                         lambda h: (_public(h["c"]), _public(h["s"])))  # fmt: skip
     roster = secagg.collect_keys(keys)
 
     def shares_task(client: int) -> bytes:  # a client gets its neighbours' keys and its own
         keys = secagg.neighbourhood(client)
         return wire.encode(
-            {"kind": "shares", **server._settings(), "threshold": secagg.threshold,
+            {"kind": "shares", **server.settings(), "threshold": secagg.threshold,
              "count": len(roster),
              "roster": {str(u): [c.hex(), s.hex()] for u, (c, s) in keys.items()}},
-            server._global_payload(),
+            server.global_payload(),
         )  # fmt: skip
 
     outboxes = _well_formed(
-        server, "shares", server._collect("shares", set(roster), shares_task),
+        server, "shares", server.collect("shares", set(roster), shares_task),
         lambda h: {int(v): bytes.fromhex(c) for v, c in h["outbox"].items()},
     )  # fmt: skip
     # Only clients whose shares went out can be unmasked later: they are the partners.
@@ -64,9 +84,9 @@ def secure_round(server: FederatedServer, selected: set[int]) -> tuple[torch.Ten
         return wire.encode({"kind": "masked", "round": round_index, "inbox": inbox,
                             "partners": partners})  # fmt: skip
 
-    masked = server._collect("masked", set(partners), masked_task)
+    masked = server.collect("masked", set(partners), masked_task)
     dropped, survivors = secagg.collect_masked({u: p for u, (_, p) in masked.items()})
-    unmask = server._collect("unmask", set(survivors), ask("unmask", dropped=dropped,
+    unmask = server.collect("unmask", set(survivors), ask("unmask", dropped=dropped,
                                                          survivors=survivors))  # fmt: skip
     responses = _well_formed(
         server, "unmask", unmask,
@@ -82,7 +102,7 @@ def _public(text: object) -> bytes:
     return bytes.fromhex(text)
 
 
-def _well_formed(server: FederatedServer, kind: str, collected: dict, parse) -> dict:
+def _well_formed(server: ServerSide, kind: str, collected: dict, parse) -> dict:
     """`{client: parse(header)}` for the clients whose `kind` message parses; a malformed one
     drops its sender from this round (logged), and the round goes on without it."""
     parsed = {}
@@ -91,5 +111,5 @@ def _well_formed(server: FederatedServer, kind: str, collected: dict, parse) -> 
             parsed[client] = parse(header)
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             log.warning("federated server: client %s dropped from round %d: a malformed %s "
-                        "message (%s)", client, server._round, kind, error)  # fmt: skip
+                        "message (%s)", client, server.round_index, kind, error)  # fmt: skip
     return parsed

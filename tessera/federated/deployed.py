@@ -65,7 +65,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from tessera.federated import wire
-from tessera.federated._secure_round import secure_round
+from tessera.federated._secure_round import ServerSide, secure_round
 from tessera.federated.aggregate import ALGORITHMS
 from tessera.federated.client import ClientSettings, load_vector
 from tessera.federated.deployed_client import connect
@@ -326,7 +326,9 @@ class FederatedServer:
         """A secure round (`_secure_round`); None if it was abandoned (too few survivors, a
         disconnected graph, a bad message: logged, and `run()` goes on)."""
         try:
-            return secure_round(self, set(task.selected))
+            side = ServerSide(self._round, self.config.secagg, self._collect, self._settings,
+                              self._global_payload)  # fmt: skip
+            return secure_round(side, set(task.selected))
         except SecureAggregationError as error:
             log.warning("federated server: round %d abandoned: %s", task.round_index, error)
             return None

@@ -18,6 +18,7 @@ from tessera.train.config_data import (
     check_eval_and_logging,
     check_loader_options,
 )
+from tessera.train.config_optimizer import check_optimizer_options
 from tessera.train.config_sources import (
     job_world_size,
     load_yaml,
@@ -311,8 +312,6 @@ class TrainConfig:
             raise ConfigError(
                 f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"
             )
-        from tessera.train.optimizers import check_optimizer_options
-
         check_optimizer_options(self)  # --optimizer(-args), --lr-schedule, --grad-accum
         if self.comm_algorithm != "auto":
             from tessera.comm import ALGORITHMS  # only then: the collectives are not light

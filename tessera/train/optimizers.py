@@ -15,14 +15,14 @@ stopped. Under ZeRO (`offload` turns AdamW/Adam into `CPUAdam`) any element-wise
 class trains.
 
 Everything here that can be refused is refused before a rank starts: the spelling in the config
-(`check_optimizer_options`), the import and one construction on a dummy parameter and one call
-of the schedule in preflight (`check_optimizer_and_schedule`).
+(`check_optimizer_options`, in `tessera.train.config_optimizer` so that the config can run it
+without importing this module, which reads a `TrainConfig`), the import and one construction on
+a dummy parameter and one call of the schedule in preflight (`check_optimizer_and_schedule`).
 """
 
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from collections.abc import Callable
 from functools import partial
@@ -32,8 +32,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tessera.data.imports import is_reference, load_reference
+from tessera.data.imports import load_reference
 from tessera.errors import ConfigError
+from tessera.train.config_optimizer import (
+    LR_SCHEDULES,
+    OPTIMIZERS,
+    check_optimizer_options,
+    parse_optimizer_args,
+)
 
 if TYPE_CHECKING:
     from tessera.train.config import TrainConfig
@@ -51,46 +57,6 @@ __all__ = [
     "optimizer_spec",
     "parse_optimizer_args",
 ]
-
-OPTIMIZERS = ("adamw", "sgd")
-LR_SCHEDULES = ("cosine", "linear", "constant")
-
-
-def parse_optimizer_args(text: str | None) -> dict[str, Any]:
-    """`--optimizer-args` as keyword arguments (JSON lists become tuples, as `betas` is)."""
-    if text is None:
-        return {}
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--optimizer-args {text!r} is not valid JSON: {exc}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(
-            f"--optimizer-args must be a JSON object, e.g. '{{\"betas\": [0.9, 0.99]}}', "
-            f"got {text!r}"
-        )
-    return {key: tuple(v) if isinstance(v, list) else v for key, v in values.items()}
-
-
-def check_optimizer_options(config: TrainConfig) -> None:
-    """The spelling of the optimizer and schedule flags, and where `grad_accum` applies."""
-    if config.optimizer not in OPTIMIZERS and not is_reference(config.optimizer):
-        raise ConfigError(
-            f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS} or give "
-            "PKG.MODULE:CLASS"
-        )
-    parse_optimizer_args(config.optimizer_args)
-    if config.lr_schedule not in LR_SCHEDULES and not is_reference(config.lr_schedule):
-        raise ConfigError(
-            f"unknown lr_schedule {config.lr_schedule!r}; choose one of {LR_SCHEDULES} or give "
-            "PKG.MODULE:FN"
-        )
-    if config.grad_accum > 1 and config.strategy == "ps":
-        raise ConfigError(
-            "grad_accum accumulates inside a tessera.setup engine; ps workers push every "
-            "gradient to the servers: use grad_accum 1"
-        )
-
 
 def _takes(cls: type, name: str) -> bool:
     parameters = inspect.signature(cls.__init__).parameters

@@ -108,6 +108,8 @@ def file_sinks(optimizer: Any, saved_states: list[dict[str, Any]]) -> list[dict[
     for flat, saved in zip(optimizer.flats, saved_states):
         mine = {k: FileSink(inner, k, flat.master, None) for k in saved["kinds"] if k in MOMENTS}
         if optimizer.swapped_masters:
-            mine["param"] = FileSink(inner, "param", flat.master, optimizer._publish_target(flat))
+            mine["param"] = FileSink(
+                inner, "param", flat.master, optimizer.layout.publish_target(flat)
+            )
         sinks.append(mine)
     return sinks

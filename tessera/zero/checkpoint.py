@@ -124,7 +124,7 @@ def save_shard(folder: str | Path, optimizer: Any, **extra: Any) -> Path:
 def _barrier(optimizer: Any) -> None:
     """Wait for every rank of the optimizer's group, with the optimizer's timeout."""
     if optimizer.world > 1:
-        optimizer._collective(dist.barrier, optimizer.group)
+        optimizer.collectives.run(dist.barrier, optimizer.group)
 
 
 def _replace_folder(new: Path, target: Path) -> None:
@@ -363,7 +363,7 @@ def load_shards(optimizer: Any, folder: str | Path) -> None:
     for flat, mine in zip(optimizer.flats, sinks):
         if any(kind in mine for kind in MOMENTS):  # loaded into the files above
             optimizer.optimizer.moments_written(flat.master)
-    optimizer._publish()  # stages 1/2: all-gather the new slices; stage 3: refresh the shards
+    optimizer.publish()  # stages 1/2: all-gather the new slices; stage 3: refresh the shards
     if delayed is not None:  # a checkpoint without DPU state (no DPU, or older): warm up anew
         delayed.steps = saved_delay["steps"]
         delayed.unpublished = saved_delay["unpublished"]

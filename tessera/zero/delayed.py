@@ -11,8 +11,10 @@ stale); the paper shows that convergence is unharmed once the first steps, when 
 change fast, run without delay: `delayed_update_after` of them (default 40 here: the paper says
 "a few dozen"; tessera's own choice, not a figure from the paper).
 
-`ZeroOptimizer` holds this object and calls it (`take_step`, `finish`, `wait`); its rules keep
-the delayed step race free:
+`ZeroOptimizer` holds this object and calls it (`take_step`, `finish`, `wait`) with what it
+needs: the shard layout (`tessera.zero.shards`: the flats and their gradient slices), the inner
+optimizer and the stage's `publish`, never the optimizer itself. Its rules keep the delayed step
+race free:
 
 * the step reads its own copy of the gradient partition (`grads`, fp32, filled on the training
   thread at launch): the next backward writes the stage's gradient buffers meanwhile, so the
@@ -42,7 +44,7 @@ import torch
 from tessera.runtime.wait import wait_or_raise
 
 if TYPE_CHECKING:
-    from tessera.zero.optimizer import ZeroOptimizer
+    from tessera.zero.shards import ShardLayout
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "DelayedUpdate", "check_collaborators", "check_delayed_update"]
 
@@ -154,33 +156,34 @@ class DelayedUpdate:
             self.grads = [torch.zeros_like(master, dtype=torch.float32) for master in masters]
         return self.grads
 
-    def finish(self, zero: ZeroOptimizer) -> None:
-        """Wait for the step in flight and publish its result through `zero` (collective on
-        stages 1/2), on the training thread."""
+    def finish(self, publish: Callable[[], None]) -> None:
+        """Wait for the step in flight and publish its result with the stage's `publish`
+        (collective on stages 1/2), on the training thread."""
         self.wait()
         if self.unpublished:
-            zero._publish()
+            publish()
             self.unpublished = False
 
-    def take_step(self, zero: ZeroOptimizer) -> bool:
-        """Publish the step in flight, then launch this one in the background; False during
-        the warm-up (the step then runs in place, as without DPU). Every branch is taken alike
-        on every rank (the step count is the same everywhere)."""
-        self.finish(zero)
+    def take_step(self, layout: ShardLayout, optimizer: Any, publish: Callable[[], None]) -> bool:
+        """Publish the step in flight, then launch this one of the inner `optimizer` on the
+        masters of `layout` in the background; False during the warm-up (the step then runs in
+        place, as without DPU). Every branch is taken alike on every rank (the step count is
+        the same everywhere)."""
+        self.finish(publish)
         if not self.delaying:
             self.steps += 1
             return False
         # The step's own copy of the gradient partition: the next backward (and zero_grad)
         # write the stage's buffers while the step reads this one.
-        masters = [flat.master for flat in zero.flats]
-        for flat, grad in zip(zero.flats, self.grad_buffers(masters)):
-            grad.copy_(zero.step_gradient(flat))
+        masters = [flat.master for flat in layout.flats]
+        for flat, grad in zip(layout.flats, self.grad_buffers(masters)):
+            grad.copy_(layout.step_gradient(flat))
             flat.master.grad = grad
         self.steps += 1
         # The step's own copy of the hyper-parameters, taken here on the training thread: a
         # learning-rate scheduler sets the next step's lr in `param_groups` while this one runs.
-        groups = [dict(group) for group in zero.optimizer.param_groups]
-        self.launch(partial(_step_with_groups, zero.optimizer, groups, masters))
+        groups = [dict(group) for group in optimizer.param_groups]
+        self.launch(partial(_step_with_groups, optimizer, groups, masters))
         return True
 
 

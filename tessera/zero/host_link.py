@@ -23,7 +23,8 @@ from the device's, so the CPU suite runs every copy this class makes. What diffe
   buffer, of the parameter partition) that a CPU-only run without this class would not pay.
 
 Every copy is counted (`copies`), the latest listed in `log` as ("to_host" | "to_device",
-bucket index): the tests check that the copies happen per bucket, during the backward.
+bucket index): the tests check that the copies happen per bucket, during the backward. The link
+knows buckets by index only, not the ZeRO optimizer or its flats: the optimizer drives it.
 """
 
 from __future__ import annotations
@@ -31,16 +32,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from tessera.optim.cpu_adam import host_zeros
-from tessera.runtime.wait import wait_or_raise
-
-if TYPE_CHECKING:
-    from tessera.zero.optimizer import FlatShard, ZeroOptimizer
 
 __all__ = ["HostLink", "link_device"]
 
@@ -167,45 +162,3 @@ class HostLink:
             events, self._events = self._events, []
         for event in events:
             event.synchronize()
-
-    # -- publishing the step's result (the ZeRO optimizer's side) -----------------------------
-    def host_value(self, zero: ZeroOptimizer, flat: FlatShard) -> torch.Tensor:
-        """The updated partition of `flat` on the host: its master, or the compute-dtype copy
-        a swapped (offload="nvme") step published into the staging buffer."""
-        if zero.masters.swapped:
-            staging = self.staging[flat.bucket.index]
-            assert staging is not None, "a swapped step publishes into a staging buffer"
-            return staging
-        return flat.master
-
-    def publish_flats(self, zero: ZeroOptimizer) -> None:
-        """Stages 1/2: each rank's updated partition goes up into its slice of the flat buffer,
-        then the flat is all-gathered in place on the group's stream (bucket k's gather runs
-        while bucket k+1 goes up); returns once every copy and gather has finished, so the host
-        buffers may change again (a delayed step starts right after)."""
-        futures = []
-        for index, flat in enumerate(zero.flats):
-            mine = flat.flat_param[flat.lo : flat.hi]
-            self.to_device(index, self.host_value(zero, flat), mine)
-            gather = _gather_uploaded(self, zero, flat.flat_param, mine)
-            futures.append(zero.reducer.submit(gather, item=index))
-        for future in futures:
-            wait_or_raise(
-                future, f"ZeRO-{zero.stage} all_gather", zero.timeout_s, dist.get_rank(),
-                "another rank has not reached the same step (or has failed)",
-            )  # fmt: skip
-        self.wait()
-
-
-def _gather_uploaded(
-    link: HostLink, zero: ZeroOptimizer, full: torch.Tensor, mine: torch.Tensor
-) -> Callable[[], None]:
-    """The gather of one flat, run on the group's stream once its upload has landed."""
-
-    @torch.no_grad()
-    def all_gather() -> None:
-        link.device_ready()
-        zero._all_gather_into(full, mine.detach())
-
-    all_gather.__name__ = "all_gather"
-    return all_gather

@@ -102,7 +102,7 @@ def held_bytes(zero: Any) -> dict[str, int]:
     seen: set[int] = set()
     mixed = zero.mixed_precision is not None
     params = list(zero.module.parameters()) + [f.flat_param for f in zero.flats]
-    params += zero._parameter_shards()
+    params += zero.layout.parameter_shards()
     if not mixed:
         params += [f.master for f in zero.flats]
     grads = [p.grad for p in zero.module.parameters()]

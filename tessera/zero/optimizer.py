@@ -24,6 +24,9 @@ forward and backward (ZeRO-Offload's DPU): a `DelayedUpdate` (`tessera.zero.dela
 optimizer holds. Where the fp32 masters live (in memory, or in the files of `offload="nvme"`) is
 another collaborator, `HeldMasters` or `SwappedMasters` (`tessera.zero.masters`). Under offload
 the step's tensors are on the host, moved per bucket by a `HostLink` (`tessera.zero.host_link`).
+The flat buffers, slices and masters themselves are a `ShardLayout` (`tessera.zero.shards`),
+the collectives a `ZeroCollectives` (`tessera.zero.collectives`): the collaborators receive
+those, never this class, so none of them depends on it.
 
 Transport: a reduce-scatter and an all-gather (the paper's Ψ elements each) through
 `tessera.comm` with the cost model's choice: on one host its shared-memory collectives
@@ -35,7 +38,6 @@ accumulation needs without a separate shard (see `stage1`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,34 +50,18 @@ from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.ddp import broadcast_from_first
 from tessera.data_parallel.reducer import Reducer
 from tessera.optim.clip import clip_grad_norm
-from tessera.optim.cpu_adam import host_zeros
 from tessera.runtime.context import current_context
-from tessera.runtime.wait import wait_or_raise
 from tessera.zero.bf16_forward import Bf16Forward, kept_in_fp32, to_bf16_storageless
+from tessera.zero.collectives import ZeroCollectives
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, DelayedUpdate, check_collaborators
 from tessera.zero.groups import OptimizerGroups
 from tessera.zero.host_link import HostLink
 from tessera.zero.masters import HeldMasters, SwappedMasters
 from tessera.zero.memory import held_bytes
-from tessera.zero.partition import FlatLayout, padded_numel, shard_range
+from tessera.zero.partition import padded_numel
+from tessera.zero.shards import FlatShard, ShardLayout
 
-__all__ = ["FlatShard", "ZeroOptimizer"]
-
-
-@dataclass
-class FlatShard:
-    """One bucket's parameters: the flat buffer, this rank's slice, its master and gradient."""
-
-    bucket: Bucket
-    layout: FlatLayout
-    flat_param: torch.Tensor
-    """(padded,) in the compute dtype; the module's parameters are views of it."""
-    lo: int
-    hi: int
-    master: nn.Parameter
-    """(hi - lo,) the slice the inner optimizer updates (fp32 under mixed precision)."""
-    grad_shard: torch.Tensor | None = None
-    """(hi - lo,) the reduced gradient slice, for stages that free the full gradient."""
+__all__ = ["FlatShard", "ZeroOptimizer"]  # FlatShard: its home is tessera.zero.shards
 
 
 class ZeroOptimizer:
@@ -100,7 +86,8 @@ class ZeroOptimizer:
         host_step: bool = False,
     ) -> None:
         """Why so many parameters: a keyword per collaborator switch (`zero.api.shard` sets them).
-        Why so long: it builds those collaborators (link, reducer, masters) in dependency order."""
+        Why so long: it builds those collaborators (link, layout, reducer, masters) in dependency
+        order."""
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs a process group: call tessera.init() first")
         if mixed_precision not in (None, "bf16"):
@@ -121,6 +108,9 @@ class ZeroOptimizer:
         self.host_huge_pages = host_huge_pages
         """The buffers the inner optimizer steps (fp32 master and gradient slices) are allocated
         on transparent huge pages (`offload="cpu"`: `CPUAdam` streams them, see `host_zeros`)."""
+        self.swapped_masters = swap_masters
+        """The fp32 masters live in the inner optimizer's files (`offload="nvme"`): they have
+        no storage here; the step publishes each updated chunk into the layout's target."""
         named, units = self._ordered_parameters()
         if not named:
             raise ValueError("the module has no trainable parameters: nothing to shard")
@@ -138,16 +128,16 @@ class ZeroOptimizer:
         # Each parameter's value until its flat buffer holds it; popped flat by flat, so the
         # originals are freed as the flats fill (memory at set-up: about one model, not two).
         sources = {id(p): p.detach() for _, p in named}
-        if mixed_precision == "bf16":  # filled from `sources` by _make_flat: untouched till then
+        if mixed_precision == "bf16":  # filled from `sources` by make_flat: untouched till then
             to_bf16_storageless(named, self._fp32_kept)
-        world = self.world
+        world, self.layout = self.world, self._new_layout()
         self.reducer = Reducer(
             named,
             cap_bytes=int(bucket_cap_mb * 2**20),
             reduce_bucket=self._reduce_and_offload,
             rank=dist.get_rank(),
             timeout_s=self.timeout_s,
-            allocate=lambda n, dtype, device: self._zeros(
+            allocate=lambda n, dtype, device: self.layout.zeros(
                 padded_numel(n, world), dtype, device, stepped=not self.release_gradients
             ),
             units=units,
@@ -155,15 +145,14 @@ class ZeroOptimizer:
             group=group,
             engine_kind=f"ZeRO-{self.stage}",
         )
-        self.swapped_masters = swap_masters
-        """The fp32 masters live in the inner optimizer's files (`offload="nvme"`): they have
-        no storage here; the step publishes each updated chunk into `_publish_target`."""
+        self.collectives = ZeroCollectives(self.reducer, group, self.stage, self.timeout_s)
+        """The collectives after construction, on the group's stream in order."""
         self.masters: HeldMasters | SwappedMasters = (
-            SwappedMasters() if swap_masters else HeldMasters()
+            SwappedMasters(self.layout) if swap_masters else HeldMasters(self.layout)
         )
         """Where the masters live: builds the flats and the inner optimizer, runs the step."""
-        self.flats: list[FlatShard] = []
-        self.flats, self.optimizer = self.masters.build(self, sources, self._inner_optimizer)
+        self.flats: list[FlatShard] = self.layout.flats  # (filled by `masters.build`)
+        self.optimizer = self.masters.build(self.reducer.buckets, sources, self._inner_optimizer)
         self._bf16 = Bf16Forward(named[0][1].device.type) if mixed_precision == "bf16" else None
         self._hooks = [
             module.register_forward_pre_hook(self._before_forward),
@@ -171,15 +160,17 @@ class ZeroOptimizer:
         ]
 
     # -- construction -------------------------------------------------------------------------
-    def _zeros(
-        self, numel: int, dtype: torch.dtype, device: torch.device, *, stepped: bool
-    ) -> torch.Tensor:
-        """A zero buffer; on huge pages if the inner optimizer steps it (`stepped`: a master or
-        a gradient it reads, kept from step to step) and `host_huge_pages` is on. Buffers freed
-        every step (stage 2/3 full gradients) stay on torch's allocator."""
-        if stepped and self.host_huge_pages and torch.device(device).type == "cpu":
-            return host_zeros((numel,), dtype)
-        return torch.zeros(numel, dtype=dtype, device=device)
+    def _new_layout(self) -> ShardLayout:
+        """The shard layout of stages 1/2 (stage 3 keeps its own shards: it overrides this)."""
+        copied = self.mixed_precision is not None or self.delayed is not None
+        return ShardLayout(
+            self.world,
+            self.rank,
+            link=self.link,
+            huge_pages=self.host_huge_pages,
+            release_gradients=self.release_gradients,
+            master_copied=copied or self.link is not None,  # offloaded: a host master
+        )
 
     def _sharded_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters ZeRO shards: trainable ones that a group of the optimizer holds."""
@@ -204,56 +195,6 @@ class ZeroOptimizer:
         buckets = self.reducer.buckets
         return self.groups.build(masters, [self.groups.group[id(b.params[0])] for b in buckets])
 
-    def _make_flat(
-        self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
-    ) -> FlatShard:
-        """Lay out a bucket's parameters in a flat buffer and make this rank's master slice.
-
-        `master`: a storageless master whose value goes to the inner optimizer's file."""
-        layout = FlatLayout(tuple(bucket.names), tuple(tuple(p.shape) for p in bucket.params))
-        padded = padded_numel(layout.numel, self.world)
-        lo, hi = shard_range(layout.numel, self.world, self.rank)
-        first = bucket.params[0]
-        # Under DPU the step writes the master while the next forward reads the flat buffer:
-        # they must not share memory.
-        aliased = (
-            master is None
-            and self.mixed_precision is None
-            and self.stage < 3
-            and self.delayed is None
-            and self.link is None  # offloaded: the master is on the host
-        )
-        # Stages 1/2 in fp32 without DPU: the master is a view of this buffer, stepped in place.
-        flat_param = self._zeros(padded, first.dtype, first.device, stepped=aliased)
-        master_full = None
-        if not aliased:
-            master_full = torch.zeros(padded, dtype=torch.float32, device=first.device)
-        for position, param in enumerate(bucket.params):
-            start, end = bucket.offsets[position], bucket.offsets[position + 1]
-            source = sources.pop(id(param)).reshape(-1)
-            flat_param[start:end].copy_(source)
-            if master_full is not None:
-                master_full[start:end].copy_(source)
-            param.data = flat_param[start:end].view_as(param)
-            del source
-        if master is not None:
-            self.masters.write(master, master_full[lo:hi])  # only `SwappedMasters` passes one
-        elif aliased:
-            master = nn.Parameter(flat_param[lo:hi])  # aliases the buffer: no second copy
-        elif self.link is not None:
-            master = nn.Parameter(self.link.host_zeros(hi - lo, torch.float32))
-            master.detach().copy_(master_full[lo:hi])
-        else:
-            master = self._zeros(hi - lo, torch.float32, first.device, stepped=True)
-            master = nn.Parameter(master.copy_(master_full[lo:hi]))
-        grad_shard = None
-        if self.release_gradients:  # not stepped under offload: the host's `link.grads` are
-            grad_shard = self._zeros(hi - lo, first.dtype, first.device, stepped=self.link is None)
-        if self.link is not None:
-            converted, published = master.dtype != first.dtype, self.masters.swapped
-            self.link.add_bucket(hi - lo, first.dtype, converted=converted, published=published)
-        return FlatShard(bucket, layout, flat_param, lo, hi, master, grad_shard)
-
     # -- hooks ------------------------------------------------------------------------------
     def _before_forward(self, module: nn.Module, args: tuple) -> tuple | None:
         """Start a reduction round; under bf16 run the forward under autocast (`bf16_forward`)."""
@@ -273,47 +214,50 @@ class ZeroOptimizer:
         """The stage's reduction; under offload the partition then goes to the host at once."""
         self._reduce_bucket(bucket)
         if self.link is not None:
-            self.link.to_host(bucket.index, self._gradient_slice(self.flats[bucket.index]))
-
-    def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:
-        """This rank's averaged gradient slice, in the compute dtype."""
-        assert flat.grad_shard is not None
-        return flat.grad_shard
+            flat = self.flats[bucket.index]
+            self.link.to_host(bucket.index, self.layout.gradient_slice(flat))
 
     def step_gradient(self, flat: FlatShard) -> torch.Tensor:
         """The gradient slice the step reads: the stage's, or under offload its host copy."""
-        if self.link is None:
-            return self._gradient_slice(flat)
-        return self.link.gradient(flat.bucket.index, lambda: self._gradient_slice(flat))
+        return self.layout.step_gradient(flat)
 
     def gradient_slices(self) -> list[torch.Tensor]:
         """This rank's averaged gradient slice of every bucket, as the step reads it."""
-        return [self.step_gradient(flat) for flat in self.flats]
+        return [self.layout.step_gradient(flat) for flat in self.flats]
 
-    def _publish(self) -> None:
-        """After the inner step: make the new slices visible as the module's parameters (stages
-        1/2: all-gather every flat buffer from the slices; stage 3 overrides)."""
+    def publish(self) -> None:
+        """After the inner step (or a checkpoint load): make the new slices visible as the
+        module's parameters (stages 1/2: all-gather every flat buffer from the slices, a
+        collective; stage 3 overrides)."""
         if self.link is not None:  # under offload: each slice goes up, then the gather
-            self.link.publish_flats(self)
+            self._publish_offloaded()
             return
         for index, flat in enumerate(self.flats):
-            master = self._publish_source(flat)
-            self._collective(self._all_gather_into, flat.flat_param, master, item=index)
+            mine = self.masters.published(flat)
+            self.collectives.run(
+                self.collectives.all_gather_into, flat.flat_param, mine, item=index
+            )
 
-    def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
-        """Where a swapped master's new value goes in the step (stages 1/2: the flat buffer's
-        slice, in the compute dtype, under offload a host buffer; stage 3 overrides)."""
-        if self.link is not None:
-            return self.link.staging[flat.bucket.index]
-        return flat.flat_param[flat.lo : flat.hi]
-
-    def _publish_source(self, flat: FlatShard) -> torch.Tensor:
-        """The slice stages 1/2 all-gather after the step: the master, or its published copy."""
-        return self.masters.publish_source(flat)
+    def _publish_offloaded(self) -> None:
+        """Stages 1/2 under offload: each rank's updated partition goes up into its slice of
+        the flat buffer, then the flat is all-gathered in place on the group's stream (bucket
+        k's gather runs while bucket k+1 goes up); returns once every copy and gather has
+        finished, so the host buffers may change again (a delayed step starts right after)."""
+        link = self.link
+        assert link is not None
+        futures = []
+        for index, flat in enumerate(self.flats):
+            mine = flat.flat_param[flat.lo : flat.hi]
+            link.to_device(index, self.masters.published(flat), mine)
+            gather = _gather_uploaded(link, self.collectives, flat.flat_param, mine)
+            futures.append(self.collectives.submit(gather, item=index))
+        for future in futures:
+            self.collectives.wait(future, "all_gather")
+        link.wait()
 
     def visible_slice(self, flat: FlatShard) -> torch.Tensor:
         """This rank's slice of `flat` as forward sees it (stages 1/2: of the flat buffer)."""
-        return flat.flat_param[flat.lo : flat.hi].detach()
+        return self.layout.visible_slice(flat)
 
     @torch.no_grad()
     def show_values(self, values: list[torch.Tensor]) -> None:
@@ -322,43 +266,25 @@ class ZeroOptimizer:
         for index, (flat, value) in enumerate(zip(self.flats, values)):
             target = flat.flat_param[flat.lo : flat.hi]
             target.copy_(value)
-            self._collective(self._all_gather_into, flat.flat_param, target.detach(), item=index)
+            gather = self.collectives.all_gather_into
+            self.collectives.run(gather, flat.flat_param, target.detach(), item=index)
 
     def master_value(self, flat: FlatShard) -> torch.Tensor:
         """This rank's fp32 master slice of `flat` (read back from disk if it is swapped)."""
-        return self.masters.value(self, flat)
+        return self.masters.value(flat)
 
     @torch.no_grad()
     def set_master(self, flat: FlatShard, value: torch.Tensor) -> None:
-        """Replace this rank's master slice of `flat` (a checkpoint load); `_publish` follows."""
-        self.masters.set(self, flat, value)
+        """Replace this rank's master slice of `flat` (a checkpoint load); `publish` follows."""
+        self.masters.set(flat, value)
 
-    # -- collectives on the group's communication stream -------------------------------------
-    def _collective(self, fn: Any, *args: Any, item: int = -1) -> Any:
-        """Run `fn(*args)` on the group's stream and wait for it (labelled with `item`)."""
-        future = self.reducer.submit(fn, *args, item=item)
-        return wait_or_raise(
-            future,
-            f"ZeRO-{self.stage} {getattr(fn, '__name__', 'collective')}",
-            self.timeout_s,
-            dist.get_rank(),
-            "another rank has not reached the same step (or has failed)",
-        )
-
+    # -- the stage's gradient reduction -------------------------------------------------------
     def _reduce_scatter_mean(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it)."""
         if self.one_host and not self.release_gradients:  # stage 1: see the module docstring
             comm.all_reduce(buffer, "mean", group=self.group)
             return buffer[lo:hi]
         return comm.reduce_scatter(buffer, "mean", group=self.group)
-
-    @torch.no_grad()
-    def _all_gather_into(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """Fill `full` with every rank's `shard` (rank r's at `[r * len, (r + 1) * len)`).
-
-        `shard` may be a view of `full` (`comm.all_gather` allows that).
-        """
-        comm.all_gather(shard.to(full.dtype), group=self.group, out=full)
 
     # -- the optimizer interface ---------------------------------------------------------------
     @property
@@ -393,8 +319,10 @@ class ZeroOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients to global norm <= `max_norm`; the norm is summed over all shards."""
         return clip_grad_norm(  # offloaded: the norm is summed, reduced, and scales on the host
-            self.gradient_slices(), max_norm, all_reduce=lambda total: self._on_device(
-                self._collective(_all_reduce_sum, self._on_device(total), self.group), host=True
+            self.gradient_slices(),
+            max_norm,
+            all_reduce=lambda total: self._on_device(
+                self.collectives.run(_all_reduce_sum, self._on_device(total), self.group), host=True
             ),
         )
 
@@ -412,10 +340,12 @@ class ZeroOptimizer:
         """
         if closure is not None:
             raise ValueError("ZeRO optimizers do not take a closure")
-        if self.delayed is not None and self.delayed.take_step(self):
+        if self.delayed is not None and self.delayed.take_step(
+            self.layout, self.optimizer, self.publish
+        ):
             return  # in the background; published by the next step
-        self.masters.step(self)
-        self._publish()
+        self.masters.step()
+        self.publish()
 
     @torch.no_grad()
     def finish_step(self) -> None:
@@ -424,16 +354,12 @@ class ZeroOptimizer:
         module). The next step then starts from fresh parameters: called mid-training, it
         makes that one step not stale. Without DPU: nothing to do."""
         if self.delayed is not None:
-            self.delayed.finish(self)
+            self.delayed.finish(self.publish)
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of params, gradients and optimizer state held on this rank, from storages
         (`tessera.zero.memory.held_bytes`; under offload the host's included)."""
         return held_bytes(self)
-
-    def _parameter_shards(self) -> list[torch.Tensor]:
-        """Parameter storage besides the flat buffers (stage 3's compute-dtype shards)."""
-        return []
 
     def num_params(self) -> int:
         """Trainable parameters of the whole model (Ψ), each tied tensor once."""
@@ -448,7 +374,7 @@ class ZeroOptimizer:
         out: dict[str, torch.Tensor] = {}
         for index, flat in enumerate(self.flats):
             master = self._on_device(self.master_value(flat))
-            full = self._collective(_all_gather, master, self.group, item=index)
+            full = self.collectives.run(_all_gather, master, self.group, item=index)
             offsets = flat.layout.offsets
             for index, name in enumerate(flat.layout.names):
                 piece = full[offsets[index] : offsets[index + 1]]
@@ -470,6 +396,20 @@ class ZeroOptimizer:
         close = getattr(self.optimizer, "close", None)
         if close is not None:  # offload="nvme": remove its files now, not at exit
             close()
+
+
+def _gather_uploaded(
+    link: HostLink, collectives: ZeroCollectives, full: torch.Tensor, mine: torch.Tensor
+) -> Any:
+    """The gather of one flat, run on the group's stream once its upload has landed."""
+
+    @torch.no_grad()
+    def all_gather() -> None:
+        link.device_ready()
+        collectives.all_gather_into(full, mine.detach())
+
+    all_gather.__name__ = "all_gather"
+    return all_gather
 
 
 def _all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

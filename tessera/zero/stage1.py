@@ -12,8 +12,9 @@ gradient is the sum of their group means, as with DDP. That holds because betwee
 buffer keeps a value whose group mean is the sum so far: on one host the reduction is an in-place
 all-reduce of the whole buffer (every rank then holds the mean, and the next backward adds its
 local gradient to it, as in DDP); across hosts the reduce-scatter leaves the buffer as it was (each
-rank's local sum) and the averaged slice goes to a separate gradient shard. Writing the averaged
-slice back into a buffer whose other slices stay local would count earlier backwards N times.
+rank's local sum) and the averaged slice goes to a separate gradient shard (the step reads the
+one or the other: `ShardLayout.gradient_slice`). Writing the averaged slice back into a buffer
+whose other slices stay local would count earlier backwards N times.
 
 Communication per step: reduce-scatter + all-gather = 2Ψ elements, the same as DDP's all-reduce
 (which is a reduce-scatter followed by an all-gather). Memory per rank: 2Ψ + 2Ψ + KΨ/N bytes
@@ -22,10 +23,8 @@ Communication per step: reduce-scatter + all-gather = 2Ψ elements, the same as 
 
 from __future__ import annotations
 
-import torch
-
 from tessera.data_parallel.bucket import Bucket
-from tessera.zero.optimizer import FlatShard, ZeroOptimizer
+from tessera.zero.optimizer import ZeroOptimizer
 
 __all__ = ["ZeroStage1"]
 
@@ -43,10 +42,5 @@ class ZeroStage1(ZeroOptimizer):
         if mine.data_ptr() == bucket.buffer[flat.lo :].data_ptr():
             return  # all-reduced in place: the whole buffer holds the group mean
         if flat.grad_shard is None:
-            flat.grad_shard = self._zeros(mine.numel(), mine.dtype, mine.device, stepped=True)
+            flat.grad_shard = self.layout.zeros(mine.numel(), mine.dtype, mine.device, stepped=True)
         flat.grad_shard.copy_(mine)  # the buffer keeps this rank's local sum (see above)
-
-    def _gradient_slice(self, flat: FlatShard) -> torch.Tensor:
-        if flat.grad_shard is not None:
-            return flat.grad_shard
-        return flat.bucket.buffer[flat.lo : flat.hi]

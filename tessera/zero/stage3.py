@@ -54,8 +54,9 @@ from tessera.zero.bf16_forward import kept_in_fp32
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS
 from tessera.zero.groups import OptimizerGroups
 from tessera.zero.materialize import PendingInit, materialize_shards
-from tessera.zero.optimizer import FlatShard, ZeroOptimizer, _check_same_model
-from tessera.zero.partition import padded_numel, shard_range
+from tessera.zero.optimizer import ZeroOptimizer, _check_same_model
+from tessera.zero.shards import FlatShard
+from tessera.zero.stage3_layout import Stage3Layout
 from tessera.zero.units import UnitSpec, find_units, parameter_owners, select_units
 
 __all__ = ["ZeroStage3", "find_units"]
@@ -84,6 +85,8 @@ class ZeroStage3(ZeroOptimizer):
 
     stage = 3
     release_gradients = True
+    layout: Stage3Layout
+    """The flats and this rank's compute-dtype shard of each (`_new_layout`)."""
 
     def __init__(
         self,
@@ -104,7 +107,6 @@ class ZeroStage3(ZeroOptimizer):
         self._units = select_units(module, units)
         self._offload_params = offload_params
         """This rank's parameter partition lives off the device (host memory or files)."""
-        self._shards: list[torch.Tensor] = []
         self._initial: dict[int, tuple[list[str], torch.Tensor]] | None = None
         """A meta-device model's first values: per bucket, its names and this rank's slice."""
         self.groups = make_optimizer = OptimizerGroups.of(module, make_optimizer)  # for layout
@@ -163,45 +165,18 @@ class ZeroStage3(ZeroOptimizer):
         )
         return {b.index: (list(b.names), slices[b.index]) for b in buckets}
 
-    def _initial_sources(self, bucket: Bucket) -> dict[int, torch.Tensor]:
-        """A meta-device model's values for `_make_flat`: right in this rank's slice (all the
-        stage keeps), zero elsewhere; one unit of memory, freed once the flat is made."""
-        assert self._initial is not None
-        names, part = self._initial.pop(bucket.index)
-        if names != bucket.names:
-            raise RuntimeError(f"ZeRO-3 bucket {bucket.index} holds {bucket.names}, not {names}")
-        numel = bucket.offsets[-1]
-        lo, hi = shard_range(numel, self.world, self.rank)
-        flat = torch.zeros(padded_numel(numel, self.world), dtype=part.dtype, device=part.device)
-        flat[lo:hi] = part
-        return {
-            id(param): flat[bucket.offsets[i] : bucket.offsets[i + 1]].view(param.shape)
-            for i, param in enumerate(bucket.params)
-        }
-
-    def _make_flat(
-        self, bucket: Bucket, sources: dict[int, torch.Tensor], master: nn.Parameter | None = None
-    ) -> FlatShard:
-        """The base's flat, then this rank's shard kept and the full buffer freed at once (so
-        set-up never holds the whole model twice)."""
-        if self._initial is not None:
-            sources = self._initial_sources(bucket)
-        flat = super()._make_flat(bucket, sources, master)
-        # Under DPU the gathers read a copy: the background step writes the master meanwhile.
-        # Under offload the master is on the host: the gathers read a device copy.
-        same = self.mixed_precision is None and self.delayed is None
-        if (same and (self.link is None or self._offload_params)) or self._in_files():
-            # The fp32 master is the shard (in the optimizer's files under offload_params with
-            # offload="nvme": `_shard_value` reads it, rounded to the compute dtype).
-            self._shards.append(flat.master.detach())
-        elif self._offload_params:  # offload="cpu": a host copy in the compute dtype
-            assert self.link is not None, "offload_params goes with the host step"
-            shard = self.link.host_zeros(flat.hi - flat.lo, flat.flat_param.dtype)
-            self._shards.append(shard.copy_(flat.flat_param[flat.lo : flat.hi]))
-        else:
-            self._shards.append(flat.flat_param[flat.lo : flat.hi].clone())
-        flat.flat_param.untyped_storage().resize_(0)
-        return flat
+    def _new_layout(self) -> Stage3Layout:
+        """Stage 3's layout: a compute-dtype shard per flat, the flat buffer freed."""
+        return Stage3Layout(
+            self.world,
+            self.rank,
+            link=self.link,
+            huge_pages=self.host_huge_pages,
+            shared_master=self.mixed_precision is None and self.delayed is None,
+            offload_params=self._offload_params,
+            in_files=self._in_files(),
+            initial=self._initial,
+        )
 
     def _ordered_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[Any]]:
         """Root parameters first, then each unit's, in module order; tied ones go to the root.
@@ -245,17 +220,18 @@ class ZeroStage3(ZeroOptimizer):
             storage = flat.flat_param.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(flat.flat_param.numel() * flat.flat_param.element_size())
-            self._all_gather_into(flat.flat_param, self._shard_value(flat))
+            self.collectives.all_gather_into(flat.flat_param, self._shard_value(flat))
 
     def _shard_value(self, flat: FlatShard) -> torch.Tensor:
         """This rank's slice of a flat in the compute dtype (from disk under offload_params,
         and then, under offload, copied up into the flat buffer's own slice)."""
+        shards = self.layout.shards
         if not self._offload_params:
-            return self._shards[flat.bucket.index]
+            return shards[flat.bucket.index]
         if self._in_files():
             value = self.optimizer.read_param(flat.master).to(flat.flat_param.dtype)
         else:
-            value = self._shards[flat.bucket.index]
+            value = shards[flat.bucket.index]
         if self.link is None:
             return value
         mine = flat.flat_param[flat.lo : flat.hi]
@@ -267,15 +243,6 @@ class ZeroStage3(ZeroOptimizer):
     def _in_files(self) -> bool:
         """The parameter partition is the inner optimizer's file (offload="nvme")."""
         return self._offload_params and self.swapped_masters
-
-    def _publish_target(self, flat: FlatShard) -> torch.Tensor | None:
-        """The compute-dtype shard the step refreshes (under offload, its host staging buffer,
-        copied up at publish); none when the shard is the master."""
-        if self._in_files():
-            return None
-        if self.link is not None:
-            return self.link.staging[flat.bucket.index]
-        return self._shards[flat.bucket.index]
 
     def _request(self, unit: int | None) -> Future | None:
         """Queue the gather of a unit unless it is gathered or on its way; its future."""
@@ -394,37 +361,33 @@ class ZeroStage3(ZeroOptimizer):
         super().step(closure)
 
     @torch.no_grad()
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Refresh each shard from its master (no collective: the next gathers read them)."""
         self._release_unused()  # also after load_shards replaced the masters
+        shards = self.layout.shards
         if self.link is not None:  # under offload: each partition goes up into its shard
-            for flat, shard in zip(self.flats, self._shards):
+            for flat, shard in zip(self.flats, shards):
                 if self._in_files() or shard.data_ptr() == flat.master.data_ptr():
                     continue  # the gathers read the master itself
+                value = self.masters.published(flat)  # on the host
                 if self._offload_params:  # a host shard: the gathers copy it up
-                    shard.copy_(self.link.host_value(self, flat))
+                    shard.copy_(value)
                 else:
-                    self.link.to_device(flat.bucket.index, self.link.host_value(self, flat), shard)
+                    self.link.to_device(flat.bucket.index, value, shard)
             self.link.device_ready()
             self.link.wait()  # the host buffers may change again (a delayed step starts)
             return
         copied = self.mixed_precision is not None or self.delayed is not None
         if copied and not self.swapped_masters:
-            for flat, shard in zip(self.flats, self._shards):
+            for flat, shard in zip(self.flats, shards):
                 shard.copy_(flat.master)
-
-    def visible_slice(self, flat: FlatShard) -> torch.Tensor:
-        """This rank's shard as the gathers read it (a copy of the master under DPU)."""
-        return self._shards[flat.bucket.index].detach()
 
     @torch.no_grad()
     def show_values(self, values: list[torch.Tensor]) -> None:
         """Gathers read `values` until the next step publishes the masters (a DPU checkpoint)."""
         self._release_unused()
-        for shard, value in zip(self._shards, values):
+        for shard, value in zip(self.layout.shards, values):
             shard.copy_(value)
-
-    def _parameter_shards(self) -> list[torch.Tensor]:
-        return list(self._shards)
 
 
 def _no_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
