@@ -751,8 +751,13 @@ class _Context:
         raise PermissionError(f"{code}: {details}")
 
 
-def test_deployed_round_equals_simulated_round(tmp_path):
-    """3 client processes started with `python -m tessera.federated client` on loopback."""
+def test_deployed_round_equals_simulated_round(tmp_path, monkeypatch):
+    """3 client processes started with `python -m tessera.federated client` on loopback, with an
+    http proxy in their environment that reaches nothing (as on machines that set one for
+    outside traffic): a loopback address must not go through it. Once it did, and the clients
+    found no server."""
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
     import os
     import subprocess
     import sys

@@ -10,6 +10,7 @@ check ciphertexts, so this is where a bad one is found).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import Callable
@@ -80,12 +81,25 @@ def connect(
         channel.close()
 
 
+def _loopback(address: str) -> bool:
+    """Whether `address` ("host:port", IPv6 in brackets) names this machine's loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _open_channel(
     address: str, limit: int, root_certificate: bytes | None, timeout_s: float, client: int
 ) -> grpc.Channel:
     """A channel to the server once it answers (TLS with `root_certificate`), messages up to
     `limit` bytes; `ConnectionError` if none answers within `timeout_s`."""
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    if _loopback(address):  # an http_proxy in the environment cannot reach this machine's own
+        options.append(("grpc.enable_http_proxy", 0))  # loopback: gRPC would go through it
     if root_certificate is not None:
         credentials = grpc.ssl_channel_credentials(root_certificate)
         channel = grpc.secure_channel(address, credentials, options=options)
