@@ -6,8 +6,8 @@ flags `tessera train --help` lists, so every printed command parses with tessera
 into a config its validator accepts. What the planner prices but the trainer does not run is
 said instead of a command: activation recomputation inside pipeline or tensor-parallel stages
 (the trainer's checkpointing wraps the whole GPT's blocks), ZeRO-3 beside tensor parallelism
-(the hybrid shards with ZeRO-1/2), a batch the ranks do not divide (the trainer's loader gives
-each rank batch / ranks rows), a model known only by its parameter count. A cluster of
+(the hybrid shards with ZeRO-1/2), a micro-batch the ranks do not divide (the trainer's loader
+gives each rank batch_size / ranks rows), a model known only by its parameter count. A cluster of
 several nodes gets the `tessera run` line each node starts (torchrun's rendezvous: the host,
 port and each node's --node-rank are the user's).
 """
@@ -17,11 +17,12 @@ from __future__ import annotations
 import shlex
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 from tessera.plan.cluster import Cluster
 from tessera.plan.search import Strategy
 
-__all__ = ["TrainCommand", "model_flags", "train_command"]
+__all__ = ["TrainCommand", "model_flags", "strategy_layer", "train_command"]
 
 
 @dataclass(frozen=True)
@@ -51,25 +52,49 @@ def model_flags(
     return ("--model", model)
 
 
-def _strategy_flags(s: Strategy) -> list[str]:
-    """`--strategy` and the knobs of its policy (dp x tp x pp, ZeRO, schedule, offload)."""
-    pipeline = ["--microbatches", str(s.microbatches), "--schedule", s.schedule]
-    if s.schedule == "interleaved":
-        pipeline += ["--virtual-stages", str(s.chunks)]
-    accumulate = ["--grad-accum", str(s.microbatches)] if s.microbatches > 1 else []
+def strategy_layer(s: Strategy, batch: int) -> dict[str, Any]:
+    """The trainer's config values (`TrainConfig` keys) that run strategy `s` on a global batch
+    of `batch` sequences per optimizer step: `--strategy` and its policy (dp x tp x pp, ZeRO,
+    schedule, offload, recomputation). The printed command's flags and `tessera compare`'s run
+    of a plan row (`train.compare.plan_run`) both come from here, so they cannot disagree.
+
+    Without a pipeline the planner's m micro-batches are gradient accumulation: the trainer's
+    `batch_size` is the global micro-batch (batch / m) and `grad_accum` m, so one optimizer step
+    takes `batch` sequences, as the planner priced it. A pipeline (or hybrid) splits its
+    `batch_size` into `microbatches` itself."""
+    m = s.microbatches
+    accumulate = {"grad_accum": m} if m > 1 else {}
+    layer: dict[str, Any]
     if s.tp == 1 and s.pp == 1:
-        flags = ["--strategy", f"zero{s.zero}" if s.zero else "ddp", *accumulate]
+        layer = {"strategy": f"zero{s.zero}" if s.zero else "ddp", **accumulate}
         if s.offload:
-            flags += ["--offload", s.offload]
+            layer["offload"] = s.offload
             if s.offload == "nvme":  # an existing writable folder: the swap files' home
-                flags += ["--nvme-dir", tempfile.gettempdir()]
-        return flags
-    if s.dp == 1 and s.pp == 1:
-        return ["--strategy", "tensor", *accumulate]
-    if s.dp == 1 and s.tp == 1:
-        return ["--strategy", "pipeline", *pipeline]
-    flags = ["--strategy", "hybrid", "--dp", str(s.dp), "--tp", str(s.tp), "--pp", str(s.pp)]
-    return flags + (["--zero", str(s.zero)] if s.zero else []) + pipeline
+                layer["nvme_dir"] = tempfile.gettempdir()
+        layer["batch_size"] = batch // m
+    elif s.dp == 1 and s.pp == 1:
+        layer = {"strategy": "tensor", **accumulate, "batch_size": batch // m}
+    else:
+        if s.dp == 1 and s.tp == 1:
+            layer = {"strategy": "pipeline"}
+        else:
+            layer = {"strategy": "hybrid", "dp": s.dp, "tp": s.tp, "pp": s.pp}
+            layer.update({"zero": s.zero} if s.zero else {})
+        layer.update(microbatches=m, schedule=s.schedule)
+        layer.update({"virtual_stages": s.chunks} if s.schedule == "interleaved" else {})
+        layer["batch_size"] = batch
+    if s.recompute:
+        layer["activation_checkpointing"] = True
+    return layer
+
+
+def _flags(layer: dict[str, Any]) -> list[str]:
+    """`strategy_layer`'s values as the trainer's flags (`--grad-accum 2`, a bare flag for True)."""
+    flags: list[str] = []
+    for key, value in layer.items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return flags
 
 
 def train_command(
@@ -95,17 +120,18 @@ def train_command(
             None, "ZeRO-3 with model parallelism: tessera's hybrid takes zero 1 or 2"
         )
     devices = s.dp * s.tp * s.pp
-    if batch % devices:
+    layer = strategy_layer(s, batch)
+    if layer["batch_size"] % devices:
         return TrainCommand(
             None,
-            f"the trainer's data loader gives each of the {devices} ranks batch / ranks "
-            f"sequences: --batch {batch} does not divide",
+            f"the trainer's data loader gives each of the {devices} ranks batch_size / ranks "
+            f"sequences: --batch {batch} in {s.microbatches} micro-batches does not divide",
         )
-    flags = [*_strategy_flags(s), "--batch-size", str(batch), "--optimizer", "adamw"]
-    flags += list(model)
+    checkpointing = layer.pop("activation_checkpointing", False)
+    flags = [*_flags(layer), "--optimizer", "adamw", *model]
     if precision == "mixed":
         flags += ["--mixed-precision", "bf16"]
-    if s.recompute:
+    if checkpointing:
         flags.append("--activation-checkpointing")
     if devices <= cluster.per_node:
         return TrainCommand(("train", *flags, "--nproc", str(devices)))
