@@ -11,7 +11,7 @@ from tessera.plan.commands import TrainCommand, model_flags, train_command
 from tessera.plan.model import ModelSpec, from_module, parse_count
 from tessera.plan.search import PRECISIONS, Estimate, plan
 
-__all__ = ["add_plan_arguments", "model_from_args", "cluster_from_args", "run_plan"]
+__all__ = ["add_plan_arguments", "model_from_args", "cluster_from_args", "plan_rows", "run_plan"]
 
 _CLUSTER_FLAGS = {
     "devices": "devices",
@@ -151,8 +151,11 @@ def commands_for(
     ]
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    """`tessera plan`: predict, print (table or JSON), plot."""
+def plan_rows(
+    args: argparse.Namespace,
+) -> tuple[ModelSpec, Cluster, list[Estimate], list[TrainCommand]]:
+    """What `tessera plan` prints for these flags: the model, the cluster, and the rows best
+    first with the command of each (only those tessera runs, unless `--all`)."""
     model = model_from_args(args)
     cluster = cluster_from_args(args)
     recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
@@ -173,6 +176,14 @@ def run_plan(args: argparse.Namespace) -> int:
     if not args.all and any(c.argv for c in commands):  # only what tessera runs
         kept = [k for k, c in enumerate(commands) if c.argv]
         estimates, commands = [estimates[k] for k in kept], [commands[k] for k in kept]
+    return model, cluster, estimates, commands
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """`tessera plan`: predict, print (table or JSON), plot."""
+    model, cluster, estimates, commands = plan_rows(args)
+    achieved = parse_count(args.achieved_flops, "--achieved-flops") if args.achieved_flops else None
+    compute = parse_count(args.compute_flops, "--compute-flops") if args.compute_flops else None
     if args.json:
         rate = achieved or compute or cluster.peak_flops
         print(json.dumps(report(model, estimates, rate, commands)))

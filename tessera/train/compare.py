@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.plan.cluster import this_machine
+from tessera.plan.commands import strategy_layer
 from tessera.plan.formulas import flops_per_iteration
 from tessera.plan.model import ModelSpec, from_module
 from tessera.plan.search import Strategy, estimate
@@ -46,7 +47,7 @@ from tessera.train.config_build import build_config
 from tessera.train.metrics import read_metrics
 from tessera.train.run import run_training
 
-__all__ = ["Comparison", "achieved_rate", "compare_runs", "runs_for"]
+__all__ = ["Comparison", "achieved_rate", "check_runs", "compare_runs", "plan_run", "runs_for"]
 
 GRADIENTS_FREED = ("pipeline", "tensor", "hybrid")
 """Engines whose gradients are gone when a step's model states are measured (see above)."""
@@ -92,6 +93,27 @@ def runs_for(
             )
         )
     return runs
+
+
+Run = tuple[str, dict[str, Any], Strategy]
+"""(label, config layer under the common one, the planner's strategy) of one compared run."""
+
+
+def plan_run(strategy: Strategy, batch: int) -> Run:
+    """The run of one `tessera plan` row: labelled with the row's name, configured with the
+    values its `tessera train` command sets (`plan.commands.strategy_layer`, which that command
+    is printed from), priced as the row's strategy. `batch`: the plan's global batch."""
+    return strategy.name, strategy_layer(strategy, batch), strategy
+
+
+def check_runs(common: dict[str, Any], runs: list[Run], nproc: int) -> None:
+    """ValueError naming the first run whose config the trainer refuses on `nproc` ranks (before
+    anything runs); `common` is the layer under every run's own."""
+    for label, layer, _ in runs:
+        try:
+            build_config(common, layer).check_world_size(nproc)
+        except ValueError as exc:
+            raise ValueError(f"{label}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -251,8 +273,14 @@ def compare_runs(
     only: list[str] | None = None,
     recalibrate: bool = True,
     repeats: int = 1,
+    runs: list[Run] | None = None,
+    probe_each_run: bool = True,
 ) -> list[Comparison]:
     """Run each applicable strategy (`only`: the labels to keep) and compare it with the plan.
+
+    Why so many parameters: what runs (base, nproc, steps, the labels, or `runs`: any list,
+    such as `plan_run` of each `tessera plan` row, instead of `runs_for`'s), where it goes, and
+    how it is measured (skip, repeats, recalibration, probes) are each the caller's choice.
 
     `base` is a config layer (model shape, batch size, `--model` and `--data`, ...) under each
     strategy's own layer; every run logs each step and writes no checkpoint in between. Each
@@ -260,7 +288,8 @@ def compare_runs(
     after its run, at its micro-batch (the machine's load drifts from minute to minute).
     `repeats` > 1 runs the whole list that many times, round-robin (a slow minute then falls on
     every strategy, not on one), and compares the medians of the measured and of the predicted
-    step times.
+    step times. `probe_each_run=False` measures each rate (per micro-batch and kind) once, before
+    its first run, and reuses it: a third of the launches, for a long list.
     """
     from tessera.train.workload import build_workload
 
@@ -272,20 +301,22 @@ def compare_runs(
     config = build_config(common)
     model = from_module(build_workload(config).model_fn(), seq=None)
     user_model = base.get("model_factory") is not None
-    runs = runs_for(nproc, microbatches, model_parallel=not user_model)
+    if runs is None:
+        runs = runs_for(nproc, microbatches, model_parallel=not user_model)
     unknown = sorted(set(only or ()) - {label for label, _, _ in runs})
     if unknown:
         valid = ", ".join(label for label, _, _ in runs)
         raise ValueError(f"--strategies: no {unknown} on {nproc} ranks; choose from: {valid}")
     chosen = [run for run in runs if not only or run[0] in only]
+    check_runs(common, chosen, nproc)
     cluster = this_machine(ranks=nproc, recalibrate=recalibrate)
+    setting = _Setting(common, model, cluster, skip, None if probe_each_run else {})
     rounds: dict[str, list[Comparison]] = {label: [] for label, _, _ in chosen}
     for repeat in range(repeats):
         for label, layer, strategy in chosen:
             folder = out / label.replace(" ", "-").replace("=", "")
             folder = folder / f"repeat-{repeat + 1}" if repeats > 1 else folder
-            one = _compare_one(label, common, layer, strategy, model, cluster, folder, skip)
-            rounds[label].append(one)
+            rounds[label].append(_compare_one(label, layer, strategy, folder, setting))
     results = [_median_of(label, found) for label, found in rounds.items()]
     (out / "compare.json").write_text(
         json.dumps([r.__dict__ for r in results], indent=1, default=str)
@@ -293,30 +324,45 @@ def compare_runs(
     return results
 
 
+@dataclass
+class _Setting:
+    """What every run of a compare shares: the common layer, the model and cluster it is priced
+    on, the steps left out, and the rates measured so far (None: probe around every run)."""
+
+    common: dict[str, Any]
+    model: ModelSpec
+    cluster: Any
+    skip: int
+    rates: dict[tuple[int, bool], float] | None
+
+
 def _compare_one(
-    label: str,
-    common: dict[str, Any],
-    layer: dict[str, Any],
-    strategy: Strategy,
-    model: ModelSpec,
-    cluster: Any,
-    folder: Path,
-    skip: int,
+    label: str, layer: dict[str, Any], strategy: Strategy, folder: Path, setting: _Setting
 ) -> Comparison:
     """One strategy's run against its prediction, compute priced at the rate of its micro-batch
     measured just before the run and just after it (the harmonic mean: the mean of the two
-    times), so a load that drifts during the run weighs on both sides alike."""
-    batch = int(common.get("batch_size", build_config(common).batch_size))
+    times), so a load that drifts during the run weighs on both sides alike; with
+    `setting.rates`, measured once per micro-batch and kind and reused."""
+    common, model = setting.common, setting.model
+    config = build_config(common, layer)
+    batch = config.step_batch_size  # one optimizer step's sequences (batch_size x grad_accum)
     micro = batch // (strategy.dp * strategy.microbatches)
     tensor = layer["strategy"] == "tensor"
     nproc = int(common["nproc"])
-    before = achieved_rate(common, model, nproc, rows=micro, tensor_parallel=tensor)
+
+    def probe() -> float:
+        return achieved_rate(common, model, nproc, rows=micro, tensor_parallel=tensor)
+
+    rates, key = setting.rates, (micro, tensor)
+    if rates is None:
+        before = probe()
+    elif key not in rates:
+        rates[key] = probe()
     run_training(build_config(common, layer, {"out": str(folder)}))
-    after = achieved_rate(common, model, nproc, rows=micro, tensor_parallel=tensor)
-    rate = statistics.harmonic_mean([before, after])
-    step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), skip)
+    rate = statistics.harmonic_mean([before, probe()]) if rates is None else rates[key]
+    step, mean_states, max_states = _measure(read_metrics(folder / "metrics.jsonl"), setting.skip)
     plan = estimate(
-        strategy, model, cluster, batch=batch, microbatch=micro, compute_flops=rate,
+        strategy, model, setting.cluster, batch=batch, microbatch=micro, compute_flops=rate,
         precision="fp32",
     )  # fmt: skip
     states = plan.model_state_bytes + plan.host_bytes
