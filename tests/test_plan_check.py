@@ -1,0 +1,92 @@
+"""Every row `tessera plan --cluster this-machine` prints for the demo GPT is a run that
+`tessera compare` accepts, and that run is the row's printed `tessera train` command
+(benchmarks/plan_check.py times them; here nothing runs: no timing, a calibration cache
+written by the test).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from tessera.cli import _flag_layer, _parser, main
+from tessera.plan.cli import plan_rows
+from tessera.plan.model import from_module
+from tessera.plan.search import Strategy
+from tessera.train.compare import check_runs, compare_runs, plan_run
+from tessera.train.config_build import build_config
+from tessera.train.workload import build_workload
+
+SAME = ("strategy", "nproc", "dp", "tp", "pp", "zero", "offload", "nvme_dir", "schedule",
+        "microbatches", "virtual_stages", "grad_accum", "batch_size", "step_batch_size",
+        "activation_checkpointing", "mixed_precision", "optimizer")  # fmt: skip
+"""What a run's config must share with the command's: the strategy and everything it runs."""
+
+
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """`this-machine` read from a cache written here (2 cores, one rank's matmul 20 GFLOP/s)."""
+    import tessera.plan.cluster as cluster_module
+
+    cache = tmp_path / "machine.json"
+    cost = {"alpha": 1e-4, "beta": 1e-9, "gamma": 2e-10, "mu": 1e-10, "sigma": 3e-5,
+            "alpha_native": 5e-5, "cores": 2}  # fmt: skip
+    monkeypatch.setattr(cluster_module, "CACHE_FILE", cache)
+
+    def write(ranks: int) -> None:
+        cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": ranks}))
+
+    return write
+
+
+def _demo_shape() -> list[str]:
+    """The demo GPT's shape and its corpus's vocabulary, as `tessera plan` flags."""
+    model = from_module(build_workload(build_config({"nproc": 1})).model_fn())
+    shape = {"layers": model.layers, "hidden": model.hidden, "heads": model.heads,
+             "seq": model.seq, "vocab": model.vocab}  # fmt: skip
+    return [part for key, value in shape.items() for part in (f"--{key}", str(value))]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("microbatch", [1, 8])
+def test_every_plan_row_for_the_demo_gpt_is_a_run_tessera_compare_accepts(
+    ranks, microbatch, calibrated, capsys
+):
+    calibrated(ranks)
+    argv = ["plan", "--cluster", "this-machine", "--devices", str(ranks), *_demo_shape(),
+            "--batch", "32", "--microbatch", str(microbatch), "--precision", "fp32"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["strategies"]
+    _, _, estimates, commands = plan_rows(_parser().parse_args(argv))
+    assert [e.strategy.name for e in estimates] == [row["name"] for row in printed]
+    assert len({row["name"] for row in printed}) == len(printed)  # compare's labels are unique
+    runs = [plan_run(e.strategy, 32) for e in estimates]
+    common = {"nproc": ranks, "steps": 5, "log_every": 1, "progress": False}
+    check_runs(common, runs, ranks)  # compare's own check: each config valid on `ranks` ranks
+    for (label, layer, strategy), e, command, row in zip(
+        runs, estimates, commands, printed, strict=True
+    ):
+        assert label == row["name"] and strategy == e.strategy
+        assert command.text == row["command"]
+        args = _parser().parse_args(shlex.split(command.text)[1:])
+        by_command = build_config(_flag_layer(args))
+        by_compare = build_config(common, layer)
+        for key in SAME:
+            assert getattr(by_compare, key) == getattr(by_command, key), (label, key)
+        assert by_compare.model == by_command.model
+        assert by_command.step_batch_size == 32  # the planned batch, however accumulated
+
+
+def test_compare_refuses_a_run_the_trainer_cannot_run_before_anything_runs(calibrated, tmp_path):
+    """A run whose config is invalid on these ranks is named up front (`check_runs`), as
+    `tessera compare` refuses its bad flags, before any process starts or the machine is
+    measured."""
+    calibrated(2)
+    out = tmp_path / "runs"
+    good = plan_run(Strategy(dp=2, microbatches=2), 32)
+    bad = ("four stages", {"strategy": "hybrid", "dp": 2, "tp": 1, "pp": 2}, Strategy(dp=2, pp=2))
+    with pytest.raises(ValueError, match="four stages: dp x tp x pp = 2 x 1 x 2"):
+        compare_runs({}, nproc=2, steps=2, out=out, runs=[good, bad], recalibrate=False)
+    assert not out.exists()  # no run folder
