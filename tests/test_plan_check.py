@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,52 @@ def test_compare_refuses_a_run_the_trainer_cannot_run_before_anything_runs(calib
     with pytest.raises(ValueError, match="four stages: dp x tp x pp = 2 x 1 x 2"):
         compare_runs({}, nproc=2, steps=2, out=out, runs=[good, bad], recalibrate=False)
     assert not out.exists()  # no run folder
+
+
+@pytest.mark.parametrize("probe_each_run", [True, False])
+def test_compare_of_plan_rows_prices_each_at_its_planned_batch_and_probes_as_asked(
+    probe_each_run, calibrated, tmp_path, monkeypatch
+):
+    """`compare_runs(runs=...)` on plan rows, the runs and probes stood in for (nothing spawns):
+    each run gets its row's config, each prediction is the planner's estimate of the row's
+    strategy at the planned batch (an accumulating row's batch_size x grad_accum, not its
+    batch_size) and at the probed rate; `probe_each_run=False` probes once per micro-batch."""
+    import tessera.train.compare as compare
+    from tessera.plan.cluster import this_machine
+    from tessera.plan.search import estimate
+
+    calibrated(2)
+    probes: list[int] = []
+    configs = []
+
+    def rate(config, model, nproc, rows=None, tensor_parallel=False):
+        probes.append(rows)
+        return 1e9 * rows  # a rate of its own per micro-batch, to see which one priced a run
+
+    def run(config):
+        configs.append(config)
+        lines = [json.dumps({"step": k, "step_s": 0.5}) for k in (1, 2, 3)]
+        path = Path(config.out)
+        path.mkdir(parents=True)
+        (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    monkeypatch.setattr(compare, "achieved_rate", rate)
+    monkeypatch.setattr(compare, "run_training", run)
+    strategies = [Strategy(dp=2, microbatches=2), Strategy(dp=2, zero=1, microbatches=2),
+                  Strategy(dp=1, pp=2, microbatches=2)]  # fmt: skip
+    runs = [plan_run(s, 32) for s in strategies]
+    results = compare_runs({}, nproc=2, steps=3, out=tmp_path / "out", skip=1, runs=runs,
+                           recalibrate=False, repeats=2, probe_each_run=probe_each_run)  # fmt: skip
+    assert [c.step_batch_size for c in configs] == [32] * 6
+    assert [(c.strategy, c.grad_accum) for c in configs[:3]] == [
+        ("ddp", 2), ("zero1", 2), ("pipeline", 1)
+    ]
+    # micro-batches: 32 / (2 x 2) = 8 rows for the data-parallel rows, 32 / 2 = 16 for the pipeline
+    assert probes == ([8, 16] if not probe_each_run else [8, 8, 8, 8, 16, 16] * 2)
+    model = from_module(build_workload(configs[0]).model_fn())
+    cluster = this_machine(ranks=2)
+    for result, s, micro in zip(results, strategies, (8, 8, 16), strict=True):
+        planned = estimate(s, model, cluster, batch=32, microbatch=micro,
+                           compute_flops=1e9 * micro, precision="fp32")  # fmt: skip
+        assert result.predicted_step_s == pytest.approx(planned.step_s, rel=1e-12)
+        assert result.measured_step_s == 0.5
