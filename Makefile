@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 FL_VENV := .venv-fl
 
-.PHONY: demo test lint bench bench-fl gpu-check clean
+.PHONY: demo test lint bench bench-fl gpu-check plan-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found: set PYTHON=/path/to/python3.11"; exit 1; }
@@ -36,6 +36,11 @@ bench-fl: $(FL_VENV)/.installed
 # (under 6 minutes on one GPU); writes BENCHMARKS.md's gpu section. `--cpu` checks it runs here.
 gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu.py
+
+# on a quiet machine: is `tessera plan --cluster this-machine`'s top row for the demo GPT among the
+# two fastest that tessera compare measures (2 and 4 ranks)? Writes BENCHMARKS.md's plan_check.
+plan-check: $(STAMP)
+	$(BIN)/python benchmarks/plan_check.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
