@@ -26,6 +26,10 @@ from the slowest rank of each synchronised repeat (a synchronous step waits for 
 compute: communication, pipeline bubbles (on shared cores, `bubble_fraction_on_shared_cores`)
 and offload traffic. `repeats` runs the list round-robin several times and compares medians: two
 runs of one strategy minutes apart differ by up to 30% on a 2-core shared machine.
+
+Any list of runs can be compared instead of `runs_for`'s (`compare_runs(runs=...)`): `plan_run`
+makes the run of a `tessera plan` row, configured as the row's printed `tessera train` command
+(benchmarks/plan_check.py: is the plan's top row among the two fastest measured?).
 """
 
 from __future__ import annotations
