@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from tessera.optim.cpu_adam import native_kernel_available
 from tessera.plan.cli import add_plan_arguments, plan_rows
 from tessera.plan.cluster import this_machine
 from tessera.plan.model import from_module
@@ -85,14 +86,17 @@ def choose_rows(estimates: list[Estimate], top: int, every: bool) -> list[int]:
     return chosen
 
 
-def _repeat_medians(out: Path, label: str, repeats: int, skip: int) -> list[float]:
-    """Each repeat's median step time of one run (compare keeps only their median)."""
+def _repeat_medians(out: Path, label: str, repeats: int, skip: int) -> dict[str, list[float]]:
+    """Each repeat's median step time of one run (compare keeps only their median), and of the
+    trainer's split of it: compute (forward, backward, optimizer) and exposed communication."""
     folder = out / label.replace(" ", "-").replace("=", "")
-    found = []
+    found: dict[str, list[float]] = {"step_s": [], "compute_s": [], "comm_s": []}
     for repeat in range(repeats):
         path = folder / f"repeat-{repeat + 1}" if repeats > 1 else folder
         records = read_metrics(path / "metrics.jsonl")
-        found.append(statistics.median(r["step_s"] for r in records[skip:] or records))
+        kept = records[skip:] or records
+        for key, values in found.items():
+            values.append(statistics.median(r.get(key, float("nan")) for r in kept))
     return found
 
 
@@ -133,12 +137,13 @@ def check(nproc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         }
         if row["run"]:
             found = measured[e.strategy.name]
+            repeats = _repeat_medians(out / f"nproc{nproc}", found.label, args.repeats, args.skip)
             row.update(
                 measured_step_s=found.measured_step_s,
                 measured_rank=order.index(found.label) + 1,
-                repeat_medians_s=_repeat_medians(
-                    out / f"nproc{nproc}", found.label, args.repeats, args.skip
-                ),
+                repeat_medians_s=repeats["step_s"],
+                measured_compute_s=statistics.median(repeats["compute_s"]),
+                measured_comm_s=statistics.median(repeats["comm_s"]),
                 predicted_at_achieved_rate_s=found.predicted_step_s,
             )
         rows.append(row)
@@ -172,8 +177,9 @@ def markdown(found: dict[str, Any]) -> str:
         f"`tessera compare`'s runs of its top {found['top']} rows and each family's best "
         f"(mesh, schedule, recomputation, offload), {found['repeats']} times round-robin, "
         f"{found['steps']} steps each, the first {found['skip']} left out; medians. Predicted: "
-        "the plan's step (compute at the calibrated matmul rate), and compare's (compute at the "
-        "rate a rank achieves on its share).",
+        "the plan's step (compute at the calibrated matmul rate) and what it adds to compute, "
+        "and compare's (compute at the rate a rank achieves on its share); measured: the "
+        "step and the trainer's exposed communication (comm_s).",
     ]
     for one in found["checks"]:
         verdict = "PASS" if one["passed"] else "FAIL"
@@ -183,18 +189,21 @@ def markdown(found: dict[str, Any]) -> str:
             f"measured #{one['top_row_measured_rank']} of {one['rows_run']} run "
             f"({one['rows_planned']} planned). `{one['plan_flags']}`",
             "",
-            "| plan # | strategy | predicted ms (plan) | at achieved rate | measured ms | "
-            "measured # | repeats ms |",
-            "|---|---|---|---|---|---|---|",
+            "| plan # | strategy | predicted ms (plan) | comm + bubble + offload | "
+            "at achieved rate | measured ms | comm | measured # | repeats ms |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in one["rows"]:
             if not row["run"]:
                 continue
             repeats = ", ".join(f"{t * 1e3:.0f}" for t in row["repeat_medians_s"])
+            parts = row["predicted"]
+            added = parts["comm_s"] + parts["bubble_s"] + parts["offload_s"]
             lines.append(
                 f"| {row['plan_rank']} | {row['name']} | {row['predicted_step_s'] * 1e3:.1f} | "
-                f"{row['predicted_at_achieved_rate_s'] * 1e3:.1f} | "
-                f"{row['measured_step_s'] * 1e3:.1f} | {row['measured_rank']} | {repeats} |"
+                f"{added * 1e3:.1f} | {row['predicted_at_achieved_rate_s'] * 1e3:.1f} | "
+                f"{row['measured_step_s'] * 1e3:.1f} | {row['measured_comm_s'] * 1e3:.1f} | "
+                f"{row['measured_rank']} | {repeats} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -230,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, key, value)
     args.skip = 2 if args.steps > 4 else 1
     began = time.perf_counter()
+    native_kernel_available()  # the offload rows' CPU Adam kernel, built once, before timing
+    built_s = time.perf_counter() - began
+    began = time.perf_counter()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="plan_check_") as folder:
         checks = [check(n, args, Path(folder)) for n in args.nproc]
@@ -241,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "skip": args.skip,
         "repeats": args.repeats,
+        "cpu_adam_build_s": built_s,
         "checks": checks,
         "passed": all(c["passed"] for c in checks),
         "wall_s": time.perf_counter() - began,
