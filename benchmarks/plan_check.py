@@ -148,6 +148,9 @@ def check(nproc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
             )
         rows.append(row)
     top_rank = rows[0]["measured_rank"]
+    timed = [row for row in rows if row["run"]]
+    spread = statistics.median(max(r["repeat_medians_s"]) / min(r["repeat_medians_s"]) - 1
+                               for r in timed)  # fmt: skip
     return {
         "nproc": nproc,
         "plan_flags": "tessera plan " + " ".join(plan_argv),
@@ -160,6 +163,8 @@ def check(nproc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "top_row": rows[0]["name"],
         "top_row_measured_rank": top_rank,
         "passed": top_rank <= 2,
+        "top_row_over_fastest": rows[0]["measured_step_s"] / measured[order[0]].measured_step_s - 1,
+        "repeat_spread": spread,
         "measured_order": order,
         "rows": rows,
         "wall_s": time.perf_counter() - began,
@@ -187,7 +192,9 @@ def markdown(found: dict[str, Any]) -> str:
             "",
             f"**{one['nproc']} ranks: {verdict}**: the plan's top row ({one['top_row']}) is "
             f"measured #{one['top_row_measured_rank']} of {one['rows_run']} run "
-            f"({one['rows_planned']} planned). `{one['plan_flags']}`",
+            f"({one['rows_planned']} planned), {one['top_row_over_fastest']:+.1%} over the "
+            f"fastest; a row's repeats spread by {one['repeat_spread']:.0%} (median over rows). "
+            f"`{one['plan_flags']}`",
             "",
             "| plan # | strategy | predicted ms (plan) | comm + bubble + offload | "
             "at achieved rate | measured ms | comm | measured # | repeats ms |",
