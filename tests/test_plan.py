@@ -38,6 +38,10 @@ from tessera.zero import estimate_memory
 GPT3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--seq", "2048", "--vocab", "51200"]
 
 
+ADAMW = {"adamw_s_per_param": 2e-9, "adamw_s_per_tensor": 3e-5}
+"""A calibration's AdamW step costs (`plan.cluster.adamw_cost`), for the caches written here."""
+
+
 def test_plan_json_schema_best_first_and_fits_consistent(capsys):
     code = main(["plan", *GPT3, "--cluster", "a100-80g-dgx", "--devices", "64",
                  "--batch", "256", "--tokens", "300B", "--json"])  # fmt: skip
@@ -144,11 +148,11 @@ def test_presets_and_this_machine_from_its_cache(tmp_path):
     cost = {"alpha": 1e-4, "beta": 1e-9, "gamma": 2e-10, "mu": 1e-10, "sigma": 3e-5,
             "alpha_native": 5e-5, "cores": 2}  # fmt: skip
     cache = Path(tmp_path / "machine.json")
-    cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 2}))
+    cache.write_text(json.dumps({"matmul_flops": 2e10, **ADAMW, "cost": cost, "ranks": 2}))
     here = this_machine(cache=cache)
     assert here.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 2) and here.devices == 2
     crowded = cache.with_name("four.json")  # 4 ranks on this host's cores take turns
-    crowded.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 4}))
+    crowded.write_text(json.dumps({"matmul_flops": 2e10, **ADAMW, "cost": cost, "ranks": 4}))
     four = this_machine(cache=crowded, ranks=4)
     assert four.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 4) and four.devices == 4
     assert here.link(intra=True).alpha == 1e-4  # the fitted constants, as fitted
@@ -261,7 +265,10 @@ def test_compare_prices_compute_at_the_rate_a_rank_achieves_with_the_planners_fl
         Strategy(dp=1), model, cluster, batch=8, microbatch=8, compute_flops=1e9, precision="fp32"
     )
     assert plan.compute_s == pytest.approx(iteration_flops(model, 8) / 1e9, rel=1e-12)
-    assert plan.step_s == pytest.approx(plan.compute_s, rel=1e-12)
+    # plus the device's own AdamW step, memory-bound: 28 bytes a parameter at the A100's 2 TB/s
+    adam_s = model.params * 28 / PRESETS["a100-80g-dgx"]["reduce_bytes_per_s"]
+    assert plan.optimizer_s == pytest.approx(adam_s, rel=1e-12)
+    assert plan.step_s == pytest.approx(plan.compute_s + adam_s, rel=1e-12)
     rate = achieved_rate(config, model, 1, repeats=2)  # one rank: its step on the whole batch
     assert 1e6 < rate < 1e13, rate  # FLOP/s a CPU core reaches on a real step
 
@@ -289,7 +296,7 @@ def test_compare_repeats_round_robin_and_reports_the_medians(tmp_path, monkeypat
     cost = {"alpha": 1e-4, "beta": 1e-9, "gamma": 2e-10, "mu": 1e-10, "sigma": 3e-5,
             "alpha_native": 5e-5, "cores": 2}  # fmt: skip
     cache = tmp_path / "machine.json"
-    cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": 2}))
+    cache.write_text(json.dumps({"matmul_flops": 2e10, **ADAMW, "cost": cost, "ranks": 2}))
     monkeypatch.setattr(cluster_module, "CACHE_FILE", cache)
     base = {
         "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "block_size": 32},
@@ -423,7 +430,7 @@ def test_every_plan_row_for_this_machine_is_a_train_command_that_validates(
     cost = {"alpha": 1e-4, "beta": 1e-9, "gamma": 2e-10, "mu": 1e-10, "sigma": 3e-5,
             "alpha_native": 5e-5, "cores": 2}  # fmt: skip
     cache = tmp_path / "machine.json"
-    cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": ranks}))
+    cache.write_text(json.dumps({"matmul_flops": 2e10, **ADAMW, "cost": cost, "ranks": ranks}))
     monkeypatch.setattr(cluster_module, "CACHE_FILE", cache)
     gpt = ["--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "90"]
     argv = ["plan", "--cluster", "this-machine", "--devices", str(ranks), *gpt, "--batch", "8"]

@@ -26,6 +26,10 @@ SAME = ("strategy", "nproc", "dp", "tp", "pp", "zero", "offload", "nvme_dir", "s
 """What a run's config must share with the command's: the strategy and everything it runs."""
 
 
+ADAMW = {"adamw_s_per_param": 2e-9, "adamw_s_per_tensor": 3e-5}
+"""A calibration's AdamW step costs (`plan.cluster.adamw_cost`), for the caches written here."""
+
+
 @pytest.fixture
 def calibrated(tmp_path, monkeypatch):
     """`this-machine` read from a cache written here (2 cores, one rank's matmul 20 GFLOP/s)."""
@@ -37,7 +41,7 @@ def calibrated(tmp_path, monkeypatch):
     monkeypatch.setattr(cluster_module, "CACHE_FILE", cache)
 
     def write(ranks: int) -> None:
-        cache.write_text(json.dumps({"matmul_flops": 2e10, "cost": cost, "ranks": ranks}))
+        cache.write_text(json.dumps({"matmul_flops": 2e10, **ADAMW, "cost": cost, "ranks": ranks}))
 
     return write
 

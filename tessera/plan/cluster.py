@@ -7,7 +7,8 @@ the cost model for each collective, so the same alpha-beta-gamma formulas price 
 processes of this machine.
 
 `this_machine()` measures instead of assuming: the matmul rate of one rank (a float32 `mm`, with
-the thread count a rank of `--nproc` ranks gets) and the cost model's constants fitted by
+the thread count a rank of `--nproc` ranks gets), the cost of torch's AdamW step per parameter and
+per tensor with those threads, and the cost model's constants fitted by
 `tessera.comm.calibrate` on two local ranks. Both are cached in a JSON file, so a run measures
 once per machine (`recalibrate=True` measures again).
 """
@@ -23,7 +24,15 @@ from typing import Any
 
 from tessera.comm.cost import CostParams
 
-__all__ = ["CACHE_FILE", "PRESETS", "Cluster", "matmul_rate", "preset", "this_machine"]
+__all__ = [
+    "CACHE_FILE",
+    "PRESETS",
+    "Cluster",
+    "adamw_cost",
+    "matmul_rate",
+    "preset",
+    "this_machine",
+]
 
 CACHE_FILE = (
     Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -58,6 +67,12 @@ class Cluster:
     """Bytes/s to and from NVMe, for offload nvme."""
     reduce_bytes_per_s: float = 1.5e12
     """Bytes/s a device adds two vectors (γ = 1/this): its memory bandwidth."""
+    optimizer_s_per_param: float | None = None
+    """Seconds a device's own Adam step takes per parameter. None: memory-bound, 28 bytes a
+    parameter (FORMULAS.md) at `reduce_bytes_per_s`, as a fused GPU kernel runs."""
+    optimizer_s_per_tensor: float = 0.0
+    """Seconds the step adds per parameter tensor (CPU: torch's per-tensor AdamW loop; a GPU's
+    fused multi-tensor kernel: nothing)."""
     overlap: bool = True
     """Communication can run beside compute (a GPU's copy engines and NICs); False where the
     same cores do both (CPU ranks on a shared host): nothing is hidden."""
@@ -82,6 +97,13 @@ class Cluster:
                 f"--devices {self.devices} is not a whole number of nodes of "
                 f"--per-node {self.per_node}"
             )
+
+    def optimizer_s(self, params: float, tensors: int) -> float:
+        """Seconds of a device's own Adam step over `params` parameters in `tensors` tensors."""
+        per_param = self.optimizer_s_per_param
+        if per_param is None:
+            per_param = 28 / self.reduce_bytes_per_s
+        return params * per_param + tensors * self.optimizer_s_per_tensor
 
     @property
     def nodes(self) -> int:
@@ -178,6 +200,33 @@ def matmul_rate(size: int = 512, seconds: float = 0.3, device: Any = "cpu") -> f
     return 2 * size**3 / sorted(times)[len(times) // 2]
 
 
+def adamw_cost(seconds: float = 0.2) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of torch's AdamW step on the CPU as the
+    trainer builds it there (the default, per-tensor implementation), with this process's
+    threads: one 2^20-element tensor, then 64 tensors of 16 elements (their per-tensor cost).
+    Medians of repeated steps, parameters and gradients from a generator of their own."""
+    import torch
+
+    def step_time(shapes: list[int]) -> float:
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.randn(n, generator=generator).requires_grad_() for n in shapes]
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+        optimizer.step()  # warm-up: the state is allocated
+        times: list[float] = []
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(times) < 5:
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    per_tensor = step_time([16] * 64) / 64
+    per_param = max(0.0, step_time([2**20]) - per_tensor) / 2**20
+    return per_param, per_tensor
+
+
 def _calibrate_rank() -> dict[str, float]:
     """One rank of the calibration: `comm.calibrate` on the default group (two local ranks)."""
     import torch
@@ -199,10 +248,18 @@ def _measure(ranks: int) -> dict[str, Any]:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     try:
         rate = matmul_rate()
+        adam_per_param, adam_per_tensor = adamw_cost()
     finally:
         torch.set_num_threads(threads)
     cost = launch(_calibrate_rank, 2, timeout_s=120)[0]
-    return {"matmul_flops": rate, "cost": cost, "ranks": ranks, "measured_at": time.time()}
+    return {
+        "matmul_flops": rate,
+        "adamw_s_per_param": adam_per_param,
+        "adamw_s_per_tensor": adam_per_tensor,
+        "cost": cost,
+        "ranks": ranks,
+        "measured_at": time.time(),
+    }
 
 
 def this_machine(
@@ -220,8 +277,8 @@ def this_machine(
     measured: dict[str, Any] | None = None
     if path.is_file() and not recalibrate:
         measured = json.loads(path.read_text())
-        if measured.get("ranks") != ranks:
-            measured = None
+        if measured.get("ranks") != ranks or "adamw_s_per_param" not in measured:
+            measured = None  # another rank count, or measured before the optimizer's cost was
     if measured is None:
         measured = _measure(ranks)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -242,6 +299,8 @@ def this_machine(
         host_bandwidth=1.0 / cost["mu"],
         cpu_adam_bytes_per_s=1.0 / cost["mu"],
         reduce_bytes_per_s=1.0 / cost["gamma"],
+        optimizer_s_per_param=measured["adamw_s_per_param"] * max(1.0, ranks / cores),
+        optimizer_s_per_tensor=measured["adamw_s_per_tensor"] * max(1.0, ranks / cores),
         overlap=False,
         shared_cores=cores,
         algorithms=("native", "ring", "shm"),

@@ -79,6 +79,13 @@ class ModelSpec:
             )
         return (8.0 if recompute else 6.0) * self.params
 
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors: a GPT block's 12 (two layer norms' weight and bias, four linear
+        layers' weight and bias), the token and position embeddings and the final norm's two
+        (the head tied to the token embedding); a bare parameter count is one tensor."""
+        return 12 * self.layers + 4 if self.layers else 1
+
     def tensor_replicated_params(self) -> float:
         """Parameters every tensor-parallel rank holds whole, as Megatron-LM splits a GPT
         (Shoeybi et al. 2019, section 3): the layer norms (two per layer and the final one,

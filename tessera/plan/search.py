@@ -33,7 +33,12 @@ Two ways to price a step, after what the rate X per device means:
   processes sharing fewer cores (`Cluster.shared_cores`, this machine), a waiting stage lends
   its core to the busy ones and the bubble is `formulas.bubble_fraction_on_shared_cores`;
 * offload: the 4 bytes per parameter PCIe traffic of ZeRO-Offload and CPU Adam's 28 bytes per
-  parameter of host memory traffic; nvme also reads and writes the optimizer state.
+  parameter of host memory traffic; nvme also reads and writes the optimizer state;
+* the device's own optimizer step (without offload): the parameters it steps (all of its
+  stage's under DDP, 1/dp under ZeRO) times the cluster's cost per parameter (GPUs: 28 bytes at
+  memory bandwidth), plus a cost per tensor stepped (this machine: torch's AdamW loops over
+  tensors on the CPU; ZeRO steps a few flat buffers, DDP every parameter tensor). On CPU ranks
+  this was the term that separated ddp from zero1/zero2 in `benchmarks/plan_check.py`.
 Each collective's time is `tessera.comm.cost.predict` with the cluster's link constants.
 """
 
@@ -114,6 +119,8 @@ class Estimate:
     days: float | None
     host_bytes: float = 0.0
     """Optimizer state offloaded to host memory (per device), not counted in memory_bytes."""
+    optimizer_s: float = 0.0
+    """The device's own optimizer step (offloaded: in `offload_s`, the host's)."""
 
     @property
     def memory_bytes(self) -> float:
@@ -128,7 +135,7 @@ class Estimate:
     @property
     def step_s(self) -> float:
         """Predicted seconds per optimizer step."""
-        return self.compute_s + self.comm_s + self.bubble_s + self.offload_s
+        return self.compute_s + self.comm_s + self.bubble_s + self.offload_s + self.optimizer_s
 
     def to_json(self) -> dict[str, Any]:
         """The `--json` record of this strategy (the schema of issue 22)."""
@@ -156,6 +163,7 @@ class Estimate:
             "comm_s": self.comm_s,
             "bubble_s": self.bubble_s,
             "offload_s": self.offload_s,
+            "optimizer_s": self.optimizer_s,
             "tokens_per_s": self.tokens_per_s,
             "days": self.days,
         }
@@ -256,6 +264,17 @@ def _bubble(s: Strategy, cluster: Cluster) -> float:
     return bubble_fraction_on_shared_cores(s.pp, s.microbatches, s.dp * s.tp, shared)
 
 
+def _stepped(s: Strategy, model: ModelSpec, shard: float) -> tuple[float, int]:
+    """Parameters and tensors one device's optimizer steps: its stage's tensors whole (tensor
+    parallelism cuts each, their count stays), or under ZeRO its slice of the flat buffers: two
+    per unit (the trainer's weight-decay groups never share a buffer), one unit for stages 1
+    and 2, one per layer and the rest (embeddings, final norm) for stage 3."""
+    if s.zero == 0:
+        return shard, max(1, round(model.tensors / s.pp))
+    units = round(model.layers / s.pp) + 1 if s.zero == 3 and model.layers else 1
+    return shard / s.dp, 2 * units
+
+
 def _data_parallel_time(
     s: Strategy, cluster: Cluster, shard: float, compute: float, precision: str
 ) -> float:
@@ -337,9 +356,10 @@ def estimate(
         if s.offload == "nvme":
             offload += 2 * part * optim_b / cluster.nvme_bandwidth
     bubble = _bubble(s, cluster) * compute
+    optimizer = 0.0 if s.offload else cluster.optimizer_s(*_stepped(s, model, shard))
     if achieved_flops is not None:  # measured end to end: the overheads are in the rate
-        comm = bubble = offload = 0.0
-    step = compute + comm + bubble + offload
+        comm = bubble = offload = optimizer = 0.0
+    step = compute + comm + bubble + offload + optimizer
     tokens_per_s = batch * model.seq / step
     total = states["params"] + states["gradients"] + states["optimizer"] + act
     return Estimate(
@@ -353,6 +373,7 @@ def estimate(
         comm_s=comm,
         bubble_s=bubble,
         offload_s=offload,
+        optimizer_s=optimizer,
         host_bytes=states["host"],
         tokens_per_s=tokens_per_s,
         days=tokens / tokens_per_s / 86400 if tokens else None,

@@ -166,7 +166,9 @@ def _time_local_steps(
 ) -> tuple[int, list[float]]:
     """On one rank of `achieved_rate`'s launch: (rows per rank, seconds of each repeat) of this
     rank's share of an iteration's compute with no communication, as the trainer's step runs it
-    (forward, backward, the clip to `grad_clip`, the AdamW step).
+    (forward, backward, the clip to `grad_clip`), without the AdamW step: the planner prices
+    that per strategy (`Cluster.optimizer_s`: DDP steps every tensor of the model, ZeRO a slice
+    of a few flat buffers), so it is timed and taken out of each repeat.
 
     Data parallel and pipeline shares: the whole model on this rank's rows of step 0's batch, in
     passes of `rows` rows (a pipeline's micro-batch; gradients accumulate). Tensor parallel: the
@@ -193,7 +195,9 @@ def _time_local_steps(
     batch = workload.batches(0, ctx.rank, ctx.world_size)
     share = batch_rows(batch)
     if tensor_parallel:
-        step = _tensor_share_without_collectives(config, module, workload.loss_fn, batch, ctx)
+        step, optimizer = _tensor_share_without_collectives(
+            config, module, workload.loss_fn, batch, ctx
+        )
     else:
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
         passes = split_rows(batch, microbatch_sizes(share, max(1, share // min(rows, share))))
@@ -206,21 +210,33 @@ def _time_local_steps(
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
+    in_optimizer = [0.0]  # seconds inside the optimizer's step, taken out of each repeat
+    optimizer_step = optimizer.step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return optimizer_step(*args, **kwargs)
+        finally:
+            in_optimizer[0] += time.perf_counter() - began
+
+    optimizer.step = timed_step
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up
         if ctx.world_size > 1:
             dist.barrier()
+        in_optimizer[0] = 0.0
         began = time.perf_counter()
         step()
-        times.append(time.perf_counter() - began)
+        times.append(time.perf_counter() - began - in_optimizer[0])
     return share, times[1:]
 
 
 def _tensor_share_without_collectives(
     config: dict[str, Any], module: Any, loss_fn: Any, batch: Any, ctx: Any
-) -> Callable[[], None]:
+) -> tuple[Callable[[], None], Any]:
     """The tensor engine's step on this rank with its layers' all-reduces and all-gathers made
-    local (this process only: a measuring rank, whose results nobody uses)."""
+    local (this process only: a measuring rank, whose results nobody uses), and its optimizer."""
     import torch
     import torch.distributed as dist
 
@@ -237,7 +253,7 @@ def _tensor_share_without_collectives(
         engine.train_step(batch)
         engine.step()
 
-    return step
+    return step, engine.optimizer
 
 
 def achieved_rate(
