@@ -9,12 +9,10 @@ prefixes anywhere on the line (torchrun's parser took `train --nproc 4` for its 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import subprocess
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -23,75 +21,11 @@ from tessera.errors import ConfigError, TesseraError
 __all__ = ["main"]
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """One flag per config field, typed and documented from the dataclass itself."""
-    hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
-        annotation = hints[field.name]
-        if dataclasses.is_dataclass(annotation):
-            _add_config_flags(parser, annotation, prefix=f"{field.name}.")
-            continue
-        default = field.default if field.default is not dataclasses.MISSING else None
-        help_text = f"{field.metadata.get('help', '')} (default: {default})"
-        if field.name == "strategy":
-            from tessera.strategies.registry import OWN_ENTRY_POINTS, strategy_names
-
-            help_text += f"; one of: {', '.join([*strategy_names(), *OWN_ENTRY_POINTS])}"
-        dest = prefix + field.name
-        flag = field.metadata.get("flag", _flag(field.name))
-        if annotation is bool:
-            parser.add_argument(
-                flag,
-                dest=dest,
-                default=None,
-                help=help_text,
-                action=argparse.BooleanOptionalAction,
-            )
-            continue
-        arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
-        kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
-        if field.name == "nproc":
-            kind = _nproc_value
-        parser.add_argument(
-            flag,
-            dest=dest,
-            type=kind,
-            default=None,
-            metavar=field.name.upper(),
-            help=help_text,
-        )
-
-
-def _nproc_value(text: str) -> int | str:
-    """`--nproc N` or `--nproc auto` (resolved with the rest of the config)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
-
-
-_NOT_CONFIG = ("command", "config", "resume", "handler", "max_restarts", "min_nproc")
-"""`tessera train` options that steer the job rather than configure the training."""
-
-
 def _flag_layer(args: argparse.Namespace) -> dict[str, Any]:
     """The config values given on the command line, nested like the YAML file."""
-    layer: dict[str, Any] = {}
-    for dest, value in vars(args).items():
-        if value is None or dest in _NOT_CONFIG:
-            continue
-        *parents, leaf = dest.split(".")
-        target = layer
-        for parent in parents:
-            target = target.setdefault(parent, {})
-        target[leaf] = value
-    return layer
+    from tessera.train.config_flags import flag_layer
+
+    return flag_layer(args)
 
 
 def _settle_nproc(user_layers: list[dict[str, Any]], flags: dict[str, Any]) -> None:
@@ -305,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     bottom (the trainer's flags are generated from `TrainConfig`); cut into one function per
     command it would say the same at more length.
     """
-    from tessera.train.config import TrainConfig
+    from tessera.train.config_flags import add_train_flags
 
     # no abbreviations (`--strat zero2` is an error, not --strategy): a flag added later must not
     # change what an old command line means, and a typo must not pick a flag by its prefix
@@ -341,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
         help="elastic: a restart after a lost rank may continue on fewer ranks, down to M "
         "(ddp, torch-ddp, zero1-3)",
     )
-    _add_config_flags(train, TrainConfig)
+    add_train_flags(train)
     train.set_defaults(handler=_train)
 
     run = commands.add_parser(

@@ -76,6 +76,8 @@ def _other(value: Any) -> Any:
         return value * 2 + 1
     if isinstance(value, str):
         return value + "-other"
+    if isinstance(value, dict):  # (`options`, a registered strategy's: compared whole)
+        return {**value, "other": 1}
     assert value is None, value
     return "bf16"  # (a str | None field: mixed_precision's fp32 -> bf16, the case)
 

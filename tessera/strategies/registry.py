@@ -4,7 +4,10 @@
 builds an engine needs the engine's code (and with it torch.distributed, the collectives, the
 pipeline runner...). So tessera's own strategies are "module:attribute" strings, imported when
 looked up: listing names or printing `--help` imports no engine. Users add theirs with
-`register_strategy(name, policy=...)`.
+`register_strategy(name, policy=...)`. What each strategy can do (`Capabilities`: the trainer
+knobs it takes, resume on another world size, elastic restarts, its rank layout...) is declared
+here for tessera's own, and by a user's strategy on its policy or Engine class: the trainer reads
+the declaration and never a strategy's name.
 
 A builder is `build(model, optimizer_factory, ctx, *, loss_fn, grad_clip, policy) -> Engine`;
 a policy is a frozen dataclass whose fields are the strategy's options (`tessera.setup`'s
@@ -18,17 +21,29 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from tessera.errors import ConfigError
+from tessera.strategies.capabilities import (
+    FOLDED,
+    Capabilities,
+    hybrid_layout,
+    pipeline_layout,
+    tensor_layout,
+)
 
 __all__ = [
     "BUILTIN_STRATEGIES",
+    "CAPABILITIES",
+    "Capabilities",
     "NOT_COMPILABLE",
     "OWN_ENTRY_POINTS",
     "STRATEGIES",
+    "capabilities",
     "check_compile",
+    "offered_by",
     "own_entry_point",
     "policy_class",
     "register_strategy",
     "strategy_names",
+    "user_policies",
 ]
 
 _NO_OPTIONS = "tessera.strategies.engine:NoOptions"
@@ -67,28 +82,134 @@ run alike on every rank fits them: the trainer hands them the whole job,
 `entry(config, run_dir, resume, tools) -> summary`, `tools` the trainer's functions they call
 (`tessera.strategies.own_job.JobTools`)."""
 
+_ZERO_OFFLOAD = {
+    "offload": "offload",
+    "nvme_dir": FOLDED,
+    "nvme_buffer_mb": FOLDED,
+    "offload_moments": FOLDED,
+    "delayed_update": FOLDED,
+    "delayed_update_after": FOLDED,
+}
+"""The offload group of ZeRO's flags: one `OffloadPolicy`, ZeroPolicy's `offload`."""
+_ZERO = {"bucket_cap_mb": "bucket_cap_mb", **_ZERO_OFFLOAD}
+_PIPELINE = {
+    "split": "split",
+    "microbatches": "microbatches",
+    "schedule": "schedule",
+    "virtual_stages": "virtual_stages",
+}
+_SPLITS_STAGES = "it cuts the model into stages by running its modules one by one"
+_SPLIT_BY_STAGE = "its optimizer state is split by pipeline stage"
+_OWN_SPLIT = {"activation_checkpointing": False, "frees_gradients": True}
+"""Model-parallel engines: they split the GPT their own way (no whole-model activation
+checkpointing), and their gradients are freed after each step."""
+
+
+def _ps_world(config: Any, world_size: int | None) -> None:
+    """The parameter server's job: servers + workers processes, whatever nproc says."""
+    from tessera.parameter_server.options import check_ps_options
+
+    check_ps_options(
+        servers=config.servers,
+        workers=config.workers,
+        consistency=config.consistency,
+        staleness=config.staleness,
+        slow_worker=config.slow_worker,
+        batch_size=config.batch_size,
+        world_size=world_size,
+    )
+
+
+CAPABILITIES: dict[str, Capabilities] = {
+    "single": Capabilities(one_process=True, resume_any_world=True),
+    "torch-ddp": Capabilities(
+        options={"find_unused_parameters": "find_unused_parameters"},
+        elastic=True,
+        resume_any_world=True,
+    ),
+    "ddp": Capabilities(
+        options={
+            "bucket_cap_mb": "bucket_cap_mb",
+            "comm_algorithm": "algorithm",
+            "find_unused_parameters": "find_unused_parameters",
+        },
+        elastic=True,
+        resume_any_world=True,
+    ),
+    "local-sgd": Capabilities(
+        options={"average_every": "average_every", "comm_algorithm": "algorithm"},
+        world_bound="it keeps one model replica per rank between averages",
+    ),
+    "zero1": Capabilities(options=_ZERO, elastic=True, resume_any_world=True),
+    "zero2": Capabilities(options=_ZERO, elastic=True, resume_any_world=True),
+    "zero3": Capabilities(
+        options={**_ZERO, "offload_params": FOLDED},
+        elastic=True,
+        resume_any_world=True,
+        builds_on_meta=True,
+        not_compilable="its module hooks gather and free each parameter's storage around every "
+        "forward",
+    ),
+    "pipeline": Capabilities(
+        options=_PIPELINE,
+        layout=pipeline_layout,
+        world_bound=_SPLIT_BY_STAGE,
+        not_compilable=_SPLITS_STAGES,
+        **_OWN_SPLIT,
+    ),
+    "tensor": Capabilities(
+        options={"tp_plan": "plan"},
+        layout=tensor_layout,
+        world_bound="its parameters and optimizer state are split by tensor-parallel rank",
+        not_compilable="its sharded layers issue collectives inside forward and backward",
+        **_OWN_SPLIT,
+    ),
+    "hybrid": Capabilities(
+        options={
+            "dp": "dp",
+            "tp": "tp",
+            "pp": "pp",
+            "zero": "zero",
+            "tp_plan": "plan",
+            "bucket_cap_mb": "bucket_cap_mb",
+            "find_unused_parameters": "find_unused_parameters",
+            **_PIPELINE,
+        },
+        layout=hybrid_layout,
+        world_bound="its parameters and optimizer state are split by stage and tensor-parallel "
+        "rank",
+        not_compilable=_SPLITS_STAGES,
+        **_OWN_SPLIT,
+    ),
+    "ps": Capabilities(
+        options={
+            name: name for name in ("servers", "workers", "consistency", "staleness", "slow_worker")
+        },
+        grad_accum=False,
+        check_world=_ps_world,
+        not_compilable="its workers run their own loop against the parameter servers",
+    ),
+}
+"""What each of tessera's strategies can do (`Capabilities`), declared here beside its name so
+that reading it imports no engine; a user's strategy declares its own (`register_strategy`)."""
+
 NOT_COMPILABLE: dict[str, str] = {
-    "zero3": "its module hooks gather and free each parameter's storage around every forward",
-    "pipeline": "it cuts the model into stages by running its modules one by one",
-    "hybrid": "it cuts the model into stages by running its modules one by one",
-    "tensor": "its sharded layers issue collectives inside forward and backward",
-    "ps": "its workers run their own loop against the parameter servers",
+    name: caps.not_compilable for name, caps in CAPABILITIES.items() if caps.not_compilable
 }
 """Strategies under which `tessera train --compile` (torch.compile of the model) is refused, and
-why; the others (single, ddp, torch-ddp, local-sgd, zero1, zero2) keep the module whole and
-hook only its gradients, which a compiled module leaves to eager autograd, as they are."""
-
+why (from their `Capabilities`); the others (single, ddp, torch-ddp, local-sgd, zero1, zero2)
+keep the module whole and hook only its gradients, which a compiled module leaves to eager
+autograd, as they are."""
 
 
 def check_compile(strategy: str, compile: bool) -> None:
     """`--compile` under `strategy`: ConfigError with the reason where it cannot be done."""
-    if compile and strategy in NOT_COMPILABLE:
-        raise ConfigError(
-            f"--compile is not supported by --strategy {strategy}: {NOT_COMPILABLE[strategy]}"
-        )
+    reason = capabilities(strategy).not_compilable if compile else None
+    if reason:
+        raise ConfigError(f"--compile is not supported by --strategy {strategy}: {reason}")
 
 
-_user_strategies: dict[str, tuple[Callable[..., Any], type]] = {}
+_user_strategies: dict[str, tuple[Callable[..., Any], type, Capabilities]] = {}
 
 
 def _load(target: str) -> Any:
@@ -120,13 +241,17 @@ def policy_class(name: str) -> type:
 
 
 def register_strategy(
-    name: str, *, policy: type | None = None
+    name: str, *, policy: type | None = None, capabilities: Capabilities | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator adding a strategy `name` built by the decorated function (or Engine class).
 
     It is called as `build(model, optimizer_factory, ctx, *, loss_fn, grad_clip, policy)` and
-    returns an `Engine`; `policy` is the frozen dataclass of its options (default: none). A name
-    is registered once: reusing one raises ValueError.
+    returns an `Engine`; `policy` is the frozen dataclass of its options (default: none): each
+    of its fields is also a `tessera train` option (`--FIELD`, YAML `options: {FIELD: ...}`).
+    What it can do (`Capabilities`: resume on another world size, elastic restarts, ...) comes
+    from `capabilities`, else a `capabilities` attribute of the policy class or of the decorated
+    Engine class, else the defaults (none of those). A name is registered once: reusing one
+    raises ValueError.
     """
     if policy is None:
         policy = _load(_NO_OPTIONS)
@@ -134,10 +259,37 @@ def register_strategy(
     def add(factory: Callable[..., Any]) -> Callable[..., Any]:
         if name in BUILTIN_STRATEGIES or name in OWN_ENTRY_POINTS or name in _user_strategies:
             raise ValueError(f"strategy {name!r} is registered twice")
-        _user_strategies[name] = (factory, policy)
+        declared = capabilities or _declared(policy) or _declared(factory) or Capabilities()
+        _user_strategies[name] = (factory, policy, declared)
         return factory
 
     return add
+
+
+def _declared(owner: Any) -> Capabilities | None:
+    found = getattr(owner, "capabilities", None)
+    return found if isinstance(found, Capabilities) else None
+
+
+def capabilities(name: str) -> Capabilities:
+    """What strategy `name` (tessera's, a parameter-server-like entry point, or a user's) can do."""
+    if name in _user_strategies:
+        return _user_strategies[name][2]
+    if name in CAPABILITIES:
+        return CAPABILITIES[name]
+    raise _unknown(name)
+
+
+def offered_by(knob: str) -> list[str]:
+    """The strategies that take trainer knob `knob`, sorted (for messages that list them)."""
+    names = [*strategy_names(), *OWN_ENTRY_POINTS]
+    return sorted(name for name in names if capabilities(name).takes(knob))
+
+
+def user_policies() -> dict[str, type]:
+    """The policy class of each strategy added with `register_strategy` (their knobs become
+    `tessera train` options)."""
+    return {name: entry[1] for name, entry in _user_strategies.items()}
 
 
 class _StrategyTable(Mapping[str, Callable[..., Any]]):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tessera.models.user import HF_PREFIX
+from tessera.strategies.registry import capabilities
 from tessera.train.config import TrainConfig
 from tessera.train.workload import Workload
 
@@ -39,7 +40,8 @@ def build_model(
     """
     torch.manual_seed(config.seed)
     factory = config.model_factory or ""
-    if config.strategy == "zero3" and config.meta_init and not factory.startswith(HF_PREFIX):
+    on_meta = capabilities(config.strategy).builds_on_meta and config.meta_init
+    if on_meta and not factory.startswith(HF_PREFIX):
         from tessera.zero.materialize import meta_problem
 
         with torch.device("meta"):

@@ -47,14 +47,16 @@ from tessera.plan.commands import strategy_layer
 from tessera.plan.formulas import flops_per_iteration
 from tessera.plan.model import ModelSpec, from_module
 from tessera.plan.search import Strategy, estimate
+from tessera.strategies.registry import CAPABILITIES, capabilities
 from tessera.train.config_build import build_config
 from tessera.train.metrics import read_metrics
 from tessera.train.run import run_training
 
 __all__ = ["Comparison", "achieved_rate", "check_runs", "compare_runs", "plan_run", "runs_for"]
 
-GRADIENTS_FREED = ("pipeline", "tensor", "hybrid")
-"""Engines whose gradients are gone when a step's model states are measured (see above)."""
+GRADIENTS_FREED = tuple(name for name, caps in CAPABILITIES.items() if caps.frees_gradients)
+"""Engines whose gradients are gone when a step's model states are measured (see above): those
+whose `Capabilities` declare `frees_gradients`."""
 
 
 def runs_for(
@@ -386,7 +388,7 @@ def _compare_one(
         precision="fp32",
     )  # fmt: skip
     states = plan.model_state_bytes + plan.host_bytes
-    if layer["strategy"] in GRADIENTS_FREED:
+    if capabilities(layer["strategy"]).frees_gradients:
         states -= plan.grads
     return Comparison(label, step, plan.step_s, mean_states, max_states, states)
 

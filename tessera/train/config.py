@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from tessera.errors import ConfigError
-from tessera.strategies.registry import OWN_ENTRY_POINTS, STRATEGIES, check_compile
+from tessera.strategies.registry import (
+    OWN_ENTRY_POINTS,
+    STRATEGIES,
+    capabilities,
+    check_compile,
+)
 from tessera.train.config_data import (
     LoaderSettings,
     check_eval_and_logging,
@@ -24,6 +29,10 @@ from tessera.train.config_sources import (
     load_yaml,
     read_tp_plan,
     torchrun_world,
+)
+from tessera.train.config_strategy import (
+    check_memory_options,
+    check_model_parallel,
 )
 
 __all__ = [
@@ -37,7 +46,6 @@ __all__ = [
 ]
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")  # tessera.pipeline.schedule.SCHEDULES
-OFFLOAD_MOMENTS = ("fp32", "bf16", "bf16-stochastic")  # tessera.zero.policy.MOMENT_STORAGE
 
 
 def _option(default: Any, help_text: str) -> Any:
@@ -255,6 +263,14 @@ class TrainConfig:
         "tensorboard, mlflow or wandb (comma-separated for several): also log the metrics there "
         "(event files, a local mlruns store, an offline wandb run; all in the run folder).",
     )
+    options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "The options of a strategy added with register_strategy: its policy's "
+            "fields (each also a flag --FIELD).",
+            "cli": False,
+        },
+    )
     model: ModelSettings = field(
         default_factory=ModelSettings, metadata={"help": "The GPT's shape."}
     )
@@ -306,7 +322,8 @@ class TrainConfig:
             )
         if self.mixed_precision and self.strategy in OWN_ENTRY_POINTS:
             raise ConfigError(f"mixed_precision does not apply to strategy {self.strategy}")
-        self._check_memory_options()
+        check_memory_options(self)  # --offload and its group, --activation-checkpointing
+        self._check_strategy_options()
         check_compile(self.strategy, self.compile)  # refused, with the reason, where it can't
         if self.zero not in (0, 1, 2):
             raise ConfigError(
@@ -366,58 +383,27 @@ class TrainConfig:
                 raise ConfigError(f"{_flag_name(name)} {path}: no such file")
         if self.loss is not None and not is_reference(self.loss):
             raise ConfigError(f"--loss {self.loss!r} is not PKG.MODULE:FN")
-        if self.split is not None and self.strategy not in ("pipeline", "hybrid"):
+        takes = capabilities(self.strategy).takes
+        if self.split is not None and not takes("split"):
             raise ConfigError(f"--split cuts pipeline stages: strategy {self.strategy} has none")
         if self.tp_plan is not None:
-            if self.strategy not in ("tensor", "hybrid"):
+            if not takes("tp_plan"):
                 raise ConfigError(
                     f"--tp-plan splits layers over tensor-parallel ranks: strategy "
                     f"{self.strategy} does not"
                 )
             read_tp_plan(self.tp_plan)
 
-    def _check_memory_options(self) -> None:
-        """Offload and activation checkpointing: where they apply, and nvme_dir up front."""
-        if self.offload not in (None, "cpu", "nvme"):
-            raise ConfigError(f"offload must be cpu, nvme or unset, got {self.offload!r}")
-        if self.offload and not self.strategy.startswith("zero"):
-            raise ConfigError(
-                f"offload={self.offload} offloads ZeRO's sharded state: it needs strategy zero1, "
-                f"zero2 or zero3, not {self.strategy}"
-            )
-        if self.offload and self.optimizer != "adamw":
-            raise ConfigError(f"offload={self.offload} runs a CPU Adam: it needs optimizer adamw")
-        if self.offload != "nvme" and self.nvme_dir is not None:
-            raise ConfigError("nvme_dir needs offload nvme")
-        if self.offload_params and (self.strategy != "zero3" or self.offload is None):
-            raise ConfigError("offload_params moves ZeRO-3's partitions: use zero3 with offload")
-        if self.offload_moments not in OFFLOAD_MOMENTS:
-            raise ConfigError(
-                f"offload_moments must be one of {', '.join(OFFLOAD_MOMENTS)}, "
-                f"got {self.offload_moments!r}"
-            )
-        if self.offload_moments != "fp32" and self.offload != "cpu":
-            raise ConfigError(
-                f"offload_moments={self.offload_moments} is CPUAdam's storage: it needs offload "
-                f"cpu, not offload {self.offload}"
-            )
-        if self.delayed_update and self.offload != "cpu":  # as tessera.zero.delayed checks
-            raise ConfigError(
-                "delayed_update overlaps ZeRO-Offload's host step with the next forward/backward:"
-                f" it needs offload cpu, not offload {self.offload}"
-            )
-        if self.offload == "nvme":
-            from tessera.optim.swap_files import check_swap_dir
+    def _check_strategy_options(self) -> None:
+        """`options`: the chosen strategy's own policy fields, checked by its policy."""
+        if not self.options:
+            return
+        from tessera.strategies.entry import make_policy
 
-            try:
-                check_swap_dir(self.nvme_dir)
-            except (ValueError, OSError) as error:
-                raise ConfigError(str(error)) from None
-        if self.activation_checkpointing and self.strategy in ("pipeline", "tensor", "hybrid"):
-            raise ConfigError(
-                f"activation_checkpointing wraps the whole GPT's blocks; strategy "
-                f"{self.strategy} splits the model its own way and does not support it"
-            )
+        try:
+            make_policy(self.strategy, dict(self.options))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"strategy {self.strategy} options: {exc}") from None
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a world size this config cannot run on, before any rank starts.
@@ -425,70 +411,21 @@ class TrainConfig:
         Everything an engine would refuse at set-up from the config and the number of ranks alone
         is checked here, so that the user gets one message instead of a traceback per rank.
         """
-        if self.strategy == "ps":  # servers + workers processes, whatever nproc says
-            from tessera.parameter_server.options import check_ps_options
-
+        caps = capabilities(self.strategy)
+        if caps.check_world is not None:  # its own processes, whatever nproc says
             world = torchrun_world()
-            return check_ps_options(
-                servers=self.servers,
-                workers=self.workers,
-                consistency=self.consistency,
-                staleness=self.staleness,
-                slow_worker=self.slow_worker,
-                batch_size=self.batch_size,
-                world_size=None if world is None else world[0],
+            return caps.check_world(self, None if world is None else world[0])
+        if caps.one_process and world_size != 1:
+            raise ConfigError(
+                f"strategy {self.strategy!r} runs one process; got {world_size} ranks"
             )
-        if self.strategy == "single" and world_size != 1:
-            raise ConfigError(f"strategy 'single' runs one process; got {world_size} ranks")
         if self.batch_size % world_size:
             raise ConfigError(
                 f"batch_size ({self.batch_size}) must be divisible by the number of ranks "
                 f"({world_size})"
             )
-        if self.strategy == "hybrid":
-            pp = self.pp or world_size // (self.dp * self.tp)
-            if self.dp * self.tp * pp != world_size:
-                raise ConfigError(
-                    f"dp x tp x pp = {self.dp} x {self.tp} x {pp} does not equal the "
-                    f"{world_size} ranks"
-                )
-        layout = {
-            "pipeline": (1, 1, world_size),
-            "tensor": (1, world_size, 1),
-            "hybrid": (self.dp, self.tp, self.pp or world_size // (self.dp * self.tp)),
-        }
-        if self.strategy in layout:
-            self._check_model_parallel(*layout[self.strategy])
-
-    def _check_model_parallel(self, dp: int, tp: int, pp: int) -> None:
-        """What the pipeline and tensor-parallel engines need of the GPT and the batch (a user's
-        model: of the batch; tessera.train.preflight checks the model)."""
-        model, v = self.model, self.virtual_stages
-        if (self.schedule == "interleaved") != (v > 1) or v < 1:
-            raise ConfigError(f"--virtual-stages {v}: >= 2 with --schedule interleaved, else 1")
-        if v > 1 and self.microbatches % pp:
-            raise ConfigError(f"interleaved: microbatches must be a multiple of pp ({pp})")
-        if v > 1 and self.model_factory is None and model.n_layer < pp * v:
-            raise ConfigError(
-                f"interleaved: {model.n_layer} GPT blocks cannot fill {pp * v} chunks"
-            )
-        if self.model_factory is None and model.n_head % tp:
-            raise ConfigError(
-                f"model.n_head ({model.n_head}) must be divisible by the tensor-parallel "
-                f"degree ({tp})"
-            )
-        if self.model_factory is None and pp > model.n_layer + 2:  # [embedding, *blocks, head]
-            raise ConfigError(
-                f"{pp} pipeline stages need at least {pp - 2} blocks (each stage holds one of "
-                f"embedding, blocks, head); model.n_layer is {model.n_layer}"
-            )
-        rows = self.batch_size // dp
-        if self.strategy != "tensor" and self.microbatches > rows:
-            raise ConfigError(
-                f"microbatches ({self.microbatches}) must not exceed the batch each pipeline "
-                f"splits: batch_size {self.batch_size} / dp {dp} = {rows} sequences"
-            )
-
+        if caps.layout is not None:  # (hybrid's: dp x tp x pp must be the world size)
+            check_model_parallel(self, *caps.layout(self, world_size))
 
 def _flag_name(name: str) -> str:
     """The command-line flag of config field `name`."""

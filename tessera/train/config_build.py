@@ -22,6 +22,8 @@ def _type_matches(value: Any, annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         return any(_type_matches(value, arm) for arm in typing.get_args(annotation))
+    if origin is dict:
+        return isinstance(value, dict)
     if annotation is type(None):
         return value is None
     if annotation is float:
@@ -36,9 +38,11 @@ AUTO_NPROC = "auto"
 
 
 def auto_nproc(strategy: str | None) -> int:
-    """The ranks `--nproc auto` starts: 1 for `single`, else the GPUs (CUDA under NCCL), else
-    the cores (also with TESSERA_BACKEND=gloo, training on the CPU)."""
-    if strategy == "single":
+    """The ranks `--nproc auto` starts: 1 for a strategy of one process (`single`), else the
+    GPUs (CUDA under NCCL), else the cores (also with TESSERA_BACKEND=gloo, training on the CPU)."""
+    from tessera.strategies.registry import STRATEGIES, capabilities
+
+    if strategy in STRATEGIES and capabilities(strategy).one_process:
         return 1
     import torch  # only here: validating a config does not import torch otherwise
 

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from tessera.errors import ConfigError
+from tessera.strategies.registry import capabilities
 
 __all__ = ["LR_SCHEDULES", "OPTIMIZERS", "check_optimizer_options", "parse_optimizer_args"]
 
@@ -52,8 +53,8 @@ def check_optimizer_options(config: Any) -> None:
             f"unknown lr_schedule {config.lr_schedule!r}; choose one of {LR_SCHEDULES} or give "
             "PKG.MODULE:FN"
         )
-    if config.grad_accum > 1 and config.strategy == "ps":
+    if config.grad_accum > 1 and not capabilities(config.strategy).grad_accum:
         raise ConfigError(
-            "grad_accum accumulates inside a tessera.setup engine; ps workers push every "
-            "gradient to the servers: use grad_accum 1"
+            f"grad_accum accumulates inside a tessera.setup engine; {config.strategy} workers push "
+            "every gradient to the servers: use grad_accum 1"
         )

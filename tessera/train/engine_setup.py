@@ -22,65 +22,53 @@ from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies import setup
 from tessera.strategies.batch import LossFn
+from tessera.strategies.capabilities import FOLDED
 from tessera.strategies.engine import Engine
+from tessera.strategies.registry import capabilities
 from tessera.train.config import TrainConfig, read_tp_plan
 from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
 
 
-def policy_options(config: TrainConfig) -> dict[str, Any]:
-    """`tessera.setup`'s options for `config.strategy`, from the trainer's config."""
-    strategy = config.strategy
-    unused = {"find_unused_parameters": config.find_unused_parameters}
-    if strategy == "ddp":
-        return {"bucket_cap_mb": config.bucket_cap_mb, "algorithm": config.comm_algorithm, **unused}
-    if strategy == "torch-ddp":
-        return unused
-    if strategy == "local-sgd":
-        return {"average_every": config.average_every, "algorithm": config.comm_algorithm}
-    if strategy in ("zero1", "zero2", "zero3"):
-        from tessera.zero.policy import OffloadPolicy
+def _offload(config: TrainConfig) -> Any:
+    """ZeRO's `offload` option from the offload group of flags (None: no offload)."""
+    if config.offload is None:
+        return None
+    from tessera.zero.policy import OffloadPolicy
 
-        offload = None
-        if config.offload is not None:
-            offload = OffloadPolicy(
-                device=config.offload,
-                nvme_dir=config.nvme_dir,
-                nvme_buffer_mb=config.nvme_buffer_mb,
-                params=config.offload_params,
-                moments=config.offload_moments,
-                delayed_update=config.delayed_update,
-                delayed_update_after=config.delayed_update_after,
-            )
-        # (mixed precision goes to setup's `precision`, which gives ZeRO's policy its bf16)
-        return {"bucket_cap_mb": config.bucket_cap_mb, "offload": offload}
-    split = [name.strip() for name in config.split.split(",")] if config.split else None
-    plan = read_tp_plan(config.tp_plan) if config.tp_plan else None
-    if strategy == "pipeline":
-        return {
-            "split": split,
-            "microbatches": config.microbatches,
-            "schedule": config.schedule,
-            "virtual_stages": config.virtual_stages,
-        }
-    if strategy == "tensor":
-        return {"plan": plan}
-    if strategy == "hybrid":
-        return {
-            "dp": config.dp,
-            "tp": config.tp,
-            "pp": config.pp,
-            "zero": config.zero,
-            "split": split,
-            "plan": plan,
-            "microbatches": config.microbatches,
-            "schedule": config.schedule,
-            "virtual_stages": config.virtual_stages,
-            "bucket_cap_mb": config.bucket_cap_mb,
-            **unused,
-        }
-    return {}  # single and users' strategies take no trainer knob
+    return OffloadPolicy(
+        device=config.offload,
+        nvme_dir=config.nvme_dir,
+        nvme_buffer_mb=config.nvme_buffer_mb,
+        params=config.offload_params,
+        moments=config.offload_moments,
+        delayed_update=config.delayed_update,
+        delayed_update_after=config.delayed_update_after,
+    )
+
+
+_CONVERT: dict[str, Callable[[TrainConfig], Any]] = {
+    "offload": _offload,
+    "split": lambda c: [name.strip() for name in c.split.split(",")] if c.split else None,
+    "tp_plan": lambda c: read_tp_plan(c.tp_plan) if c.tp_plan else None,
+}
+"""Knobs whose command-line form is not the policy's (a file name, a comma-separated list, a
+group of flags): how each becomes the policy's value."""
+
+
+def policy_options(config: TrainConfig) -> dict[str, Any]:
+    """`tessera.setup`'s options for `config.strategy`, from the trainer's config: the knobs its
+    `Capabilities.options` declares, under the policy's names, and the config's `options`
+    (a registered strategy's own policy fields). Mixed precision goes to setup's `precision`,
+    which gives ZeRO's policy its bf16."""
+    declared = capabilities(config.strategy).options
+    options = {
+        keyword: _CONVERT[knob](config) if knob in _CONVERT else getattr(config, knob)
+        for knob, keyword in declared.items()
+        if keyword != FOLDED
+    }
+    return {**options, **config.options}
 
 
 COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"

@@ -26,6 +26,7 @@ from torch import nn
 from tessera.errors import ConfigError
 from tessera.models.user import HF_PREFIX, read_model_config, unknown_config_keys
 from tessera.strategies.batch import compute_loss, no_loss_message
+from tessera.strategies.registry import capabilities
 from tessera.train.config import TrainConfig, job_world_size, read_tp_plan
 from tessera.train.optimizers import check_optimizer_and_schedule
 from tessera.train.workload import Workload, build_workload
@@ -36,7 +37,8 @@ __all__ = ["preflight_workload"]
 def _builds_on_meta(config: TrainConfig) -> bool:
     """The ranks build this run's model on the meta device (`tessera.train.build_model`)."""
     factory = config.model_factory or ""
-    return config.strategy == "zero3" and config.meta_init and not factory.startswith(HF_PREFIX)
+    on_meta = capabilities(config.strategy).builds_on_meta and config.meta_init
+    return on_meta and not factory.startswith(HF_PREFIX)
 
 
 def _build(workload: Workload, config: TrainConfig, *, meta: bool = False) -> nn.Module:
@@ -102,14 +104,11 @@ def _check_vocabulary(model: nn.Module, workload: Workload, config: TrainConfig)
 
 def _parallel_degrees(config: TrainConfig) -> tuple[int, int]:
     """(pipeline stages, tensor-parallel size) of this run, from the config and the world."""
-    world = job_world_size(config.nproc)
-    if config.strategy == "pipeline":
-        return world, 1
-    if config.strategy == "tensor":
-        return 1, world
-    if config.strategy == "hybrid":
-        return config.pp or world // (config.dp * config.tp), config.tp
-    return 1, 1
+    layout = capabilities(config.strategy).layout
+    if layout is None:
+        return 1, 1
+    _, tp, pp = layout(config, job_world_size(config.nproc))
+    return pp, tp
 
 
 def _check_model_parallel(model: nn.Module, config: TrainConfig) -> None:

@@ -23,7 +23,8 @@ down to M, that the config accepts (`TrainConfig.check_world_size`: batch_size d
 when none is, the same size. A rank that raised is a program error, not a lost machine: the world
 is kept. The global batch is unchanged (each rank takes batch_size / world of it), so training
 follows the same curve within reduction-order noise. Only strategies whose checkpoints load on
-any world size take part (`ELASTIC_STRATEGIES`); the others are refused up front.
+any world size take part (those whose `Capabilities` declare `elastic`); the others are refused
+up front.
 
 Ranks are started by `tessera.launch`, whose fork server imported torch and the trainer once
 (`tessera/runtime/_preload.py`): a restart then costs a fork, not a fresh interpreter importing
@@ -43,6 +44,7 @@ from typing import Any
 
 from tessera.errors import ConfigError, LaunchTimeout, RankFailedError, TesseraError
 from tessera.runtime.launch import launch
+from tessera.strategies.registry import CAPABILITIES, capabilities, strategy_names
 from tessera.train.config import TrainConfig
 from tessera.train.metrics import RESTART_ENV
 from tessera.train.resume import config_layers_for_resume
@@ -53,16 +55,22 @@ __all__ = [
     "Failure",
     "RestartsExhausted",
     "check_restart_options",
+    "elastic_strategies",
     "has_checkpoint",
     "next_world_size",
     "restarted_by_torchrun",
     "supervise",
 ]
 
-ELASTIC_STRATEGIES = frozenset({"ddp", "torch-ddp", "zero1", "zero2", "zero3"})
-"""Strategies whose checkpoints do not depend on the world size (a full replicated state, or
-ZeRO shards that reshard on load). pipeline, tensor and hybrid tie their layout to the world
-size, single runs one rank, local-sgd keeps one replica per rank."""
+ELASTIC_STRATEGIES = frozenset(name for name, caps in CAPABILITIES.items() if caps.elastic)
+"""tessera's strategies that restart on fewer ranks (`Capabilities.elastic`: their checkpoints do
+not depend on the world size: a full replicated state, or ZeRO shards that reshard on load);
+`elastic_strategies()` adds the users' that declare it."""
+
+
+def elastic_strategies() -> list[str]:
+    """Every registered strategy that declares `elastic`, sorted."""
+    return sorted(name for name in strategy_names() if capabilities(name).elastic)
 
 
 @dataclass(frozen=True)
@@ -120,11 +128,11 @@ def check_restart_options(config: TrainConfig, max_restarts: int, min_nproc: int
         return
     if not 1 <= min_nproc <= config.nproc:
         raise ConfigError(f"--min-nproc must be in 1..nproc ({config.nproc}), got {min_nproc}")
-    if config.strategy not in ELASTIC_STRATEGIES:
+    if not capabilities(config.strategy).elastic:
         raise ConfigError(
             f"--min-nproc: strategy {config.strategy!r} cannot change its world size on a "
             f"restart (its layout or checkpoint is tied to it); elastic strategies: "
-            f"{', '.join(sorted(ELASTIC_STRATEGIES))}"
+            f"{', '.join(elastic_strategies())}"
         )
 
 

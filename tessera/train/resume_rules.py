@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.errors import ConfigError
+from tessera.strategies.registry import CAPABILITIES, capabilities, strategy_names
 from tessera.train.config import TrainConfig
 from tessera.train.config_build import config_to_dict
 
@@ -21,7 +22,7 @@ RESUME_MAY_CHANGE = frozenset(
     {
         "eval_data",  # held-out data: changes no step
         "steps",  # continue further (a --model without --decay-steps: stretches its decay)
-        "nproc",  # another world size: see WORLD_SIZE_FREE_STRATEGIES
+        "nproc",  # another world size: see check_resume_world
         "out",  # the same folder, spelled another way
         "progress",
         "log_every",
@@ -38,22 +39,23 @@ RESUME_MAY_CHANGE = frozenset(
 )
 """Config keys a resumed run may set differently: none changes what a step computes."""
 
-WORLD_SIZE_FREE_STRATEGIES = frozenset({"single", "torch-ddp", "ddp", "zero1", "zero2", "zero3"})
-"""Strategies whose checkpoint loads on any world size: full replicas (DDP) or shards that are
-resharded on load (ZeRO). The global batch is kept: each rank takes batch_size / world rows."""
+WORLD_SIZE_FREE_STRATEGIES = frozenset(
+    name for name, caps in CAPABILITIES.items() if caps.resume_any_world
+)
+"""tessera's strategies whose checkpoint loads on any world size (`Capabilities.resume_any_world`:
+full replicas (DDP) or shards that are resharded on load (ZeRO)). The global batch is kept: each
+rank takes batch_size / world rows. A user's strategy declares it on its own."""
 
-_WORLD_SIZE_BOUND = {
-    "local-sgd": "it keeps one model replica per rank between averages",
-    "pipeline": "its optimizer state is split by pipeline stage",
-    "tensor": "its parameters and optimizer state are split by tensor-parallel rank",
-    "hybrid": "its parameters and optimizer state are split by stage and tensor-parallel rank",
-}
+
+WHOLE_KEYS = frozenset({"options"})
+"""Config keys compared as one value: a registered strategy's `options` (an option added on
+resume differs from its absence)."""
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in values.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and f"{prefix}{key}" not in WHOLE_KEYS:
             flat.update(_flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
@@ -89,12 +91,14 @@ def check_resume_config(saved: dict[str, Any], config: TrainConfig, where: str) 
 
 def check_resume_world(strategy: str, saved_world: int, world: int) -> None:
     """Refuse to resume a checkpoint of `saved_world` ranks on `world` ranks if the strategy
-    cannot (WORLD_SIZE_FREE_STRATEGIES can; the world-size checks of the config still apply)."""
-    if saved_world == world or strategy in WORLD_SIZE_FREE_STRATEGIES:
+    cannot (its `Capabilities.resume_any_world`; the world-size checks of the config still
+    apply)."""
+    declared = capabilities(strategy)
+    if saved_world == world or declared.resume_any_world:
         return
-    why = _WORLD_SIZE_BOUND.get(strategy, "it is not known to reshard its checkpoints")
+    free = sorted(name for name in strategy_names() if capabilities(name).resume_any_world)
     raise ConfigError(
         f"cannot resume a {strategy} checkpoint saved on {saved_world} ranks on {world} ranks: "
-        f"{why}; resume it on {saved_world} ranks (strategies that change world size on "
-        f"resume: {sorted(WORLD_SIZE_FREE_STRATEGIES)})"
+        f"{declared.world_bound}; resume it on {saved_world} ranks (strategies that change world "
+        f"size on resume: {free})"
     )

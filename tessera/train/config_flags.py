@@ -1,0 +1,138 @@
+"""`tessera train`'s command-line flags, generated: one per config field (typed and documented
+from `TrainConfig` itself), and one per policy field of each strategy added with
+`register_strategy` (into the config's `options`), so a user's strategy gets its options on the
+command line with no edit here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+__all__ = ["add_config_flags", "add_train_flags", "flag_layer"]
+
+
+def add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """Every config flag of `tessera train`: TrainConfig's, then the registered strategies'."""
+    from tessera.train.config import TrainConfig
+
+    add_config_flags(parser, TrainConfig)
+    _add_strategy_flags(parser, set(parser._option_string_actions))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+    """One flag per config field, typed and documented from the dataclass itself."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        annotation = hints[field.name]
+        if field.metadata.get("cli") is False:  # (`options`: flags of their own, below)
+            continue
+        if dataclasses.is_dataclass(annotation):
+            add_config_flags(parser, annotation, prefix=f"{field.name}.")
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = f"{field.metadata.get('help', '')} (default: {default})"
+        if field.name == "strategy":
+            from tessera.strategies.registry import OWN_ENTRY_POINTS, strategy_names
+
+            help_text += f"; one of: {', '.join([*strategy_names(), *OWN_ENTRY_POINTS])}"
+        dest = prefix + field.name
+        flag = field.metadata.get("flag", _flag(field.name))
+        if annotation is bool:
+            parser.add_argument(
+                flag,
+                dest=dest,
+                default=None,
+                help=help_text,
+                action=argparse.BooleanOptionalAction,
+            )
+            continue
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
+        kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
+        if field.name == "nproc":
+            kind = _nproc_value
+        parser.add_argument(
+            flag,
+            dest=dest,
+            type=kind,
+            default=None,
+            metavar=field.name.upper(),
+            help=help_text,
+        )
+
+
+def _add_strategy_flags(parser: argparse.ArgumentParser, taken: set[str]) -> None:
+    """A flag per policy field of each strategy added with `register_strategy` (`--FIELD`, into
+    the config's `options`), unless a flag of that name exists; its type from the annotation."""
+    from tessera.strategies.registry import user_policies
+
+    for strategy, policy in user_policies().items():
+        if not dataclasses.is_dataclass(policy):
+            continue
+        try:
+            hints = typing.get_type_hints(policy)
+        except (NameError, TypeError):  # annotations naming what a test function defined
+            hints = {}
+        for field in dataclasses.fields(policy):
+            flag = field.metadata.get("flag", _flag(field.name))
+            if flag in taken:
+                continue
+            taken.add(flag)
+            annotation = hints.get(field.name, field.type)
+            default = field.default if field.default is not dataclasses.MISSING else None
+            help_text = f"{field.metadata.get('help', '')} ({strategy}; default: {default})"
+            if annotation is bool:
+                parser.add_argument(
+                    flag,
+                    dest=f"options.{field.name}",
+                    default=None,
+                    help=help_text.strip(),
+                    action=argparse.BooleanOptionalAction,
+                )
+                continue
+            arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
+            kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
+            parser.add_argument(
+                flag,
+                dest=f"options.{field.name}",
+                type=kind,
+                default=None,
+                metavar=field.name.upper(),
+                help=help_text.strip(),
+            )
+
+
+def _nproc_value(text: str) -> int | str:
+    """`--nproc N` or `--nproc auto` (resolved with the rest of the config)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
+_NOT_CONFIG = ("command", "config", "resume", "handler", "max_restarts", "min_nproc")
+"""`tessera train` options that steer the job rather than configure the training."""
+
+
+def flag_layer(args: argparse.Namespace) -> dict[str, Any]:
+    """The config values given on the command line, nested like the YAML file."""
+    layer: dict[str, Any] = {}
+    for dest, value in vars(args).items():
+        if value is None or dest in _NOT_CONFIG:
+            continue
+        *parents, leaf = dest.split(".")
+        target = layer
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return layer
+
+
