@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "STRATEGIES",
+    "Capabilities",
     "Engine",
     "StepLoss",
     "NoOptions",
@@ -29,6 +30,7 @@ __all__ = [
 
 _LAZY = {
     "STRATEGIES": "tessera.strategies.registry",
+    "Capabilities": "tessera.strategies.capabilities",
     "policy_class": "tessera.strategies.registry",
     "register_strategy": "tessera.strategies.registry",
     "Engine": "tessera.strategies.engine",
