@@ -57,7 +57,7 @@ def _resolve_nproc(values: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
     """`nproc: auto` replaced by its number (returned too, for the error that names it)."""
     if values.get("nproc") != AUTO_NPROC:
         return values, None
-    count = auto_nproc(values.get("strategy", "ddp"))
+    count = auto_nproc(values.get("strategy", TrainConfig.__dataclass_fields__["strategy"].default))
     return {**values, "nproc": count}, count
 
 
