@@ -448,7 +448,7 @@ def test_policies_refuse_bad_knobs_by_name():
         ({"dp": 0}, "dp must be a positive int"),
         ({"pp": -1}, "pp must be a non-negative int"),
         ({"zero": 3}, "zero must be 0, 1 or 2"),
-        ({"plan": {"fc1": 1}}, "plan must map module-name patterns to styles"),
+        ({"plan": {"fc1": 1}}, "plan entry .fc1.: 1: patterns are strings and styles one of"),
         ({"bucket_cap_mb": 0}, "bucket_cap_mb must be positive"),
     ]:
         with pytest.raises(ValueError, match=match):

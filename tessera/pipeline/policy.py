@@ -9,10 +9,15 @@ trains).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
+from tessera.data_parallel.policy import DDPPolicy
 from tessera.pipeline.schedule import SCHEDULES, check_virtual_stages
+from tessera.tensor_parallel.policy import TensorPolicy
+
+_KEEP: Any = object()
+"""A knob not given by name: the part's own value stands."""
 
 __all__ = ["HybridPolicy", "PipelinePolicy"]
 
@@ -60,9 +65,24 @@ class PipelinePolicy:
         _check_pipeline(self.microbatches, self.schedule, self.virtual_stages)
 
 
-@dataclass(kw_only=True, frozen=True)
+_PARTS = {
+    "pipeline": ("split", "microbatches", "schedule", "virtual_stages", "defer_weight_grads"),
+    "tensor": ("plan",),
+    "data": ("bucket_cap_mb", "find_unused_parameters"),
+}
+"""The knobs of each part of the mix, which `HybridPolicy` also takes (and reads) by name."""
+
+
+@dataclass(kw_only=True, frozen=True, init=False)
 class HybridPolicy:
-    """Data x tensor x pipeline parallelism: dp * tp * pp ranks (pp 0: what dp and tp leave)."""
+    """Data x tensor x pipeline parallelism: dp * tp * pp ranks (pp 0: what dp and tp leave).
+
+    It holds the policies of its parts, each with its knobs' one default and one check: the
+    pipeline's (`PipelinePolicy`), the tensor-parallel one inside each stage (`TensorPolicy`) and
+    the data-parallel reduction over each stage's replicas (`DDPPolicy`). Their knobs are also
+    taken and read by name (`HybridPolicy(dp=2, microbatches=8)`, `policy.microbatches`), as
+    `tessera.setup(strategy="hybrid", ...)` passes them.
+    """
 
     dp: int = 1
     """Data-parallel replicas; each takes 1/dp of the global batch's rows."""
@@ -72,34 +92,51 @@ class HybridPolicy:
     """Pipeline stages; 0: world size / (dp * tp)."""
     zero: int = 0
     """0, or 1 / 2: ZeRO-1 / ZeRO-2 over the dp axis inside each stage."""
-    split: tuple[str, ...] | None = None
-    """As `PipelinePolicy.split`."""
-    microbatches: int = 4
-    """As `PipelinePolicy.microbatches`."""
-    schedule: str = "1f1b"
-    """As `PipelinePolicy.schedule`."""
-    virtual_stages: int = 1
-    """As `PipelinePolicy.virtual_stages`."""
-    plan: Mapping[str, str] | None = None
-    """Tensor-parallel plan {module-name pattern: style}, applied with
+    pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
+    """The stages: split, microbatches, schedule, virtual_stages, defer_weight_grads."""
+    tensor: TensorPolicy = field(default_factory=TensorPolicy)
+    """The tensor-parallel plan {module-name pattern: style}, applied with
     `tessera.tensor_parallel.parallelize`; None with tp > 1: the GPT's own `parallelize_gpt`."""
-    bucket_cap_mb: float = 25.0
-    """Gradient bucket size of the dp reduction inside each stage."""
-    defer_weight_grads: bool | None = None
-    """As `PipelinePolicy.defer_weight_grads`."""
-    find_unused_parameters: bool = False
-    """dp > 1: a stage parameter that gets no gradient in a step (an unused head) is left out
-    (`.grad` None on every replica, as on one process), as with PyTorch DDP's knob of this name;
-    off, it is an error naming it. With zero=1/2 it steps with a zero gradient (weight decay
-    applies), as ZeRO steps its flat slices whole."""
+    data: DDPPolicy = field(default_factory=DDPPolicy)
+    """The dp reduction inside each stage: its `bucket_cap_mb`, and `find_unused_parameters`
+    (dp > 1: a stage parameter that gets no gradient in a step is left out, `.grad` None on
+    every replica as on one process; off, it is an error naming it; with zero=1/2 it steps with
+    a zero gradient, as ZeRO steps its flat slices whole)."""
+
+    def __init__(
+        self,
+        *,
+        dp: int = _KEEP,
+        tp: int = _KEEP,
+        pp: int = _KEEP,
+        zero: int = _KEEP,
+        pipeline: PipelinePolicy = _KEEP,
+        tensor: TensorPolicy = _KEEP,
+        data: DDPPolicy = _KEEP,
+        split: Sequence[str] | None = _KEEP,
+        microbatches: int = _KEEP,
+        schedule: str = _KEEP,
+        virtual_stages: int = _KEEP,
+        defer_weight_grads: bool | None = _KEEP,
+        plan: Mapping[str, str] | None = _KEEP,
+        bucket_cap_mb: float = _KEEP,
+        find_unused_parameters: bool = _KEEP,
+    ) -> None:
+        """The parts (default: each policy's defaults), then each knob given by name on top.
+
+        Why so many parameters: the mix's own four, its three parts, and their knobs by name
+        (the keywords `tessera.setup(strategy="hybrid", ...)` has always taken)."""
+        given = {k: v for k, v in locals().items() if v is not _KEEP and k != "self"}
+        for own in fields(self):  # the mix's own knobs and its parts (their defaults: above)
+            default = own.default_factory() if own.default is MISSING else own.default
+            object.__setattr__(self, own.name, given.get(own.name, default))
+        for part, names in _PARTS.items():
+            changes = {name: given[name] for name in names if name in given}
+            if changes:
+                object.__setattr__(self, part, replace(getattr(self, part), **changes))
+        self.__post_init__()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "split", _split(self.split))
-        _check_pipeline(self.microbatches, self.schedule, self.virtual_stages)
-        if not isinstance(self.find_unused_parameters, bool):
-            raise ValueError(
-                f"find_unused_parameters must be True or False, got {self.find_unused_parameters!r}"
-            )
         for axis in ("dp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
@@ -108,11 +145,47 @@ class HybridPolicy:
             raise ValueError(f"pp must be a non-negative int (0: the rest), got {self.pp!r}")
         if self.zero not in (0, 1, 2):
             raise ValueError(f"zero must be 0, 1 or 2 inside pipeline stages, got {self.zero}")
-        if self.plan is not None:
-            if not isinstance(self.plan, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in self.plan.items()
-            ):
-                raise ValueError(f"plan must map module-name patterns to styles, got {self.plan!r}")
-            object.__setattr__(self, "plan", dict(self.plan))
-        if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        parts = {"pipeline": PipelinePolicy, "tensor": TensorPolicy, "data": DDPPolicy}
+        for part, cls in parts.items():
+            if not isinstance(getattr(self, part), cls):
+                raise ValueError(f"{part} must be a {cls.__name__}, got {getattr(self, part)!r}")
+
+    @property
+    def split(self) -> tuple[str, ...] | None:
+        """As `PipelinePolicy.split`."""
+        return self.pipeline.split
+
+    @property
+    def microbatches(self) -> int:
+        """As `PipelinePolicy.microbatches`."""
+        return self.pipeline.microbatches
+
+    @property
+    def schedule(self) -> str:
+        """As `PipelinePolicy.schedule`."""
+        return self.pipeline.schedule
+
+    @property
+    def virtual_stages(self) -> int:
+        """As `PipelinePolicy.virtual_stages`."""
+        return self.pipeline.virtual_stages
+
+    @property
+    def defer_weight_grads(self) -> bool | None:
+        """As `PipelinePolicy.defer_weight_grads`."""
+        return self.pipeline.defer_weight_grads
+
+    @property
+    def plan(self) -> Mapping[str, str] | None:
+        """As `TensorPolicy.plan`."""
+        return self.tensor.plan
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """As `DDPPolicy.bucket_cap_mb`."""
+        return self.data.bucket_cap_mb
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """As `DDPPolicy.find_unused_parameters`."""
+        return self.data.find_unused_parameters

@@ -8,6 +8,7 @@ value (the policy's own checks), so a typo costs one message, before any rank bu
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,12 +30,21 @@ from tessera.strategies.registry import (
 __all__ = ["make_policy", "setup"]
 
 
+def option_names(cls: type) -> list[str]:
+    """The keywords policy class `cls` takes: its fields, and the knobs of its parts that a
+    composed policy (`HybridPolicy`) also takes by name."""
+    names = [field.name for field in dataclasses.fields(cls) if field.init]
+    keywords = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    taken = inspect.signature(cls).parameters.values()
+    return names + [p.name for p in taken if p.kind in keywords and p.name not in names]
+
+
 def make_policy(strategy: str, options: dict[str, Any]) -> Any:
     """The policy of `strategy` built from `options`; unknown options are refused by name."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {strategy_names()}")
     cls = policy_class(strategy)
-    valid = [field.name for field in dataclasses.fields(cls)]
+    valid = option_names(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
         raise TypeError(
@@ -115,8 +125,7 @@ def setup(
     if isinstance(grad_clip, bool) or not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
     check_grad_accum(grad_accum)
-    names = {field.name for field in dataclasses.fields(policy)}
-    if grad_accum > 1 and "microbatches" in names:  # the pipeline's own accumulation, K-fold
+    if grad_accum > 1 and "microbatches" in option_names(type(policy)):  # the pipeline's, K-fold
         policy = dataclasses.replace(policy, microbatches=policy.microbatches * grad_accum)
     if ctx is None:
         from tessera.runtime.context import init
