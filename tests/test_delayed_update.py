@@ -218,7 +218,7 @@ def test_delayed_update_is_refused_where_it_cannot_run():
                    delayed_update_after=0)  # fmt: skip
     with pytest.raises(ConfigError, match="it needs offload cpu, not offload None"):
         build_config({"strategy": "zero2", "delayed_update": True})
-    with pytest.raises(ConfigError, match="delayed_update_after must be at least 1"):
+    with pytest.raises(ConfigError, match="delayed_update_after must be an integer >= 1"):
         build_config(
             {"strategy": "zero2", "offload": "cpu", "delayed_update": True,
              "delayed_update_after": 0}

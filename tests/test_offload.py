@@ -643,7 +643,7 @@ def test_train_config_offload_and_activation_checkpointing(tmp_path):
         ({"strategy": "zero2", "offload": "cpu", "offload_moments": "fp16"}, "must be one of"),
         ({"strategy": "ddp", "offload": "cpu"}, "needs strategy zero1, zero2 or zero3, not ddp"),
         ({"strategy": "zero2", "offload": "cpu", "optimizer": "sgd"}, "needs optimizer adamw"),
-        ({"strategy": "zero2", "offload": "gpu"}, "offload must be cpu, nvme or unset"),
+        ({"strategy": "zero2", "offload": "gpu"}, "offload device must be 'cpu' or 'nvme'"),
         ({"strategy": "zero2", "offload": "nvme"}, "nvme_dir is required"),
         ({"strategy": "zero2", "offload": "nvme", "nvme_dir": str(tmp_path / "x")}, "not exist"),
         ({"strategy": "zero2", "offload": "cpu", "nvme_dir": str(tmp_path)}, "needs offload nvme"),

@@ -242,8 +242,8 @@ def test_interleaved_on_the_hybrid_mesh_equals_a_plain_loop(run_ranks):
     ("layer", "message"),
     [
         ({"schedule": "interleaved", "virtual_stages": 2, "microbatches": 3}, "multiple of pp"),
-        ({"virtual_stages": 2}, "with --schedule interleaved"),
-        ({"schedule": "interleaved"}, "with --schedule interleaved"),  # v = 1: no chunks
+        ({"virtual_stages": 2}, "needs schedule 'interleaved'"),
+        ({"schedule": "interleaved"}, "needs virtual_stages >= 2"),  # v = 1: no chunks
         (
             {"schedule": "interleaved", "virtual_stages": 3, "microbatches": 4},
             "4 GPT blocks cannot fill 6 chunks",

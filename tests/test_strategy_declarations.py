@@ -102,7 +102,7 @@ def test_a_registered_strategy_gets_its_flags_checked_by_its_policy(toys, tmp_pa
         # its policy checks the value, once, before any rank starts
         assert main(["train", "--strategy", "toy", "--toy-width", "0", *TINY]) == 2
         err = capsys.readouterr().err
-        assert err == "tessera: error: strategy toy options: toy_width must be at least 1, got 0\n"
+        assert err == "tessera: error: strategy toy: toy_width must be at least 1, got 0\n"
         assert BUILT == [] and not (tmp_path / "runs").exists()
         assert main(["train", "--strategy", "toy", "--toy-width", "5", "--nproc", "1",
                      "--steps", "2", "--out", "run", *TINY]) == 0  # fmt: skip

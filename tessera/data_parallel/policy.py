@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DDPPolicy", "LocalSGDPolicy", "TorchDDPPolicy"]
+__all__ = ["DDPPolicy", "LocalSGDPolicy", "TorchDDPPolicy", "check_bucket_cap_mb", "check_flag"]
+
+
+def check_bucket_cap_mb(bucket_cap_mb: float) -> None:
+    """The gradient bucket size's one check (DDP's buckets; ZeRO-1/2 reduce through them too)."""
+    if isinstance(bucket_cap_mb, bool) or not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
 
 
 def _check_algorithm(algorithm: str) -> None:
@@ -36,10 +42,9 @@ class DDPPolicy:
     (an unused head) and average them as zero gradients; off, such a parameter is an error."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_cap_mb, bool) or not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        check_bucket_cap_mb(self.bucket_cap_mb)
         _check_algorithm(self.algorithm)
-        _check_flag("find_unused_parameters", self.find_unused_parameters)
+        check_flag("find_unused_parameters", self.find_unused_parameters)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -51,10 +56,11 @@ class TorchDDPPolicy:
     not reach are reduced as zero gradients)."""
 
     def __post_init__(self) -> None:
-        _check_flag("find_unused_parameters", self.find_unused_parameters)
+        check_flag("find_unused_parameters", self.find_unused_parameters)
 
 
-def _check_flag(name: str, value: object) -> None:
+def check_flag(name: str, value: object) -> None:
+    """A knob that is True or False."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}")
 

@@ -4,12 +4,17 @@ Stage (what runs: `stage.py`) is separate from Schedule (when: `schedule.py`, pu
 the runner (`runner.py`, the only code that sends). Any model is cut at named modules by
 PyTorch's pipeline frontend (`trace.py`); stages exchange tuples of tensors (`messages.py`).
 `wavefront` streams the time steps of a stacked RNN through its layers, one layer per rank.
+
+Names load on first use (PEP 562): importing one module of the package (its `policy`, as
+`tessera train`'s config does) does not import the rest.
 """
 
-from tessera.pipeline.partition import balance_by_cost, measure_layer_times
-from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
-from tessera.pipeline.runner import Pipeline
-from tessera.pipeline.schedule import (
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tessera.pipeline.schedule import (  # eager: a name of the package is also a module's
     SCHEDULES,
     Action,
     bubble_fraction,
@@ -18,8 +23,10 @@ from tessera.pipeline.schedule import (
     schedule,
     simulate,
 )
-from tessera.pipeline.timeline import Event, measured_idle_fraction, write_chrome_trace
-from tessera.pipeline.wavefront import WavefrontRNN, wavefront
+from tessera.pipeline.wavefront import (  # eager: a name of the package is also a module's
+    WavefrontRNN,
+    wavefront,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -40,3 +47,33 @@ __all__ = [
     "wavefront",
     "write_chrome_trace",
 ]
+
+_LAZY = {
+    "Event": "tessera.pipeline.timeline",
+    "HybridPolicy": "tessera.pipeline.policy",
+    "Pipeline": "tessera.pipeline.runner",
+    "PipelinePolicy": "tessera.pipeline.policy",
+    "balance_by_cost": "tessera.pipeline.partition",
+    "measure_layer_times": "tessera.pipeline.partition",
+    "measured_idle_fraction": "tessera.pipeline.timeline",
+    "write_chrome_trace": "tessera.pipeline.timeline",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a name of the package (or one of its modules) on first access."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # a module of the package that failed to import: its own error
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

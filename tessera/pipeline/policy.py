@@ -63,6 +63,10 @@ class PipelinePolicy:
     def __post_init__(self) -> None:
         object.__setattr__(self, "split", _split(self.split))
         _check_pipeline(self.microbatches, self.schedule, self.virtual_stages)
+        if not (self.defer_weight_grads is None or isinstance(self.defer_weight_grads, bool)):
+            raise ValueError(
+                f"defer_weight_grads must be True, False or None, got {self.defer_weight_grads!r}"
+            )
 
 
 _PARTS = {

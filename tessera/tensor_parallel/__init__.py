@@ -6,40 +6,23 @@ Functions), `layers.py` (parallel Linear, Embedding, Hugging Face Conv1D, Conv2d
 `parallelize.py` (apply a plan to a dense module, gather the dense state back), `heads.py`
 (attention modules split by heads), `plans.py` (built-in plans: tessera's GPT via `gpt.py`,
 Hugging Face GPT-2 and BERT), `policy.py` (`TensorPolicy`).
+
+Names load on first use (PEP 562): importing one module of the package (its `policy`, as
+`tessera train`'s config does) does not import the rest.
 """
 
-from tessera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from tessera.tensor_parallel.gpt import ParallelCausalSelfAttention, parallelize_gpt
-from tessera.tensor_parallel.layers import (
-    ChannelParallelConv2d,
-    ColumnParallelConv1D,
-    ColumnParallelEmbedding,
-    ColumnParallelLinear,
-    RowParallelConv1D,
-    RowParallelConv2d,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
-from tessera.tensor_parallel.mappings import (
-    copy_to_tensor_parallel,
-    gather_from_tensor_parallel,
-    reduce_from_tensor_parallel,
-    scatter_to_tensor_parallel,
-)
-from tessera.tensor_parallel.parallelize import (
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tessera.tensor_parallel.parallelize import (  # eager: a name of the package is also a module's
     STYLES,
     check_plan,
     full_state_dict,
     load_full_state_dict,
     parallelize,
 )
-from tessera.tensor_parallel.plans import (
-    builtin_plan,
-    hf_bert_plan,
-    hf_gpt2_plan,
-    parallelize_model,
-)
-from tessera.tensor_parallel.policy import TensorPolicy
 
 __all__ = [
     "STYLES",
@@ -68,3 +51,45 @@ __all__ = [
     "scatter_to_tensor_parallel",
     "vocab_parallel_cross_entropy",
 ]
+
+_LAZY = {
+    "ChannelParallelConv2d": "tessera.tensor_parallel.layers",
+    "ColumnParallelConv1D": "tessera.tensor_parallel.layers",
+    "ColumnParallelEmbedding": "tessera.tensor_parallel.layers",
+    "ColumnParallelLinear": "tessera.tensor_parallel.layers",
+    "ParallelCausalSelfAttention": "tessera.tensor_parallel.gpt",
+    "RowParallelConv1D": "tessera.tensor_parallel.layers",
+    "RowParallelConv2d": "tessera.tensor_parallel.layers",
+    "RowParallelLinear": "tessera.tensor_parallel.layers",
+    "TensorPolicy": "tessera.tensor_parallel.policy",
+    "VocabParallelEmbedding": "tessera.tensor_parallel.layers",
+    "builtin_plan": "tessera.tensor_parallel.plans",
+    "copy_to_tensor_parallel": "tessera.tensor_parallel.mappings",
+    "gather_from_tensor_parallel": "tessera.tensor_parallel.mappings",
+    "hf_bert_plan": "tessera.tensor_parallel.plans",
+    "hf_gpt2_plan": "tessera.tensor_parallel.plans",
+    "parallelize_gpt": "tessera.tensor_parallel.gpt",
+    "parallelize_model": "tessera.tensor_parallel.plans",
+    "reduce_from_tensor_parallel": "tessera.tensor_parallel.mappings",
+    "scatter_to_tensor_parallel": "tessera.tensor_parallel.mappings",
+    "vocab_parallel_cross_entropy": "tessera.tensor_parallel.cross_entropy",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a name of the package (or one of its modules) on first access."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # a module of the package that failed to import: its own error
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

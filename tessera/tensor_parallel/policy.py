@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tessera.tensor_parallel.parallelize import STYLES
-
 __all__ = ["TensorPolicy"]
 
 
@@ -23,6 +21,8 @@ class TensorPolicy:
     def __post_init__(self) -> None:
         if self.plan is None:
             return
+        from tessera.tensor_parallel.parallelize import STYLES  # (a plan given: the layers load)
+
         if not isinstance(self.plan, Mapping):
             raise ValueError(f"plan must be a mapping of pattern -> style, got {self.plan!r}")
         if not self.plan:

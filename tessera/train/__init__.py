@@ -2,7 +2,8 @@
 
 The config and the strategy registry (`tessera.strategies.registry`, re-exported here with
 `register_strategy`) load eagerly (they are light); the engines and the loop load on first use,
-so validating a config imports none of the strategy packages.
+so validating a config imports no engine: of the strategy libraries only their policies (each
+knob's default and check).
 """
 
 from __future__ import annotations

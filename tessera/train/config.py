@@ -11,13 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tessera.data_parallel.policy import DDPPolicy, LocalSGDPolicy
 from tessera.errors import ConfigError
+from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.strategies.registry import (
     OWN_ENTRY_POINTS,
     STRATEGIES,
     capabilities,
     check_compile,
 )
+from tessera.tensor_parallel.policy import TensorPolicy
 from tessera.train.config_data import (
     LoaderSettings,
     check_eval_and_logging,
@@ -31,9 +34,11 @@ from tessera.train.config_sources import (
     torchrun_world,
 )
 from tessera.train.config_strategy import (
+    check_knob_values,
     check_memory_options,
     check_model_parallel,
 )
+from tessera.zero.policy import OffloadPolicy, ZeroPolicy
 
 __all__ = [
     "LoaderSettings",
@@ -45,12 +50,18 @@ __all__ = [
     "torchrun_world",
 ]
 
-SCHEDULES = ("naive", "gpipe", "1f1b", "interleaved")  # tessera.pipeline.schedule.SCHEDULES
 
 
 def _option(default: Any, help_text: str) -> Any:
     """A config field whose help text is shown by `tessera train --help`."""
     return field(default=default, metadata={"help": help_text})
+
+
+def _knob(policy: type, name: str, help_text: str) -> Any:
+    """A strategy's knob: its default is `policy`'s field `name` (declared there, once), and that
+    policy checks its value (`tessera.train.config_strategy.check_knob_values`)."""
+    default = policy.__dataclass_fields__[name].default
+    return field(default=default, metadata={"help": help_text, "policy": (policy, name)})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -126,10 +137,16 @@ class TrainConfig:
         0.1, "AdamW's weight decay (not SGD's), on parameters of 2+ dims: not biases, norms."
     )
     grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
-    bucket_cap_mb: float = _option(25.0, "ddp: gradient bucket size in MB.")
-    comm_algorithm: str = _option("auto", "ddp, local-sgd: all-reduce algorithm (tessera.comm).")
-    find_unused_parameters: bool = _option(False, "ddp/torch-ddp/hybrid: allow unused parameters.")
-    average_every: int = _option(8, "local-sgd: average the parameters every this many steps.")
+    bucket_cap_mb: float = _knob(DDPPolicy, "bucket_cap_mb", "ddp: gradient bucket size in MB.")
+    comm_algorithm: str = _knob(
+        DDPPolicy, "algorithm", "ddp, local-sgd: all-reduce algorithm (tessera.comm)."
+    )
+    find_unused_parameters: bool = _knob(
+        DDPPolicy, "find_unused_parameters", "ddp/torch-ddp/hybrid: allow unused parameters."
+    )
+    average_every: int = _knob(
+        LocalSGDPolicy, "average_every", "local-sgd: average the parameters every this many steps."
+    )
     mixed_precision: str | None = _option(
         None,
         "bf16 or fp16: compute under autocast (zero1-3 bf16: bf16 weights), gradients reduced in "
@@ -140,28 +157,39 @@ class TrainConfig:
     loss_scale_growth_interval: int = _option(
         2000, "fp16: double the loss scale after this many steps without inf/nan."
     )
-    offload: str | None = _option(
-        None,
+    offload: str | None = _knob(
+        ZeroPolicy,
+        "offload",
         "zero1-3 with adamw: cpu (ZeRO-Offload: the step runs on the host with CPUAdam) or nvme "
         "(ZeRO-Infinity: optimizer state in files under nvme_dir, streamed through buffers).",
     )
-    nvme_dir: str | None = _option(None, "offload nvme: existing writable folder for the files.")
-    nvme_buffer_mb: float = _option(64.0, "offload nvme: memory of the streaming buffers, MB.")
-    offload_params: bool = _option(
-        False, "zero3 with offload: the parameter partitions go to the host (cpu) or nvme_dir."
+    nvme_dir: str | None = _knob(
+        OffloadPolicy, "nvme_dir", "offload nvme: existing writable folder for the files."
     )
-    offload_moments: str = _option(
-        "fp32",
+    nvme_buffer_mb: float = _knob(
+        OffloadPolicy, "nvme_buffer_mb", "offload nvme: memory of the streaming buffers, MB."
+    )
+    offload_params: bool = _knob(
+        OffloadPolicy,
+        "params",
+        "zero3 with offload: the parameter partitions go to the host (cpu) or nvme_dir.",
+    )
+    offload_moments: str = _knob(
+        OffloadPolicy,
+        "moments",
         "offload cpu: how CPUAdam stores Adam's two moments: fp32, bf16 (round to nearest: fewer "
         "bytes per step, an accuracy cost) or bf16-stochastic (stochastic rounding, unbiased).",
     )
-    delayed_update: bool = _option(
-        False,
+    delayed_update: bool = _knob(
+        OffloadPolicy,
+        "delayed_update",
         "offload cpu: one-step delayed parameter update (ZeRO-Offload's DPU): each host step "
         "runs beside the next forward/backward, which use the parameters of one step before.",
     )
-    delayed_update_after: int = _option(
-        40, "delayed_update: steps run without delay first (the paper's 'few dozen')."
+    delayed_update_after: int = _knob(
+        OffloadPolicy,
+        "delayed_update_after",
+        "delayed_update: steps run without delay first (the paper's 'few dozen').",
     )
     meta_init: bool = _option(
         True,
@@ -174,16 +202,26 @@ class TrainConfig:
         "zero1-3).",
     )
     compile: bool = _option(False, "torch.compile the model (not zero3, pipeline, tensor, ps).")
-    dp: int = _option(1, "hybrid: data-parallel degree.")
-    tp: int = _option(1, "hybrid: tensor-parallel degree.")
-    pp: int = _option(0, "hybrid: pipeline stages; 0 takes the ranks left by dp and tp.")
-    zero: int = _option(
-        0, "hybrid: 1 shards optimizer states, 2 also gradients, over each stage's dp group."
+    dp: int = _knob(HybridPolicy, "dp", "hybrid: data-parallel degree.")
+    tp: int = _knob(HybridPolicy, "tp", "hybrid: tensor-parallel degree.")
+    pp: int = _knob(
+        HybridPolicy, "pp", "hybrid: pipeline stages; 0 takes the ranks left by dp and tp."
     )
-    microbatches: int = _option(4, "pipeline, hybrid: micro-batches per step.")
-    schedule: str = _option("1f1b", "pipeline, hybrid: naive, gpipe, 1f1b or interleaved.")
-    virtual_stages: int = _option(
-        1, "pipeline, hybrid: model chunks per rank, >= 2 with --schedule interleaved."
+    zero: int = _knob(
+        HybridPolicy,
+        "zero",
+        "hybrid: 1 shards optimizer states, 2 also gradients, over each stage's dp group.",
+    )
+    microbatches: int = _knob(
+        PipelinePolicy, "microbatches", "pipeline, hybrid: micro-batches per step."
+    )
+    schedule: str = _knob(
+        PipelinePolicy, "schedule", "pipeline, hybrid: naive, gpipe, 1f1b or interleaved."
+    )
+    virtual_stages: int = _knob(
+        PipelinePolicy,
+        "virtual_stages",
+        "pipeline, hybrid: model chunks per rank, >= 2 with --schedule interleaved.",
     )
     servers: int = _option(1, "ps: parameter servers (the parameters are sharded over them).")
     workers: int = _option(2, "ps: workers; each computes on 1/workers of the batch.")
@@ -224,12 +262,14 @@ class TrainConfig:
     eval_data: str | None = _option(
         None, "Held-out data, as --data: loaded and checked before training starts."
     )
-    split: str | None = _option(
-        None,
+    split: str | None = _knob(
+        PipelinePolicy,
+        "split",
         "pipeline, hybrid with --model: module names where a new stage starts, comma-separated.",
     )
-    tp_plan: str | None = _option(
-        None,
+    tp_plan: str | None = _knob(
+        TensorPolicy,
+        "plan",
         "tensor, hybrid with --model: JSON/YAML file {module-name pattern: column|row|embedding}.",
     )
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
@@ -292,12 +332,7 @@ class TrainConfig:
             "grad_accum",
             "log_every",
             "corpus_bytes",
-            "average_every",
-            "dp",
-            "tp",
-            "microbatches",
             "keep_checkpoints",
-            "delayed_update_after",
             "loss_scale_growth_interval",
         ):
             if getattr(self, name) < 1:
@@ -311,11 +346,9 @@ class TrainConfig:
         ):
             if (getattr(self, name) or 0) < 0:  # (decay_steps None: the default)
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("lr", "timeout_s", "bucket_cap_mb", "nvme_buffer_mb", "loss_scale_init"):
+        for name in ("lr", "timeout_s", "loss_scale_init"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of {SCHEDULES}")
         if self.mixed_precision not in (None, "bf16", "fp16"):
             raise ConfigError(
                 f"mixed_precision must be bf16, fp16 or unset, got {self.mixed_precision!r}"
@@ -323,22 +356,10 @@ class TrainConfig:
         if self.mixed_precision and self.strategy in OWN_ENTRY_POINTS:
             raise ConfigError(f"mixed_precision does not apply to strategy {self.strategy}")
         check_memory_options(self)  # --offload and its group, --activation-checkpointing
-        self._check_strategy_options()
         check_compile(self.strategy, self.compile)  # refused, with the reason, where it can't
-        if self.zero not in (0, 1, 2):
-            raise ConfigError(
-                f"zero must be 0, 1 or 2 (ZeRO-1/2 inside pipeline stages), got {self.zero}"
-            )
         check_optimizer_options(self)  # --optimizer(-args), --lr-schedule, --grad-accum
-        if self.comm_algorithm != "auto":
-            from tessera.comm import ALGORITHMS  # only then: the collectives are not light
-
-            if self.comm_algorithm not in ALGORITHMS:
-                raise ConfigError(
-                    f"unknown comm_algorithm {self.comm_algorithm!r}; "
-                    f"use auto or one of {ALGORITHMS}"
-                )
         self._check_workload_options()
+        check_knob_values(self)  # each strategy knob by its policy (the files named: read)
         check_eval_and_logging(self)  # --eval-every, --eval-batches, --log-with
         check_loader_options(self)  # --num-workers, --epochs, --collate, --input-keys
         self.check_world_size(job_world_size(self.nproc))
@@ -394,17 +415,6 @@ class TrainConfig:
                 )
             read_tp_plan(self.tp_plan)
 
-    def _check_strategy_options(self) -> None:
-        """`options`: the chosen strategy's own policy fields, checked by its policy."""
-        if not self.options:
-            return
-        from tessera.strategies.entry import make_policy
-
-        try:
-            make_policy(self.strategy, dict(self.options))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"strategy {self.strategy} options: {exc}") from None
-
     def check_world_size(self, world_size: int) -> None:
         """Refuse a world size this config cannot run on, before any rank starts.
 
@@ -426,6 +436,7 @@ class TrainConfig:
             )
         if caps.layout is not None:  # (hybrid's: dp x tp x pp must be the world size)
             check_model_parallel(self, *caps.layout(self, world_size))
+
 
 def _flag_name(name: str) -> str:
     """The command-line flag of config field `name`."""

@@ -6,20 +6,109 @@ never its name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 from tessera.errors import ConfigError
+from tessera.strategies.capabilities import FOLDED
 from tessera.strategies.registry import capabilities, offered_by
+from tessera.train.config_sources import read_tp_plan
+from tessera.zero.policy import MOMENT_STORAGE, OffloadPolicy
 
-__all__ = ["check_memory_options", "check_model_parallel"]
+__all__ = [
+    "CONVERT",
+    "OFFLOAD_MOMENTS",
+    "check_knob_values",
+    "check_memory_options",
+    "check_model_parallel",
+    "policy_options",
+]
 
-OFFLOAD_MOMENTS = ("fp32", "bf16", "bf16-stochastic")  # tessera.zero.policy.MOMENT_STORAGE
+OFFLOAD_MOMENTS = tuple(MOMENT_STORAGE)
+"""`--offload-moments` choices: `OffloadPolicy.moments`'."""
+
+
+def _split(config: Any) -> list[str] | None:
+    return [name.strip() for name in config.split.split(",")] if config.split else None
+
+
+def _tp_plan(config: Any) -> dict[str, str] | None:
+    return read_tp_plan(config.tp_plan) if config.tp_plan else None
+
+
+def _offload(config: Any) -> OffloadPolicy | None:
+    """ZeRO's `offload` option from the offload group of flags (None: no offload)."""
+    if config.offload is None:
+        return None
+    return OffloadPolicy(device=config.offload, **_group_values(config, OffloadPolicy))
+
+
+CONVERT: dict[str, Callable[[Any], Any]] = {
+    "offload": _offload,
+    "split": _split,
+    "tp_plan": _tp_plan,
+}
+"""Knobs whose command-line form is not the policy's (a file name, a comma-separated list, a
+group of flags): how each becomes the policy's value."""
+
+
+def _homes(config: Any) -> dict[str, tuple[type, str]]:
+    """Config field -> (policy class, field) of every strategy knob the config holds."""
+    return {f.name: f.metadata["policy"] for f in fields(config) if "policy" in f.metadata}
+
+
+def _group_values(config: Any, policy: type, *, given_only: bool = False) -> dict[str, Any]:
+    """The config's values of `policy`'s knobs, under the policy's names (`given_only`: those
+    set to another value than the default)."""
+    values = {}
+    for knob, (home, name) in _homes(config).items():
+        value = getattr(config, knob)
+        if home is policy and not (
+            given_only and value == policy.__dataclass_fields__[name].default
+        ):
+            values[name] = CONVERT[knob](config) if knob in CONVERT else value
+    return values
+
+
+def policy_options(config: Any) -> dict[str, Any]:
+    """`tessera.setup`'s options for `config.strategy`, from the trainer's config: the knobs its
+    `Capabilities.options` declares, under the policy's names, and the config's `options`
+    (a registered strategy's own policy fields). Mixed precision goes to setup's `precision`,
+    which gives ZeRO's policy its bf16."""
+    declared = capabilities(config.strategy).options
+    options = {
+        keyword: CONVERT[knob](config) if knob in CONVERT else getattr(config, knob)
+        for knob, keyword in declared.items()
+        if keyword != FOLDED
+    }
+    return {**options, **config.options}
+
+
+def check_knob_values(config: Any) -> None:
+    """Every strategy knob's value, checked by the policy it belongs to (its one check): the
+    chosen strategy's policy as `tessera.setup` will build it, and each other policy whose knobs
+    the config sets to other values than their defaults (a bad value is refused whatever the
+    strategy, as it always was)."""
+    if capabilities(config.strategy).check_world is None:  # (ps: its own processes)
+        from tessera.strategies.entry import make_policy
+
+        try:
+            make_policy(config.strategy, policy_options(config))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"strategy {config.strategy}: {exc}") from exc
+    for policy in dict.fromkeys(home for home, _ in _homes(config).values()):
+        values = _group_values(config, policy, given_only=True)
+        if policy is OffloadPolicy and config.offload is not None:
+            values["device"] = config.offload
+        try:
+            policy(**values)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc  # (the cause: the policy's check)
 
 
 def check_memory_options(config: Any) -> None:
     """Offload and activation checkpointing: where they apply, and nvme_dir up front."""
-    if config.offload not in (None, "cpu", "nvme"):
-        raise ConfigError(f"offload must be cpu, nvme or unset, got {config.offload!r}")
     caps = capabilities(config.strategy)
     if config.offload and not caps.takes("offload"):
         raise ConfigError(
@@ -34,11 +123,6 @@ def check_memory_options(config: Any) -> None:
         raise ConfigError(
             "offload_params moves ZeRO-3's partitions: use "
             f"{_either(offered_by('offload_params'))} with offload"
-        )
-    if config.offload_moments not in OFFLOAD_MOMENTS:
-        raise ConfigError(
-            f"offload_moments must be one of {', '.join(OFFLOAD_MOMENTS)}, "
-            f"got {config.offload_moments!r}"
         )
     if config.offload_moments != "fp32" and config.offload != "cpu":
         raise ConfigError(
@@ -68,18 +152,14 @@ def check_model_parallel(config: Any, dp: int, tp: int, pp: int) -> None:
     """What the pipeline and tensor-parallel engines need of the GPT and the batch (a user's
     model: of the batch; tessera.train.preflight checks the model)."""
     model, v = config.model, config.virtual_stages
-    if (config.schedule == "interleaved") != (v > 1) or v < 1:
-        raise ConfigError(f"--virtual-stages {v}: >= 2 with --schedule interleaved, else 1")
+    # (v >= 2 exactly with schedule interleaved: PipelinePolicy's check, run before this)
     if v > 1 and config.microbatches % pp:
         raise ConfigError(f"interleaved: microbatches must be a multiple of pp ({pp})")
     if v > 1 and config.model_factory is None and model.n_layer < pp * v:
-        raise ConfigError(
-            f"interleaved: {model.n_layer} GPT blocks cannot fill {pp * v} chunks"
-        )
+        raise ConfigError(f"interleaved: {model.n_layer} GPT blocks cannot fill {pp * v} chunks")
     if config.model_factory is None and model.n_head % tp:
         raise ConfigError(
-            f"model.n_head ({model.n_head}) must be divisible by the tensor-parallel "
-            f"degree ({tp})"
+            f"model.n_head ({model.n_head}) must be divisible by the tensor-parallel degree ({tp})"
         )
     if config.model_factory is None and pp > model.n_layer + 2:  # [embedding, *blocks, head]
         raise ConfigError(

@@ -22,53 +22,12 @@ from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies import setup
 from tessera.strategies.batch import LossFn
-from tessera.strategies.capabilities import FOLDED
 from tessera.strategies.engine import Engine
-from tessera.strategies.registry import capabilities
-from tessera.train.config import TrainConfig, read_tp_plan
+from tessera.train.config import TrainConfig
+from tessera.train.config_strategy import policy_options
 from tessera.train.optimizers import lr_at, lr_factor, make_optimizer
 
 __all__ = ["build_engine", "lr_at", "lr_scheduler", "make_optimizer", "policy_options"]
-
-
-def _offload(config: TrainConfig) -> Any:
-    """ZeRO's `offload` option from the offload group of flags (None: no offload)."""
-    if config.offload is None:
-        return None
-    from tessera.zero.policy import OffloadPolicy
-
-    return OffloadPolicy(
-        device=config.offload,
-        nvme_dir=config.nvme_dir,
-        nvme_buffer_mb=config.nvme_buffer_mb,
-        params=config.offload_params,
-        moments=config.offload_moments,
-        delayed_update=config.delayed_update,
-        delayed_update_after=config.delayed_update_after,
-    )
-
-
-_CONVERT: dict[str, Callable[[TrainConfig], Any]] = {
-    "offload": _offload,
-    "split": lambda c: [name.strip() for name in c.split.split(",")] if c.split else None,
-    "tp_plan": lambda c: read_tp_plan(c.tp_plan) if c.tp_plan else None,
-}
-"""Knobs whose command-line form is not the policy's (a file name, a comma-separated list, a
-group of flags): how each becomes the policy's value."""
-
-
-def policy_options(config: TrainConfig) -> dict[str, Any]:
-    """`tessera.setup`'s options for `config.strategy`, from the trainer's config: the knobs its
-    `Capabilities.options` declares, under the policy's names, and the config's `options`
-    (a registered strategy's own policy fields). Mixed precision goes to setup's `precision`,
-    which gives ZeRO's policy its bf16."""
-    declared = capabilities(config.strategy).options
-    options = {
-        keyword: _CONVERT[knob](config) if knob in _CONVERT else getattr(config, knob)
-        for knob, keyword in declared.items()
-        if keyword != FOLDED
-    }
-    return {**options, **config.options}
 
 
 COMPILE_BACKEND_ENV = "TESSERA_COMPILE_BACKEND"

@@ -5,16 +5,15 @@ Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Paramet
 PyTorch and trains exactly like one process on the whole batch. Stages 1 and 2 communicate like
 DDP (2Ψ elements per step), stage 3 1.5x that (3Ψ). Stage 3 also takes a model built on the
 meta device and materialises only each rank's shard (`tessera.zero.materialize`).
+
+Names load on first use (PEP 562): importing one module of the package (its `policy`, as
+`tessera train`'s config does) does not import the rest.
 """
 
-from tessera.zero.api import STAGES, full_state_dict, initialize, shard
-from tessera.zero.checkpoint import consolidate, load_shards, save_shard
-from tessera.zero.memory import estimate_memory, measure_memory
-from tessera.zero.optimizer import ZeroOptimizer
-from tessera.zero.policy import OffloadPolicy, ZeroPolicy
-from tessera.zero.stage1 import ZeroStage1
-from tessera.zero.stage2 import ZeroStage2
-from tessera.zero.stage3 import ZeroStage3
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "STAGES",
@@ -33,3 +32,40 @@ __all__ = [
     "save_shard",
     "shard",
 ]
+
+_LAZY = {
+    "STAGES": "tessera.zero.api",
+    "OffloadPolicy": "tessera.zero.policy",
+    "ZeroOptimizer": "tessera.zero.optimizer",
+    "ZeroStage1": "tessera.zero.stage1",
+    "ZeroStage2": "tessera.zero.stage2",
+    "ZeroStage3": "tessera.zero.stage3",
+    "ZeroPolicy": "tessera.zero.policy",
+    "consolidate": "tessera.zero.checkpoint",
+    "estimate_memory": "tessera.zero.memory",
+    "full_state_dict": "tessera.zero.api",
+    "initialize": "tessera.zero.api",
+    "load_shards": "tessera.zero.checkpoint",
+    "measure_memory": "tessera.zero.memory",
+    "save_shard": "tessera.zero.checkpoint",
+    "shard": "tessera.zero.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a name of the package (or one of its modules) on first access."""
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise  # a module of the package that failed to import: its own error
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

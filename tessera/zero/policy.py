@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.data_parallel.policy import DDPPolicy, check_bucket_cap_mb, check_flag
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
 
 __all__ = ["MOMENT_STORAGE", "OffloadPolicy", "ZeroPolicy"]
@@ -63,6 +64,7 @@ class OffloadPolicy:
             raise ValueError(
                 f"moments={self.moments} is CPUAdam's storage: it needs offload device cpu"
             )
+        check_flag("params", self.params)
         check_delayed_update(self.delayed_update, self.delayed_update_after, offload=self.device)
 
     def optimizer_options(self) -> dict[str, Any]:
@@ -78,8 +80,9 @@ class ZeroPolicy:
     `OffloadPolicy(device="cpu")`).
     """
 
-    bucket_cap_mb: float = 25.0
-    """Stages 1-2: gradient bucket size in MB (stage 3 reduces per gather unit)."""
+    bucket_cap_mb: float = DDPPolicy.bucket_cap_mb
+    """Stages 1-2: gradient bucket size in MB (stage 3 reduces per gather unit); DDP's knob, as
+    stages 1-2 reduce through DDP's buckets: its default and its check."""
     mixed_precision: str | None = None
     """`bf16`: compute and communicate in bf16, fp32 master weights and optimizer state."""
     units: Sequence[Any] | Any | None = None
@@ -91,8 +94,7 @@ class ZeroPolicy:
     tensors (default: the module's `reset_parameters()`); see `tessera.zero.materialize`."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.bucket_cap_mb, bool) or not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb!r}")
+        check_bucket_cap_mb(self.bucket_cap_mb)
         if self.mixed_precision not in (None, "bf16"):
             raise ValueError(
                 f"mixed_precision must be None or 'bf16', got {self.mixed_precision!r}"
