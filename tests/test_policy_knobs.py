@@ -148,3 +148,28 @@ def _validator_of_part(home: type, name: str, bad: Any) -> str:
     with pytest.raises(ValueError) as caught:
         home(**{name: bad})
     return _validator(caught.value)
+
+
+def test_the_hybrid_policy_holds_its_parts_policies_and_takes_their_knobs_by_name():
+    from tessera.data_parallel.policy import DDPPolicy
+    from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
+    from tessera.strategies.entry import make_policy
+    from tessera.tensor_parallel.policy import TensorPolicy
+
+    knobs = {"microbatches": 8, "plan": {"fc*": "column"}, "bucket_cap_mb": 5.0}
+    flat = make_policy("hybrid", {"dp": 2, **knobs, "find_unused_parameters": True})
+    parts = HybridPolicy(
+        dp=2,
+        pipeline=PipelinePolicy(microbatches=8),
+        tensor=TensorPolicy(plan={"fc*": "column"}),
+        data=DDPPolicy(bucket_cap_mb=5.0, find_unused_parameters=True),
+    )
+    assert flat == parts and (flat.microbatches, flat.bucket_cap_mb, flat.plan) == (
+        8, 5.0, {"fc*": "column"}
+    )  # fmt: skip
+    # no knob of a part is a field of the mix: one default each, in its part
+    names = {f.name for f in dataclasses.fields(HybridPolicy)}
+    assert names == {"dp", "tp", "pp", "zero", "pipeline", "tensor", "data"}
+    # grad_accum K: tessera.setup runs K times the micro-batches through dataclasses.replace
+    assert dataclasses.replace(flat, microbatches=16).pipeline == PipelinePolicy(microbatches=16)
+    assert dataclasses.replace(flat, microbatches=16).data == flat.data

@@ -187,30 +187,15 @@ def _to_meta(batch: Any) -> Any:
     return batch.to("meta") if isinstance(batch, torch.Tensor) else batch
 
 
-def _check_policy(config: TrainConfig) -> None:
-    """The config's strategy options through the strategy's policy (one translation, one check)."""
-    from tessera.strategies.entry import make_policy
-    from tessera.strategies.registry import OWN_ENTRY_POINTS
-    from tessera.train.engine_setup import policy_options
-
-    if config.strategy in OWN_ENTRY_POINTS:
-        return  # the parameter server checks its own options (tessera.train's ps entry point)
-    try:
-        make_policy(config.strategy, policy_options(config))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"strategy {config.strategy}: {exc}") from None
-
-
 def preflight_workload(config: TrainConfig) -> dict[str, Any] | None:
     """Check `config`'s user workload end to end (see the module docstring); None for the demo.
 
     Returns what it checked: the model's class and parameter count, the item kind, and the
     workload's `identity` (what its checkpoints record: a resume compares it up front).
-    First, for every run, the strategy's options go through its policy's own checks (the same
-    translation `tessera.setup` gets), and the optimizer and schedule are built and called once,
-    so a bad value stops here and not in every rank.
+    First, for every run, the optimizer and schedule are built and called once, so a bad value
+    stops here and not in every rank (the strategy's options went through its policy's own checks
+    when the config was built: `tessera.train.config_strategy.check_knob_values`).
     """
-    _check_policy(config)
     check_optimizer_and_schedule(config)  # --optimizer(-args), --lr-schedule: built, called
     if config.model_factory is None:
         return None
