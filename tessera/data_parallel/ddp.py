@@ -30,6 +30,7 @@ from tessera.comm.flat import flatten, unflatten_into
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.compression import CompressionHook, cast_hook, resolve_compression
+from tessera.data_parallel.policy import DDPPolicy
 from tessera.data_parallel.reducer import Reducer
 from tessera.runtime.context import default_timeout_s
 
@@ -84,7 +85,7 @@ class DataParallel(nn.Module):
         self,
         module: nn.Module,
         *,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DDPPolicy.bucket_cap_mb,
         algorithm: str = "auto",
         compression: str | CompressionHook | None = None,
         find_unused_parameters: bool = False,

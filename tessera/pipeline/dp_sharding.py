@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
+from tessera.data_parallel.policy import DDPPolicy
 from tessera.data_parallel.reducer import Reducer
 from tessera.zero.optimizer import ZeroOptimizer
 from tessera.zero.stage1 import ZeroStage1
@@ -94,7 +95,7 @@ class StageDataParallel(_ArmedForWeightPass):
         module: nn.Module,
         *,
         group: dist.ProcessGroup,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DDPPolicy.bucket_cap_mb,
         timeout_s: float | None = None,
     ) -> None:
         # the stage's forward is driven by the pipeline, not by the wrapper: its buffers (none in
@@ -129,7 +130,7 @@ class StageZero(_ArmedForWeightPass):
         stage: int,
         group: dist.ProcessGroup,
         norm_weight: dict[int, float],
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DDPPolicy.bucket_cap_mb,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"ZeRO inside pipeline stages is stage 1 or 2, got {stage}")

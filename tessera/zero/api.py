@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tessera.data_parallel.ddp import DataParallel
+from tessera.data_parallel.policy import DDPPolicy
 from tessera.optim.cpu_adam import CPUAdam
 from tessera.optim.offload import ADAM_OPTIONS, host_optimizer
 from tessera.zero.delayed import DEFAULT_WARMUP_STEPS, check_delayed_update
@@ -65,7 +66,7 @@ def initialize(
     offload_params: bool = False,
     delayed_update: bool = False,
     delayed_update_after: int = DEFAULT_WARMUP_STEPS,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float = DDPPolicy.bucket_cap_mb,
     init_fn: InitFn | None = None,
     device: torch.device | str | None = None,
     **optimizer_kwargs: Any,

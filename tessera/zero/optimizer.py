@@ -48,6 +48,7 @@ from tessera import comm
 from tessera.comm.stream import stream_for
 from tessera.data_parallel.bucket import Bucket
 from tessera.data_parallel.ddp import broadcast_from_first
+from tessera.data_parallel.policy import DDPPolicy
 from tessera.data_parallel.reducer import Reducer
 from tessera.optim.clip import clip_grad_norm
 from tessera.runtime.context import current_context
@@ -78,7 +79,7 @@ class ZeroOptimizer:
         *,
         group: dist.ProcessGroup | None = None,
         mixed_precision: str | None = None,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float = DDPPolicy.bucket_cap_mb,
         swap_masters: bool = False,
         delayed_update: bool = False,
         delayed_update_after: int = DEFAULT_WARMUP_STEPS,
