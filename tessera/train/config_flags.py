@@ -18,23 +18,42 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     """Every config flag of `tessera train`: TrainConfig's, then the registered strategies'."""
     from tessera.train.config import TrainConfig
 
-    add_config_flags(parser, TrainConfig)
-    _add_strategy_flags(parser, set(parser._option_string_actions))
+    taken = add_config_flags(parser, TrainConfig)
+    _add_strategy_flags(parser, taken)
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """One flag per config field, typed and documented from the dataclass itself."""
+def _add_flag(
+    parser: argparse.ArgumentParser, flag: str, dest: str, annotation: Any, help_text: str
+) -> None:
+    """`flag` into `dest`, typed by `annotation` (bool: --flag / --no-flag; X | None: X)."""
+    if annotation is bool:
+        action = argparse.BooleanOptionalAction
+        parser.add_argument(flag, dest=dest, default=None, help=help_text, action=action)
+        return
+    arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
+    kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
+    if dest == "nproc":
+        kind = _nproc_value
+    name = dest.rpartition(".")[2]
+    parser.add_argument(
+        flag, dest=dest, type=kind, default=None, metavar=name.upper(), help=help_text
+    )
+
+
+def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> set[str]:
+    """One flag per config field, typed and documented from the dataclass itself; the flags."""
     hints = typing.get_type_hints(cls)
+    flags: set[str] = set()
     for field in dataclasses.fields(cls):
         annotation = hints[field.name]
         if field.metadata.get("cli") is False:  # (`options`: flags of their own, below)
             continue
         if dataclasses.is_dataclass(annotation):
-            add_config_flags(parser, annotation, prefix=f"{field.name}.")
+            flags |= add_config_flags(parser, annotation, prefix=f"{field.name}.")
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
         help_text = f"{field.metadata.get('help', '')} (default: {default})"
@@ -42,29 +61,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             from tessera.strategies.registry import OWN_ENTRY_POINTS, strategy_names
 
             help_text += f"; one of: {', '.join([*strategy_names(), *OWN_ENTRY_POINTS])}"
-        dest = prefix + field.name
         flag = field.metadata.get("flag", _flag(field.name))
-        if annotation is bool:
-            parser.add_argument(
-                flag,
-                dest=dest,
-                default=None,
-                help=help_text,
-                action=argparse.BooleanOptionalAction,
-            )
-            continue
-        arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
-        kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
-        if field.name == "nproc":
-            kind = _nproc_value
-        parser.add_argument(
-            flag,
-            dest=dest,
-            type=kind,
-            default=None,
-            metavar=field.name.upper(),
-            help=help_text,
-        )
+        _add_flag(parser, flag, prefix + field.name, annotation, help_text)
+        flags.add(flag)
+    return flags
 
 
 def _add_strategy_flags(parser: argparse.ArgumentParser, taken: set[str]) -> None:
@@ -84,28 +84,10 @@ def _add_strategy_flags(parser: argparse.ArgumentParser, taken: set[str]) -> Non
             if flag in taken:
                 continue
             taken.add(flag)
-            annotation = hints.get(field.name, field.type)
             default = field.default if field.default is not dataclasses.MISSING else None
             help_text = f"{field.metadata.get('help', '')} ({strategy}; default: {default})"
-            if annotation is bool:
-                parser.add_argument(
-                    flag,
-                    dest=f"options.{field.name}",
-                    default=None,
-                    help=help_text.strip(),
-                    action=argparse.BooleanOptionalAction,
-                )
-                continue
-            arms = [a for a in typing.get_args(annotation) if a is not type(None)]  # X | None
-            kind = {int: int, float: float}.get(arms[0] if len(arms) == 1 else annotation, str)
-            parser.add_argument(
-                flag,
-                dest=f"options.{field.name}",
-                type=kind,
-                default=None,
-                metavar=field.name.upper(),
-                help=help_text.strip(),
-            )
+            annotation = hints.get(field.name, field.type)
+            _add_flag(parser, flag, f"options.{field.name}", annotation, help_text.strip())
 
 
 def _nproc_value(text: str) -> int | str:
@@ -134,5 +116,3 @@ def flag_layer(args: argparse.Namespace) -> dict[str, Any]:
             target = target.setdefault(parent, {})
         target[leaf] = value
     return layer
-
-
