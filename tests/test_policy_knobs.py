@@ -173,3 +173,22 @@ def test_the_hybrid_policy_holds_its_parts_policies_and_takes_their_knobs_by_nam
     # grad_accum K: tessera.setup runs K times the micro-batches through dataclasses.replace
     assert dataclasses.replace(flat, microbatches=16).pipeline == PipelinePolicy(microbatches=16)
     assert dataclasses.replace(flat, microbatches=16).data == flat.data
+
+
+def _hybrid_accumulates(_: Any = None) -> tuple[int, int]:
+    """One rank: the micro-batches of a hybrid engine set up with grad_accum 2, and the dp part's
+    bucket size it holds."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    engine = tessera.setup(
+        model, lambda p: torch.optim.SGD(p, lr=0.1), strategy="hybrid", grad_accum=2,
+        microbatches=2, bucket_cap_mb=5.0,
+    )  # fmt: skip
+    return engine.policy.microbatches, engine.policy.data.bucket_cap_mb
+
+
+def test_setup_runs_the_hybrids_accumulation_as_micro_batches(run_ranks):
+    # grad_accum K runs K times the policy's micro-batches (a knob of its pipeline part)
+    assert run_ranks(_hybrid_accumulates, 1)[0] == (4, 5.0)
