@@ -6,8 +6,7 @@ Names load on first use (PEP 562): importing one module of the package (its `pol
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tessera.runtime.lazy import lazy_names
 
 __all__ = [
     "Bucket",
@@ -36,20 +35,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Load a name of the package (or one of its modules) on first access."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise  # a module of the package that failed to import: its own error
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
