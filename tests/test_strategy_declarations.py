@@ -115,6 +115,8 @@ def test_a_registered_strategy_gets_its_flags_checked_by_its_policy(toys, tmp_pa
     assert build_config({"strategy": "toy", "options": {"toy_width": 7}}).options["toy_width"] == 7
     with pytest.raises(ConfigError, match="strategy 'toy' has no option 'depth'"):
         build_config({"strategy": "toy", "options": {"depth": 7}})
+    with pytest.raises(ConfigError, match=r"are its flags \['--comm-algorithm'\]"):
+        build_config({"strategy": "ddp", "options": {"algorithm": "ring"}})  # one way to set it
     # export: the trained model of the checkpoint, as for tessera's own strategies
     assert main(["checkpoint", "export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     exported = load_file(tmp_path / "out/model.safetensors")

@@ -90,6 +90,14 @@ def check_knob_values(config: Any) -> None:
     chosen strategy's policy as `tessera.setup` will build it, and each other policy whose knobs
     the config sets to other values than their defaults (a bad value is refused whatever the
     strategy, as it always was)."""
+    declared = capabilities(config.strategy).options
+    twice = sorted(set(config.options) & {keyword for keyword in declared.values() if keyword})
+    if twice:
+        flags = [knob for knob, keyword in declared.items() if keyword in twice]
+        raise ConfigError(
+            f"options {twice} of strategy {config.strategy} are its flags "
+            f"{['--' + knob.replace('_', '-') for knob in flags]}: set them there, once"
+        )
     if capabilities(config.strategy).check_world is None:  # (ps: its own processes)
         from tessera.strategies.entry import make_policy
 
