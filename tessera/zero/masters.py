@@ -30,15 +30,21 @@ from tessera.zero.shards import FlatShard, ShardLayout
 __all__ = ["HeldMasters", "SwappedMasters"]
 
 
-class HeldMasters:
-    """The fp32 masters are tensors in memory, stepped in place by the inner optimizer."""
+class _Masters:
+    """What both placements hold: the optimizer's layout, and the inner optimizer over the
+    masters (set by `build`: over tensors in memory, or holding the masters' files)."""
 
-    swapped = False
+    swapped: bool
 
     def __init__(self, layout: ShardLayout) -> None:
         self.layout = layout
         self.optimizer: Any = None
-        """The inner optimizer over the masters (set by `build`)."""
+
+
+class HeldMasters(_Masters):
+    """The fp32 masters are tensors in memory, stepped in place by the inner optimizer."""
+
+    swapped = False
 
     def build(
         self, buckets: list[Bucket], sources: dict[int, torch.Tensor], make_optimizer: Any
@@ -72,15 +78,10 @@ class HeldMasters:
         return flat.master.detach()
 
 
-class SwappedMasters:
+class SwappedMasters(_Masters):
     """The fp32 masters live in the inner optimizer's files (`offload="nvme"`)."""
 
     swapped = True
-
-    def __init__(self, layout: ShardLayout) -> None:
-        self.layout = layout
-        self.optimizer: Any = None
-        """The inner optimizer that holds the masters' files (set by `build`)."""
 
     def build(
         self, buckets: list[Bucket], sources: dict[int, torch.Tensor], make_optimizer: Any
