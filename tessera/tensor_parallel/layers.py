@@ -30,6 +30,8 @@ output (fused q/k/v: every rank keeps its heads' q, k and v).
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -90,46 +92,78 @@ class _Parallel(nn.Module):
     """Parameter name -> split dimension (names absent are replicated)."""
     chunks = 1
 
-    def _setup(self, group: dist.ProcessGroup | None) -> None:
+    def _setup(
+        self,
+        group: dist.ProcessGroup | None,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        """The group and this rank's place in it; given, this rank's weight (and bias) slices
+        become its parameters."""
         self.group = group
         self.tp_size = group_size(group)
         self.tp_rank = group_rank(group)
+        if weight is not None:
+            self.weight = nn.Parameter(weight)
+            self.bias = nn.Parameter(bias) if bias is not None else None
+
+    @classmethod
+    def _split_weights(
+        cls, dense: nn.Module, group: dist.ProcessGroup | None, chunks: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`dense`'s weight sliced along `shard_dims["weight"]` (of each of `chunks` blocks), and
+        its bias sliced likewise where `shard_dims` splits it, else copied whole (a row split
+        adds it once, after the sum). The dense weights are sliced, never re-initialised."""
+        weight = shard(dense.weight.detach(), cls.shard_dims["weight"], group, chunks)
+        if dense.bias is None:
+            return weight, None
+        if "bias" in cls.shard_dims:
+            return weight, shard(dense.bias.detach(), cls.shard_dims["bias"], group, chunks)
+        return weight, dense.bias.detach().clone()
 
 
-class ColumnParallelLinear(_Parallel):
-    """`y = x A^T + b` with A's rows (output features) split; y split unless `gather_output`."""
-
-    shard_dims = {"weight": 0, "bias": 0}
+class _ColumnParallel(_Parallel):
+    """A dense layer's output features split (its weight's `shard_dims["weight"]`, its bias); y
+    split unless `gather_output`. `_local(x, weight, bias)` is the dense layer's computation."""
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None, gather_output=False
     ) -> None:
         super().__init__()
-        self._setup(group)
-        self.weight = nn.Parameter(weight)  # (out / t, in)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self._setup(group, weight, bias)
         self.gather_output = gather_output
 
     @classmethod
     def from_dense(
         cls,
-        linear: nn.Linear,
+        dense: nn.Module,
         *,
         group: dist.ProcessGroup | None = None,
         gather_output: bool = False,
         chunks: int = 1,
-    ) -> ColumnParallelLinear:
-        """Split `linear` (its weights sliced, not re-initialised)."""
-        weight = shard(linear.weight.detach(), 0, group, chunks)
-        bias = shard(linear.bias.detach(), 0, group, chunks) if linear.bias is not None else None
+    ) -> Self:
+        """Split `dense` by output features (`chunks`: each of that many blocks, as q/k/v)."""
+        weight, bias = cls._split_weights(dense, group, chunks)
         layer = cls(weight, bias, group=group, gather_output=gather_output)
         layer.chunks = chunks
         return layer
 
+    @staticmethod
+    def _local(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`(..., in)` replicated -> `(..., out / t)` (or `(..., out)` gathered)."""
-        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        y = self._local(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.group, -1) if self.gather_output else y
+
+
+class ColumnParallelLinear(_ColumnParallel):
+    """`y = x A^T + b` with A's rows (output features) split; y split unless `gather_output`.
+    The weight is `(out / t, in)`."""
+
+    shard_dims = {"weight": 0, "bias": 0}
+    _local = staticmethod(F.linear)
 
 
 class RowParallelLinear(_Parallel):
@@ -141,9 +175,7 @@ class RowParallelLinear(_Parallel):
         self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None, input_is_parallel=True
     ) -> None:
         super().__init__()
-        self._setup(group)
-        self.weight = nn.Parameter(weight)  # (out, in / t)
-        self.bias = nn.Parameter(bias) if bias is not None else None  # replicated
+        self._setup(group, weight, bias)  # (out, in / t); the bias replicated
         self.input_is_parallel = input_is_parallel
 
     @classmethod
@@ -154,9 +186,8 @@ class RowParallelLinear(_Parallel):
         group: dist.ProcessGroup | None = None,
         input_is_parallel: bool = True,
     ) -> RowParallelLinear:
-        """Split `linear` (its weights sliced, not re-initialised)."""
-        weight = shard(linear.weight.detach(), 1, group)
-        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        """Split `linear` by input features (its weights sliced, not re-initialised)."""
+        weight, bias = cls._split_weights(linear, group)
         return cls(weight, bias, group=group, input_is_parallel=input_is_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -247,42 +278,18 @@ def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return y.view(*x.shape[:-1], weight.shape[1])
 
 
-class ColumnParallelConv1D(_Parallel):
+class ColumnParallelConv1D(_ColumnParallel):
     """Hugging Face's `Conv1D` with W's columns (output features) split; y split unless
     `gather_output`. Keeps Conv1D's `(in, out)` layout, so its state has the dense keys."""
 
     shard_dims = {"weight": 1, "bias": 0}
+    _local = staticmethod(_conv1d)
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None, gather_output=False
     ) -> None:
-        super().__init__()
-        self._setup(group)
-        self.weight = nn.Parameter(weight)  # (in, out / t)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        super().__init__(weight, bias, group=group, gather_output=gather_output)  # (in, out / t)
         self.nx, self.nf = weight.shape  # Conv1D's names, local sizes
-        self.gather_output = gather_output
-
-    @classmethod
-    def from_dense(
-        cls,
-        conv: nn.Module,
-        *,
-        group: dist.ProcessGroup | None = None,
-        gather_output: bool = False,
-        chunks: int = 1,
-    ) -> ColumnParallelConv1D:
-        """Split a `Conv1D` by output features (`chunks`: each of that many blocks, as q/k/v)."""
-        weight = shard(conv.weight.detach(), 1, group, chunks)
-        bias = shard(conv.bias.detach(), 0, group, chunks) if conv.bias is not None else None
-        layer = cls(weight, bias, group=group, gather_output=gather_output)
-        layer.chunks = chunks
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`(..., in)` replicated -> `(..., out / t)` (or `(..., out)` gathered)."""
-        y = _conv1d(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
-        return gather_from_tensor_parallel(y, self.group, -1) if self.gather_output else y
 
 
 class RowParallelConv1D(_Parallel):
@@ -293,9 +300,7 @@ class RowParallelConv1D(_Parallel):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, group=None) -> None:
         super().__init__()
-        self._setup(group)
-        self.weight = nn.Parameter(weight)  # (in / t, out)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self._setup(group, weight, bias)  # (in / t, out); the bias replicated
         self.nx, self.nf = weight.shape
 
     @classmethod
@@ -303,8 +308,7 @@ class RowParallelConv1D(_Parallel):
         cls, conv: nn.Module, *, group: dist.ProcessGroup | None = None
     ) -> RowParallelConv1D:
         """Split a `Conv1D` by input features (its weights sliced, not re-initialised)."""
-        weight = shard(conv.weight.detach(), 0, group)
-        bias = conv.bias.detach().clone() if conv.bias is not None else None
+        weight, bias = cls._split_weights(conv, group)
         return cls(weight, bias, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
