@@ -150,6 +150,7 @@ class _ColumnParallel(_Parallel):
 
     @staticmethod
     def _local(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The dense layer's computation on this rank's slices (each subclass names its own)."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
