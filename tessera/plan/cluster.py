@@ -8,9 +8,9 @@ processes of this machine.
 
 `this_machine()` measures instead of assuming: the matmul rate of one rank (a float32 `mm`, with
 the thread count a rank of `--nproc` ranks gets), the cost of torch's AdamW step per parameter and
-per tensor with those threads, and the cost model's constants fitted by
-`tessera.comm.calibrate` on two local ranks. Both are cached in a JSON file, so a run measures
-once per machine (`recalibrate=True` measures again).
+per tensor with those threads, and the cost model's constants fitted by `tessera.comm.calibrate`
+on that many local ranks (at least two). They are cached in a JSON file, so a run measures once
+per machine and rank count (`recalibrate=True` measures again).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def adamw_cost(seconds: float = 0.2) -> tuple[float, float]:
 
 
 def _calibrate_rank() -> dict[str, float]:
-    """One rank of the calibration: `comm.calibrate` on the default group (two local ranks)."""
+    """One rank of the calibration: `comm.calibrate` on the default group (the plan's ranks)."""
     import torch
 
     from tessera.comm.calibrate import calibrate
@@ -251,7 +251,10 @@ def _measure(ranks: int) -> dict[str, Any]:
         adam_per_param, adam_per_tensor = adamw_cost()
     finally:
         torch.set_num_threads(threads)
-    cost = launch(_calibrate_rank, 2, timeout_s=120)[0]
+    # the links as the plan's ranks see them: more ranks than cores take turns on them, and a
+    # collective then waits for each to be scheduled (4 ranks on 2 cores: ddp's all-reduce
+    # measured 20x what two ranks' constants predicted, BENCHMARKS.md "plan_check")
+    cost = launch(_calibrate_rank, max(2, ranks), timeout_s=120)[0]
     return {
         "matmul_flops": rate,
         "adamw_s_per_param": adam_per_param,
@@ -270,8 +273,9 @@ def this_machine(
     peak_flops is the matmul rate of one rank of `ranks` sharing the cores (what the trainer's
     ranks get: `runtime.context` gives each cores // ranks threads, at least one; more ranks than
     cores take turns, so each gets cores / ranks of its thread's rate); the links are the cost
-    model fitted by `comm.calibrate` between two local ranks; memory is the host's RAM shared by
-    `ranks` ranks. Measured values are read from `cache` (default `CACHE_FILE`) when present.
+    model fitted by `comm.calibrate` on `ranks` local ranks (at least two); memory is the host's
+    RAM shared by `ranks` ranks. Measured values are read from `cache` (default `CACHE_FILE`)
+    when present.
     """
     path = cache or CACHE_FILE
     measured: dict[str, Any] | None = None
