@@ -24,7 +24,13 @@ shards), and `step` uses the learning rate in its `param_groups`, so a torch lea
 scheduler works unchanged.
 
 This base class is the `single` strategy (one process, no communication: the reference every
-other strategy equals); adapters override what their strategy changes.
+other strategy equals); adapters override what their strategy changes. The cross-cutting steps
+are written here once, and a strategy gives only hooks: `make_optimizer` (over what this rank
+steps), `local_gradients` (what its step reads), `squared_norm_share` and `reduce_squared_norm`
+(its share of the squared global norm and how the shares add up over its groups: clipping),
+`reduce_gradients_in` (the dtype its gradient reduction uses: precision), `no_sync` (what
+accumulation runs the first micro-batches under), `discard_gradients` (a skipped fp16 step). An
+engine is built whole in one step: `tessera.setup` hands every setting to the constructor.
 """
 
 from __future__ import annotations

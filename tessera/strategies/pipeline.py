@@ -390,7 +390,7 @@ def _tensor_parallel(
     plan: Mapping[str, str] | None,
     eager: bool,
     group: dist.ProcessGroup,
-    own_plan: bool,
+    own_plan: bool = False,
 ) -> None:
     """Apply the plan (or the model's own: `own_plan`) before the model is cut; refuse a
     traced split."""
