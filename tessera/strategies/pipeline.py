@@ -23,7 +23,7 @@ built on the whole model, then narrowed to the stage before its first step).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -215,11 +215,11 @@ class PipelineEngine(Engine):
         """Forward and backward of the global batch (this rank passes its shard); its mean loss
         (the dp replicas' means averaged without waiting, `StepLoss`)."""
         inputs, targets, loss_fn = self._replica_rows(self.as_pair(batch))
-        # fp16: the last stage's loss is scaled before its backward; the mean returned unscaled
-        # (the scale is a power of two: exact)
+        # fp16: the last stage's loss is scaled (`Engine.scaled`) before its backward; the mean
+        # returned unscaled (the scale is a power of two: exact)
         scale = self.loss_scale or 1.0
         if self.loss_scaler is not None:
-            loss_fn = _scaled_loss(loss_fn, scale)
+            loss_fn = _scaled_loss(loss_fn, self.scaled)
         counter = rule.item_counter(self.loss_fn, self.module)  # micro-batches by their items
         whole = self._whole_targets  # dp replicas averaged: each weighs by its items too
         total = counter(whole) if counter and whole is not None else None
@@ -405,13 +405,14 @@ def _tensor_parallel(
     parallelize_model(model, plan, group=group)
 
 
-def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
-    """`loss_fn` times the fp16 loss scale: the pipeline runs backward on what the loss returns."""
+def _scaled_loss(loss_fn: LossFn, scaled: Callable[[torch.Tensor], torch.Tensor]) -> LossFn:
+    """`loss_fn` then `scaled` (the engine's fp16 loss scaling): the pipeline runs backward on
+    what the loss returns."""
 
-    def scaled(output: Any, targets: Any) -> torch.Tensor:
-        return loss_fn(output, targets) * scale
+    def scaled_loss(output: Any, targets: Any) -> torch.Tensor:
+        return scaled(loss_fn(output, targets))
 
-    return scaled
+    return scaled_loss
 
 
 def _as_hybrid(policy: HybridPolicy | PipelinePolicy | None, world_size: int) -> HybridPolicy:
