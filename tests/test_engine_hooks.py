@@ -16,7 +16,7 @@ from _tolerance import check_close
 from torch import nn
 
 import tessera
-from tessera.clip import squared_sum
+from tessera.optim.clip import squared_sum
 from tessera.runtime import Context
 from tessera.strategies import Engine, registry
 
