@@ -337,14 +337,10 @@ class Engine:
 
     # -- clipping: the global gradient norm from each strategy's share -----------------------
     def squared_norm_share(self) -> torch.Tensor | None:
-        """Hook: this rank's share of the squared global gradient norm, each element of the
-        model's gradient counted once over the ranks `reduce_squared_norm` sums over (float64,
-        `tessera.optim.clip.squared_sum` of `local_gradients`, weighted where ranks hold copies).
-
-        None (here): this rank holds the whole gradient (one process, or data parallelism's
-        averaged gradients, equal on every rank), and `clip_grad_norm` is torch's own
-        `clip_grad_norm_`, as in a plain loop.
-        """
+        """Hook: this rank's share of the squared global gradient norm, each element counted
+        once over the ranks `reduce_squared_norm` sums over (`tessera.optim.clip.squared_sum`).
+        None (here): the rank holds the whole gradient (one process, data parallelism's averaged
+        gradients), clipped by torch's own `clip_grad_norm_`, as in a plain loop."""
         return None
 
     def reduce_squared_norm(self, total: torch.Tensor) -> torch.Tensor:
@@ -355,12 +351,8 @@ class Engine:
 
     def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
         """Scale this rank's `local_gradients` so the global norm is at most `max_norm`; return
-        the norm before (read from the device when used: `step` clips without waiting for it).
-
-        The one clipping of every engine: torch's `clip_grad_norm_` where the rank holds the
-        whole gradient, else `tessera.optim.clip.clip_grad_norm` over the strategy's hooks
-        (`squared_norm_share`, `reduce_squared_norm`). Collective where the gradient is split.
-        """
+        the norm before (read when used: `step` clips without waiting for it). Every engine's
+        one clipping, over its hooks; collective where the gradient is split."""
         share = self.squared_norm_share()
         if share is None:
             return DeviceScalar(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
