@@ -420,14 +420,7 @@ def _as_hybrid(policy: HybridPolicy | PipelinePolicy | None, world_size: int) ->
     None: `HybridPolicy()`."""
     if not isinstance(policy, PipelinePolicy):
         return policy or HybridPolicy()
-    return HybridPolicy(
-        pp=world_size,
-        split=policy.split,
-        microbatches=policy.microbatches,
-        schedule=policy.schedule,
-        virtual_stages=policy.virtual_stages,
-        defer_weight_grads=policy.defer_weight_grads,
-    )
+    return HybridPolicy(pp=world_size, pipeline=policy)
 
 
 build_pipeline = build_hybrid = PipelineEngine
