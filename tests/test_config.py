@@ -176,16 +176,16 @@ def test_registry_loads_each_builtin_on_lookup_and_takes_user_strategies(monkeyp
     from tessera.strategies.engine import Engine, NoOptions
 
     declared = {
-        "single": "build",
-        "torch-ddp": "build",
-        "ddp": "build_ddp",
-        "local-sgd": "build_local_sgd",
-        "zero1": "build_zero1",
-        "zero2": "build_zero2",
-        "zero3": "build_zero3",
-        "pipeline": "build_pipeline",
-        "tensor": "build_tensor",
-        "hybrid": "build_hybrid",
+        "single": "Engine",
+        "torch-ddp": "TorchDDPEngine",
+        "ddp": "DDPEngine",
+        "local-sgd": "LocalSGDEngine",
+        "zero1": "Zero1Engine",
+        "zero2": "Zero2Engine",
+        "zero3": "Zero3Engine",
+        "pipeline": "PipelineEngine",
+        "tensor": "TensorEngine",
+        "hybrid": "PipelineEngine",
     }
     assert {name: factory.__name__ for name, factory in registry.STRATEGIES.items()} == declared
     policies = {name: registry.policy_class(name).__name__ for name in declared}

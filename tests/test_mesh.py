@@ -17,7 +17,7 @@ from tessera.models import GPT, GPTConfig
 from tessera.pipeline import HybridPolicy
 from tessera.runtime.mesh import AXES, Mesh
 from tessera.strategies.engine import Engine
-from tessera.strategies.pipeline import build_hybrid
+from tessera.strategies.pipeline import PipelineEngine
 
 CONFIG = GPTConfig(vocab_size=12, block_size=8, n_layer=2, n_head=4, n_embd=16)
 GLOBAL_BATCH = 8
@@ -85,7 +85,7 @@ def hybrid_worker(degrees):
     shard = slice(ctx.rank * rows, (ctx.rank + 1) * rows)  # the loop's per-rank shard
     for dp, tp, pp, zero in degrees:
         policy = HybridPolicy(dp=dp, tp=tp, pp=pp, zero=zero, microbatches=2)
-        make = partial(build_hybrid, loss_fn=_loss, policy=policy)
+        make = partial(PipelineEngine, loss_fn=_loss, policy=policy)
         engine = make(copy.deepcopy(base), _sgd, ctx)
         # this rank keeps its stage's tensors only; other stages' layers are freed (meta)
         assert not any(p.is_meta for p in engine.pipe.module.parameters())

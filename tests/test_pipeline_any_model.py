@@ -1,6 +1,6 @@
 """Pipeline and hybrid training of models unlike tessera's GPT, against a plain PyTorch loop.
 
-The engines come from `tessera.strategies.pipeline.build_pipeline` / `build_hybrid`; the oracle is
+The engines are `tessera.strategies.pipeline.PipelineEngine` (pipeline and hybrid); the oracle is
 the same model trained here on the whole global batch by plain PyTorch (float32), and the
 yardstick the same in float64 (`_tolerance.check_close`). For each model, on every rank: the loss
 and this rank's stage gradients after one `train_step`, the whole model after one SGD step
@@ -30,7 +30,7 @@ import tessera
 from tessera.models import GPT, GPTConfig
 from tessera.pipeline import HybridPolicy, PipelinePolicy
 from tessera.pipeline.trace import trace_stages
-from tessera.strategies.pipeline import _tensor_parallel, build_hybrid, build_pipeline
+from tessera.strategies.pipeline import PipelineEngine, _tensor_parallel
 
 VOCAB, WIDTH, SEQ, ROWS = 11, 8, 5, 8
 SGD_LR, ADAMW_LR = 0.5, 1e-2
@@ -294,7 +294,7 @@ def _any_model_cases() -> None:
         ResidualNet,
         _residual_batch,
         _residual_loss,
-        build_pipeline,
+        PipelineEngine,
         split,
         resume=True,
         clip=0.5,
@@ -309,27 +309,28 @@ def _any_model_cases() -> None:
         later = {f"blocks.b{i}.{w}" for i in (2, 3) for w in ("weight", "bias")}
         assert held == {"emb.weight", "scale"} | later
     # (c) an MLP with a user loss: a plain module (traced) and an nn.Sequential (cut at layers)
-    _check_model(ctx, MLP, _mlp_batch, _user_loss, build_pipeline, PipelinePolicy(split=["fc2"]))
+    _check_model(ctx, MLP, _mlp_batch, _user_loss, PipelineEngine, PipelinePolicy(split=["fc2"]))
     seq = PipelinePolicy(split=["2"], microbatches=4, schedule="gpipe")
-    _check_model(ctx, _seq_mlp, _mlp_batch, _user_loss, build_pipeline, seq)
+    _check_model(ctx, _seq_mlp, _mlp_batch, _user_loss, PipelineEngine, seq)
     # hybrid: pp=2 with a non-GPT model; dp=2 (one stage per replica)
     pp = HybridPolicy(pp=2, split=["blocks.b1"], microbatches=4)
-    _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, pp)
+    _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, PipelineEngine, pp)
     dp = HybridPolicy(dp=2, microbatches=2)
-    _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, dp)
+    _check_model(ctx, ResidualNet, _residual_batch, _residual_loss, PipelineEngine, dp)
     zero = HybridPolicy(dp=2, zero=1, microbatches=2)
     _check_model(
-        ctx, ResidualNet, _residual_batch, _residual_loss, build_hybrid, zero, resume=True, clip=0.5
-    )
+        ctx, ResidualNet, _residual_batch, _residual_loss, PipelineEngine, zero, resume=True,
+        clip=0.5,
+    )  # fmt: skip
     # tp=2 with a plan on a model of the user's (one stage runs its modules)
     tp = HybridPolicy(tp=2, plan={"fc1": "column", "fc2": "row"}, microbatches=2)
-    _check_model(ctx, MLP, _mlp_batch, _user_loss, build_hybrid, tp, sharded=True)
+    _check_model(ctx, MLP, _mlp_batch, _user_loss, PipelineEngine, tp, sharded=True)
     _split_errors(ctx)
 
 
 def _split_errors(ctx) -> None:
     def build(split, loss_fn=_residual_loss):
-        return build_pipeline(
+        return PipelineEngine(
             _built(ResidualNet),
             lambda ps: torch.optim.SGD(ps, lr=SGD_LR),
             ctx,
@@ -347,7 +348,7 @@ def _split_errors(ctx) -> None:
         "gives 3 stages, but the pipeline has 2 ranks", lambda: build(["blocks.b1", "blocks.b2"])
     )
     _raises("leaves the stage before 'emb' empty", lambda: build(["emb"]).train_step(batch))
-    uneven = build_pipeline(
+    uneven = PipelineEngine(
         _built(ResidualNet),
         torch.optim.SGD,
         ctx,
@@ -358,7 +359,7 @@ def _split_errors(ctx) -> None:
     _raises("ResidualNet returned no loss", lambda: build(["blocks.b1"], None).train_step(batch))
     _raises(
         "split point 'head'",
-        lambda: build_pipeline(
+        lambda: PipelineEngine(
             _built(_gpt),
             torch.optim.SGD,
             ctx,
@@ -398,10 +399,10 @@ def _hf_and_gpt() -> None:
     # biases have a true gradient of zero (softmax is shift-invariant), which AdamW turns into
     # full-size steps of rounding noise: they are left out of the AdamW comparison only.
     bert = PipelinePolicy(split=["bert.encoder.layer.1"], microbatches=2)
-    _check_model(ctx, _bert, _bert_batch, None, build_pipeline, bert, skip_adamw=("key.bias",))
+    _check_model(ctx, _bert, _bert_batch, None, PipelineEngine, bert, skip_adamw=("key.bias",))
     # the reference GPT (its head tied to the token embedding) split at a block
     gpt = PipelinePolicy(split=["blocks.1"], microbatches=2)
-    _check_model(ctx, _gpt, _gpt_batch, _lm_loss, build_pipeline, gpt, skip_adamw=("key",))
+    _check_model(ctx, _gpt, _gpt_batch, _lm_loss, PipelineEngine, gpt, skip_adamw=("key",))
 
 
 def test_hugging_face_bert_and_the_gpt_equal_a_plain_loop(run_ranks):

@@ -23,7 +23,7 @@ from torch import nn
 import tessera
 from tessera.models import GPT, GPTConfig
 from tessera.strategies.batch import gather_batch
-from tessera.strategies.tensor import build, build_tensor
+from tessera.strategies.tensor import TensorEngine
 from tessera.tensor_parallel import (
     ColumnParallelConv1D,
     ColumnParallelEmbedding,
@@ -175,7 +175,7 @@ def _engine(make_model, make_optimizer, *, plan=None, loss_fn=None, grad_clip=0.
     dense64 = copy.deepcopy(dense).double()
     ctx = tessera.init()
     policy = TensorPolicy(plan=plan)
-    engine = build_tensor(
+    engine = TensorEngine(
         copy.deepcopy(dense), make_optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip,
         policy=policy,
     )  # fmt: skip
@@ -205,8 +205,8 @@ def _check_mlp():
     # a checkpoint: a new engine loaded from it continues exactly as the first one
     state = engine.state_dict()
     torch.manual_seed(5)
-    other = build(_EmbedMLP(), adamw, tessera.init(), loss_fn=_user_loss,
-                  policy=TensorPolicy(plan=MLP_PLAN))  # fmt: skip
+    other = TensorEngine(_EmbedMLP(), adamw, tessera.init(), loss_fn=_user_loss,
+                         policy=TensorPolicy(plan=MLP_PLAN))  # fmt: skip
     other.load_state_dict(state)
     for e in (engine, other):
         e.train_step(_shard(batches[0], tessera.init().rank))
@@ -313,7 +313,7 @@ def _check_errors():
         model = make()
         before = {name: type(m) for name, m in model.named_modules()}
         with pytest.raises(ValueError, match=message):
-            build_tensor(model, sgd, ctx, loss_fn=_user_loss, policy=TensorPolicy(plan=plan))
+            TensorEngine(model, sgd, ctx, loss_fn=_user_loss, policy=TensorPolicy(plan=plan))
         assert {name: type(m) for name, m in model.named_modules()} == before  # nothing replaced
     # attention heads that do not divide (the q/k/v widths would: 3 x 30 columns)
     config = transformers.GPT2Config(vocab_size=50, n_embd=30, n_layer=1, n_head=3)

@@ -10,12 +10,21 @@ unsplit model's single matrix.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from tessera.models import GPT
+from tessera.pipeline.layers import Layers
 
-__all__ = ["gpt_as_sequential", "gpt_balance", "gpt_split", "gpt_state_from_sequential"]
+__all__ = [
+    "gpt_as_sequential",
+    "gpt_balance",
+    "gpt_layers",
+    "gpt_split",
+    "gpt_state_from_sequential",
+]
 
 
 class _Embed(nn.Module):
@@ -88,3 +97,23 @@ def gpt_split(split: list[str], n_layer: int) -> list[str]:
             )
         out.append(layers[name])
     return out
+
+
+def gpt_layers(
+    model: nn.Module, split: Sequence[str] | None, chunks: int | None = None
+) -> Layers | None:
+    """The GPT as the `Layers` a pipeline cuts (None for any other model): `gpt_as_sequential`,
+    `split` at blocks translated (`gpt_split`), `chunks` (interleaved: pp * v) filled evenly
+    by its blocks when no split is given (`gpt_balance`), its own tensor-parallel plan, and the
+    state renamed back to the GPT's keys. Every GPT-specific step of the pipeline engines."""
+    if not isinstance(model, GPT):
+        return None
+    n_layer = model.config.n_layer
+    return Layers(
+        lambda: gpt_as_sequential(model),
+        gpt_split(list(split), n_layer) if split is not None else None,
+        n_layer + 2,
+        balance=gpt_balance(n_layer, chunks) if chunks is not None and split is None else None,
+        own_tp_plan=True,
+        model_keys=lambda state: gpt_state_from_sequential(state, n_layer),
+    )

@@ -16,9 +16,7 @@ from tessera.data_parallel.naive import average_parameters
 from tessera.data_parallel.policy import DDPPolicy, LocalSGDPolicy
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context
-from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
-from tessera.strategies.precision import DTYPES
 
 __all__ = [
     "DDPEngine",
@@ -41,14 +39,11 @@ class DDPEngine(Engine):
         optimizer_factory: OptimizerFactory,
         ctx: Context,
         *,
-        loss_fn: LossFn | None = None,
-        grad_clip: float = 0.0,
         policy: DDPPolicy | None = None,
+        **steps: Any,
     ) -> None:
+        """`steps`: `Engine`'s cross-cutting keywords (loss_fn, grad_clip, precision, ...)."""
         policy = policy if policy is not None else DDPPolicy()
-        super().__init__(
-            module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-        )
         self.ddp = DataParallel(
             module,
             bucket_cap_mb=policy.bucket_cap_mb,
@@ -56,15 +51,12 @@ class DDPEngine(Engine):
             find_unused_parameters=policy.find_unused_parameters,
             timeout_s=ctx.timeout_s,
         )
+        super().__init__(module, optimizer_factory, ctx, policy=policy, **steps)
 
-    def use_precision(
-        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
-    ) -> None:
-        """As `Engine.use_precision`; bf16/fp16 also average each bucket in that dtype (cast for
-        the all-reduce, written back into the fp32 gradients)."""
-        super().use_precision(precision, loss_scaler, autocast=autocast)
-        if precision in DTYPES:
-            self.ddp.reduce_in(DTYPES[precision])
+    def reduce_gradients_in(self, dtype: torch.dtype) -> None:
+        """Average each bucket in `dtype` (cast for the all-reduce, written back into the fp32
+        gradients)."""
+        self.ddp.reduce_in(dtype)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Forward through `DataParallel`, which prepares this step's gradient reduction."""
@@ -99,14 +91,12 @@ class LocalSGDEngine(Engine):
         optimizer_factory: OptimizerFactory,
         ctx: Context,
         *,
-        loss_fn: LossFn | None = None,
-        grad_clip: float = 0.0,
         policy: LocalSGDPolicy | None = None,
+        **steps: Any,
     ) -> None:
+        """`steps`: `Engine`'s cross-cutting keywords (loss_fn, grad_clip, precision, ...)."""
         policy = policy if policy is not None else LocalSGDPolicy()
-        super().__init__(
-            module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-        )
+        super().__init__(module, optimizer_factory, ctx, policy=policy, **steps)
         self.period = policy.average_every
         self.algorithm = policy.algorithm
         self._steps = 0
@@ -168,31 +158,7 @@ class LocalSGDEngine(Engine):
         self.load_precision_state(state)
 
 
-def build_ddp(
-    model: nn.Module,
-    optimizer_factory: OptimizerFactory,
-    ctx: Context,
-    *,
-    loss_fn: LossFn | None = None,
-    grad_clip: float = 0.0,
-    policy: DDPPolicy | None = None,
-) -> Engine:
-    """tessera's DDP over the default group."""
-    return DDPEngine(
-        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-    )
-
-
-def build_local_sgd(
-    model: nn.Module,
-    optimizer_factory: OptimizerFactory,
-    ctx: Context,
-    *,
-    loss_fn: LossFn | None = None,
-    grad_clip: float = 0.0,
-    policy: LocalSGDPolicy | None = None,
-) -> Engine:
-    """Local SGD over the default group."""
-    return LocalSGDEngine(
-        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-    )
+build_ddp = DDPEngine
+"""The `ddp` strategy's builder (the registry's name for the engine class)."""
+build_local_sgd = LocalSGDEngine
+"""The `local-sgd` strategy's builder."""

@@ -24,7 +24,13 @@ shards), and `step` uses the learning rate in its `param_groups`, so a torch lea
 scheduler works unchanged.
 
 This base class is the `single` strategy (one process, no communication: the reference every
-other strategy equals); adapters override what their strategy changes.
+other strategy equals); adapters override what their strategy changes. The cross-cutting steps
+are written here once, and a strategy gives only hooks: `make_optimizer` (over what this rank
+steps), `local_gradients` (what its step reads), `squared_norm_share` and `reduce_squared_norm`
+(its share of the squared global norm and how the shares add up over its groups: clipping),
+`reduce_gradients_in` (the dtype its gradient reduction uses: precision), `no_sync` (what
+accumulation runs the first micro-batches under), `discard_gradients` (a skipped fp16 step). An
+engine is built whole in one step: `tessera.setup` hands every setting to the constructor.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from torch import nn
 
 from tessera.checkpoint.atomic import write_atomically
 from tessera.data.loader import select_keys
+from tessera.optim.clip import clip_grad_norm, sum_over
 from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.runtime.scalar import DeviceScalar
@@ -81,8 +88,7 @@ class Engine:
     sharded_checkpoint = False
     """True where every rank writes files of its own in `save` (ZeRO's shards)."""
     precision = "fp32"
-    """`fp32`, `bf16` or `fp16` (set by `use_precision`; class attributes: every engine has them,
-    also those that do not call `Engine.__init__`)."""
+    """`fp32`, `bf16` or `fp16` (set by `use_precision`, which `__init__` calls)."""
     loss_scaler: DynamicLossScaler | None = None
     """fp16's dynamic loss scaler, or None."""
     autocast_dtype: torch.dtype | None = None
@@ -90,7 +96,7 @@ class Engine:
     itself (ZeRO's bf16) or under fp32."""
 
     grad_accum = 1
-    """Micro-batches per `train_step` (gradient accumulation); `tessera.setup` sets it."""
+    """Micro-batches per `train_step` (gradient accumulation), from the constructor."""
     strategy_name: str | None = None
     """The strategy `tessera.setup` built this engine for; `save` records it, `load` names it."""
     items_over_ranks = False
@@ -106,9 +112,21 @@ class Engine:
         *,
         loss_fn: LossFn | None = None,
         grad_clip: float = 0.0,
+        grad_accum: int = 1,
+        precision: str = "fp32",
+        loss_scaler: DynamicLossScaler | None = None,
         policy: Any = None,
         optimizer: torch.optim.Optimizer | None = None,
+        batch_keys: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
+        strategy_name: str | None = None,
     ) -> None:
+        """Build the engine whole: `tessera.setup` passes every cross-cutting setting here.
+
+        Why so many parameters: each keyword is a step every strategy takes the same way (loss,
+        clip, accumulation, precision, batch keys), done here once; a subclass takes its own
+        knobs from `policy` and hands the rest on as `**steps`. `optimizer`: one the strategy
+        built itself (ZeRO's over its shards); else `make_optimizer(optimizer_factory)`.
+        """
         if isinstance(grad_clip, bool) or not grad_clip >= 0:
             raise ValueError(f"grad_clip must be >= 0 (0 turns clipping off), got {grad_clip!r}")
         self.module = module
@@ -118,12 +136,17 @@ class Engine:
         """`loss_fn(output, targets | batch)`, or None: dict batches then use the model's loss."""
         self.grad_clip = float(grad_clip)
         """`step` clips the global gradient norm to this first; 0: no clipping."""
+        self.grad_accum = grad_accum
+        self.batch_keys = batch_keys
+        self.strategy_name = strategy_name
         self.policy = policy if policy is not None else NoOptions()
         """The strategy's options (a frozen policy dataclass)."""
+        self.comm_seconds = 0.0
+        """Communication the last step waited for (not hidden behind compute), in seconds."""
         if optimizer is None:
             if optimizer_factory is None:
                 raise ValueError("an engine needs an optimizer factory (params -> Optimizer)")
-            optimizer = optimizer_factory(module.parameters())
+            optimizer = self.make_optimizer(optimizer_factory)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"the optimizer factory must return a torch.optim.Optimizer, got "
@@ -131,23 +154,37 @@ class Engine:
             )
         self.optimizer = optimizer
         """A `torch.optim.Optimizer`; the lr in its `param_groups` is the one `step` uses."""
-        self.comm_seconds = 0.0
-        """Communication the last step waited for (not hidden behind compute), in seconds."""
+        if precision != "fp32":  # a policy with its own low precision (ZeRO's) does not autocast
+            own = getattr(self.policy, "mixed_precision", None) is not None
+            self.use_precision(precision, loss_scaler, autocast=not own)
+
+    def make_optimizer(self, optimizer_factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer over what this rank steps: here the whole model's parameters (a
+        pipeline: its stage's). Called once, by `__init__`."""
+        return optimizer_factory(self.module.parameters())
 
     # -- precision -----------------------------------------------------------------------------
     def use_precision(
         self, precision: str, loss_scaler: DynamicLossScaler | None = None, *, autocast: bool = True
     ) -> None:
-        """Train in `precision` from now on (`tessera.setup` calls this once, before any step).
+        """Train in `precision` from now on (`__init__` calls this once, before any step).
 
         `autocast=False`: the strategy's weights are already in the low dtype (ZeRO's bf16).
         fp16 gets `loss_scaler` (default: a `DynamicLossScaler` with GradScaler's defaults).
-        Strategies that communicate gradients extend this to reduce them in the low dtype.
+        Gradients are communicated in the low dtype where the strategy communicates them
+        (`reduce_gradients_in`).
         """
         self.precision = precision
         self.autocast_dtype = DTYPES.get(precision) if autocast else None
         if precision == "fp16":
             self.loss_scaler = loss_scaler if loss_scaler is not None else DynamicLossScaler()
+        if precision in DTYPES:
+            self.reduce_gradients_in(DTYPES[precision])
+
+    def reduce_gradients_in(self, dtype: torch.dtype) -> None:
+        """Hook: reduce gradients over ranks in `dtype` from now on (mixed precision); the
+        strategies that average gradients with their own buckets override it. Here: nothing is
+        communicated."""
 
     @property
     def loss_scale(self) -> float | None:
@@ -298,10 +335,30 @@ class Engine:
         with self.autocast():
             return float(compute_loss(self.module, batch, self.loss_fn, model_name=name))
 
+    # -- clipping: the global gradient norm from each strategy's share -----------------------
+    def squared_norm_share(self) -> torch.Tensor | None:
+        """Hook: this rank's share of the squared global gradient norm, each element counted
+        once over the ranks `reduce_squared_norm` sums over (`tessera.optim.clip.squared_sum`).
+        None (here): the rank holds the whole gradient (one process, data parallelism's averaged
+        gradients), clipped by torch's own `clip_grad_norm_`, as in a plain loop."""
+        return None
+
+    def reduce_squared_norm(self, total: torch.Tensor) -> torch.Tensor:
+        """Hook: the sum of the ranks' `squared_norm_share`s (collective over every rank that
+        holds part of the gradient; here the world group, on its device). Called only with
+        more than one rank."""
+        return sum_over(None)(total)
+
     def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
-        """Scale gradients so their global norm is at most `max_norm`; return the norm before
-        (read from the device when used: `step` clips without waiting for it)."""
-        return DeviceScalar(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        """Scale this rank's `local_gradients` so the global norm is at most `max_norm`; return
+        the norm before (read when used: `step` clips without waiting for it). Every engine's
+        one clipping, over its hooks; collective where the gradient is split."""
+        share = self.squared_norm_share()
+        if share is None:
+            return DeviceScalar(nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+        reduce = self.reduce_squared_norm if self.ctx.world_size > 1 else None
+        grads = self.local_gradients()
+        return clip_grad_norm(grads, max_norm, local_sq_sum=share, all_reduce=reduce)
 
     def step(self) -> None:
         """Clip (if `grad_clip` > 0), step the optimizer at its own lr, clear the gradients.

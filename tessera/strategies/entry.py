@@ -109,7 +109,6 @@ def setup(
     batch_keys = _batch_keys(input_keys, target_keys)
     policy = make_policy(strategy, options)
     policy, precision = route_to_policy(policy, precision)
-    own_low_precision = getattr(policy, "mixed_precision", None) is not None
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
@@ -132,14 +131,19 @@ def setup(
 
         ctx = init()
     build = STRATEGIES[strategy]
-    engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
-    engine.grad_accum = grad_accum
-    engine.strategy_name = strategy
-    engine.batch_keys = batch_keys
-
-    if precision != "fp32":
-        engine.use_precision(precision, loss_scaler, autocast=not own_low_precision)
-    return engine
+    return build(  # built whole, in one step: the Engine does the cross-cutting steps
+        model,
+        optimizer,
+        ctx,
+        policy=policy,
+        loss_fn=loss_fn,
+        grad_clip=grad_clip,
+        grad_accum=grad_accum,
+        precision=precision,
+        loss_scaler=loss_scaler,
+        batch_keys=batch_keys,
+        strategy_name=strategy,
+    )
 
 
 def _batch_keys(

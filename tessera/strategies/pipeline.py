@@ -1,9 +1,10 @@
 """Strategies `pipeline` and `hybrid`: any model on a dp x tp x pp mesh, as an Engine.
 
 Order of composition (Megatron-LM, torchtitan): tensor parallelism inside each stage
-(`tessera.tensor_parallel.parallelize` with the policy's plan, or `parallelize_gpt` for the
-reference GPT), then the model cut into pipeline stages (`tessera.pipeline.Pipeline` over the pp
-group: an `nn.Sequential` or the GPT by layers, any other model at the `split` modules through
+(`tessera.tensor_parallel.parallelize_model` with the policy's plan, or the model's own: the
+reference GPT's), then the model cut into pipeline stages (`tessera.pipeline.Pipeline` over the
+pp group: an `nn.Sequential` or a model with a layer view of its own, the GPT's
+`tessera.pipeline.gpt.gpt_layers`, by layers; any other model at the `split` modules through
 PyTorch's pipeline frontend), then data parallelism over the dp group inside each stage
 (`dp_sharding.py`: tessera's DDP reducer or ZeRO-1/2, reducing during the stage's W pass).
 
@@ -22,52 +23,46 @@ built on the whole model, then narrowed to the stage before its first step).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.models import GPT
-from tessera.optim.clip import clip_grad_norm, squared_sum, sum_over
+from tessera.optim.clip import squared_sum
 from tessera.pipeline.chunks import forward_only_interleaved
 from tessera.pipeline.dp_sharding import StageDataParallel, StageZero
 from tessera.pipeline.evaluate import forward_only
-from tessera.pipeline.gpt import (
-    gpt_as_sequential,
-    gpt_balance,
-    gpt_split,
-    gpt_state_from_sequential,
-)
+from tessera.pipeline.gpt import gpt_layers
+from tessera.pipeline.layers import model_layers
 from tessera.pipeline.microbatch import batch_rows, take_rows
-from tessera.pipeline.partition import balance_from_split
 from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.pipeline.runner import Pipeline
 from tessera.runtime.context import Context
 from tessera.runtime.mesh import Mesh
-from tessera.runtime.scalar import DeviceScalar
 from tessera.strategies import batch as rule
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
 from tessera.strategies.stage_state import held, release_other_stages
 from tessera.strategies.step_loss import StepLoss
-from tessera.tensor_parallel import full_state_dict, parallelize, parallelize_gpt
+from tessera.tensor_parallel import full_state_dict, parallelize_model
 from tessera.tensor_parallel.layers import _Parallel, shard
 
 __all__ = ["HybridPolicy", "PipelineEngine", "PipelinePolicy", "build_hybrid", "build_pipeline"]
 
 
 class PipelineEngine(Engine):
-    """Data x tensor x pipeline parallel training of any model.
+    """Data x tensor x pipeline parallel training of any model (`pipeline` and `hybrid`).
 
     An `Engine` whose step runs every stage's micro-batches (`train_step` is the unit: the
-    forward alone is no pipeline step); save/load/export come from the base, over the dense
-    state this engine's `state_dict` gathers. `Engine.__init__` is not called: it would build an
-    optimizer over the whole model, and this engine's optimizer covers this rank's stage only.
-    Gradient accumulation is the pipeline's own: with `grad_accum` K, `tessera.setup` gives it K
-    times the policy's micro-batches, and one step over them reduces the gradients once.
+    forward alone is no pipeline step); clipping, precision, save/load/export come from the
+    base, over the hooks and the dense state this engine gives. Its optimizer covers this
+    rank's stage only (`make_optimizer`). Gradient accumulation is the pipeline's own: with
+    `grad_accum` K, `tessera.setup` gives it K times the policy's micro-batches, and one step
+    over them reduces the gradients once. `policy`: a `HybridPolicy`, or a `PipelinePolicy`
+    (every rank one stage: pp = world).
     """
 
     def __init__(
@@ -76,59 +71,43 @@ class PipelineEngine(Engine):
         optimizer_factory: OptimizerFactory,
         ctx: Context,
         *,
-        loss_fn: LossFn | None,
-        grad_clip: float,
-        policy: HybridPolicy,
+        policy: HybridPolicy | PipelinePolicy | None = None,
+        **steps: Any,
     ) -> None:
+        """`steps`: `Engine`'s cross-cutting keywords (loss_fn, grad_clip, precision, ...)."""
+        policy = _as_hybrid(policy, ctx.world_size)
         dp, tp = policy.dp, policy.tp
         pp = policy.pp or max(1, ctx.world_size // (dp * tp))
         if dp * tp * pp != ctx.world_size:
             raise ValueError(f"dp {dp} x tp {tp} x pp {pp} != world size {ctx.world_size}")
-        if grad_clip < 0:
-            raise ValueError(f"grad_clip must be >= 0, got {grad_clip}")
-        self.module, self.ctx, self.policy = model, ctx, policy
-        self.loss_fn, self.grad_clip, self.comm_seconds = loss_fn, grad_clip, 0.0
         state = model.state_dict(keep_vars=True)
         keys_of: dict[int, list[str]] = {}
         for key, tensor in state.items():
             keys_of.setdefault(id(tensor), []).append(key)
         self._aliases = {key: keys_of[id(t)] for key, t in state.items()}
         """Every state-dict key of the model -> every key of the same tensor (tied), in order."""
-        split = list(policy.split) if policy.split is not None else None
-        if isinstance(model, GPT) and split is not None:
-            split = gpt_split(split, model.config.n_layer)
-        if isinstance(model, GPT):
-            layer_count = model.config.n_layer + 2
-        else:
-            layer_count = len(model) if isinstance(model, nn.Sequential) else 0
-        eager = pp == 1 or (
-            isinstance(model, (GPT, nn.Sequential))
-            and (
-                split is None
-                or balance_from_split(layer_count, split, pp * policy.virtual_stages) is not None
-            )
-        )
+        v = policy.virtual_stages
+        # the model's own view where it has one (the GPT: embed, blocks, head), else itself
+        self.layers = gpt_layers(
+            model, policy.split, pp * v if v > 1 else None
+        ) or model_layers(model, policy.split)
+        eager = pp == 1 or self.layers.eager(pp * v)
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
         if tp > 1:  # before the cut: the plan replaces modules the stages then hold
-            _tensor_parallel(model, policy.plan, eager, self.tp_group)
-        layers = gpt_as_sequential(model) if isinstance(model, GPT) else model
+            _tensor_parallel(model, policy.plan, eager, self.tp_group, self.layers.own_tp_plan)
         if policy.zero and dp > 1 and not eager:
             raise ValueError(
-                f"zero={policy.zero} with a {type(model).__name__} split at {split}: ZeRO "
-                "builds its optimizer over the stage, known only once traced; use zero=0"
+                f"zero={policy.zero} with a {type(model).__name__} split at {self.layers.split}: "
+                "ZeRO builds its optimizer over the stage, known only once traced; use zero=0"
             )
-        v = policy.virtual_stages
         self.pipe = Pipeline(
-            layers,
+            self.layers.sequential(),
             num_microbatches=policy.microbatches,
             schedule=policy.schedule,
             group=self.mesh.group("pp"),
-            # the GPT interleaved: its blocks evenly over the pp * v chunks
-            balance=gpt_balance(model.config.n_layer, pp * v)
-            if isinstance(model, GPT) and v > 1 and split is None
-            else None,
-            split=split,
+            balance=self.layers.balance,
+            split=self.layers.split,
             timeout_s=ctx.timeout_s,
             defer_weight_grads=policy.defer_weight_grads,
             virtual_stages=v,
@@ -138,10 +117,14 @@ class PipelineEngine(Engine):
         """Averages (or shards) the stage's gradients over the dp group during the W pass."""
         self._pending_optimizer_state: dict[str, Any] | None = None
         self.params: list[nn.Parameter] = []
+        super().__init__(model, optimizer_factory, ctx, policy=policy, **steps)
+
+    def make_optimizer(self, optimizer_factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The stage's optimizer; a split traced on the first batch: the whole model's until
+        then, narrowed to the stage in `_adopt_stage`."""
         if self.pipe.ready:
-            self.optimizer = self._adopt_stage(None)
-        else:  # traced on the first batch: the whole model until then, narrowed in _adopt_stage
-            self.optimizer = optimizer_factory(list(model.parameters()))
+            return self._adopt_stage(None)
+        return optimizer_factory(list(self.module.parameters()))
 
     # ------------------------------------------------------------------------------ setup
     def _adopt_stage(self, built: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
@@ -185,8 +168,8 @@ class PipelineEngine(Engine):
                 timeout_s=self.ctx.timeout_s,
             )
             self.dp_sync.find_unused_parameters = self.policy.find_unused_parameters
-            if self.precision in DTYPES:  # (a traced split: set up after use_precision)
-                self.dp_sync.ddp.reduce_in(DTYPES[self.precision])
+            if self.precision in DTYPES:  # (a traced split: cut after use_precision)
+                self.reduce_gradients_in(DTYPES[self.precision])
         if built is None:
             return self._make_optimizer(self.params)
         mine = {id(p) for p in self.params}
@@ -197,14 +180,11 @@ class PipelineEngine(Engine):
             self._pending_optimizer_state = None
         return built
 
-    def use_precision(
-        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
-    ) -> None:
-        """As `Engine.use_precision`; bf16/fp16 also average the stage's gradients over the dp
-        group in that dtype (tessera's DDP buckets; ZeRO inside the stages reduces fp32)."""
-        super().use_precision(precision, loss_scaler, autocast=autocast)
-        if isinstance(self.dp_sync, StageDataParallel) and precision in DTYPES:
-            self.dp_sync.ddp.reduce_in(DTYPES[precision])
+    def reduce_gradients_in(self, dtype: torch.dtype) -> None:
+        """Average the stage's gradients over the dp group in `dtype` (tessera's DDP buckets;
+        ZeRO inside the stages reduces fp32). A traced split: once cut (`_adopt_stage`)."""
+        if isinstance(self.dp_sync, StageDataParallel):
+            self.dp_sync.ddp.reduce_in(dtype)
 
     @property
     def zero(self) -> StageZero | None:
@@ -235,11 +215,11 @@ class PipelineEngine(Engine):
         """Forward and backward of the global batch (this rank passes its shard); its mean loss
         (the dp replicas' means averaged without waiting, `StepLoss`)."""
         inputs, targets, loss_fn = self._replica_rows(self.as_pair(batch))
-        # fp16: the last stage's loss is scaled before its backward; the mean returned unscaled
-        # (the scale is a power of two: exact)
+        # fp16: the last stage's loss is scaled (`Engine.scaled`) before its backward; the mean
+        # returned unscaled (the scale is a power of two: exact)
         scale = self.loss_scale or 1.0
         if self.loss_scaler is not None:
-            loss_fn = _scaled_loss(loss_fn, scale)
+            loss_fn = _scaled_loss(loss_fn, self.scaled)
         counter = rule.item_counter(self.loss_fn, self.module)  # micro-batches by their items
         whole = self._whole_targets  # dp replicas averaged: each weighs by its items too
         total = counter(whole) if counter and whole is not None else None
@@ -287,29 +267,25 @@ class PipelineEngine(Engine):
             return batch[0], batch[1], self.loss_fn
         raise ValueError(f"a batch is a dict or an (inputs, targets) pair, not {type(batch)}")
 
-    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
-        """Global norm over every stage and shard (replicated and tied parameters once)."""
+    def squared_norm_share(self) -> torch.Tensor | None:
+        """The global norm's share of this rank (summed over the world group by
+        `Engine.reduce_squared_norm`): under ZeRO its slices of the stage's averaged gradients;
+        else dp rank 0 counts the stage (dp replicas hold equal gradients after averaging),
+        replicated and tied parameters once. None before a traced split is cut: every rank
+        then holds the whole model (no step has made gradients)."""
+        if not self.pipe.ready:
+            return None
         if self.zero is not None:  # each dp rank holds a distinct slice of the averaged grads
-            total, grads = self.zero.grad_norm_sq(), self.zero.inner.gradient_slices()
-        else:  # dp replicas hold equal gradients after averaging: dp rank 0 counts them
-            grads = [p.grad for p in self.params]
-            weights = self._norm_weight if self.mesh.rank("dp") == 0 else [0.0] * len(grads)
-            total = squared_sum(grads, weights)
-        all_reduce = sum_over(None) if self.ctx.world_size > 1 else None
-        return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
+            return self.zero.grad_norm_sq()
+        weights = self._norm_weight if self.mesh.rank("dp") == 0 else [0.0] * len(self.params)
+        return squared_sum(self.local_gradients(), weights)
 
-    def step(self) -> None:
-        """Clip (grad_clip > 0), step the optimizer at its own learning rate, zero the grads
-        (fp16: unscale first; skip on inf/nan on any rank)."""
-        if not self.unscale_or_skip():
-            return
-        if self.grad_clip > 0 and self.pipe.ready:
-            self.clip_grad_norm(self.grad_clip)
+    def optimizer_step(self) -> None:
+        """The stage's optimizer step (under ZeRO: its slices, then all-gathered), zero_grad."""
         if self.zero is not None:
             self.zero.step()
         else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            super().optimizer_step()
 
     def local_gradients(self) -> list[torch.Tensor | None]:
         """This rank's stage gradients (under ZeRO its reduced slices): what its step reads."""
@@ -346,9 +322,7 @@ class PipelineEngine(Engine):
             stage_state = stage.state_dict()
         own = self.module.state_dict()
         stage_state = {**stage_state, **{key: own[key] for key in self._unheld}}
-        state = self.pipe.full_state_dict(stage_state=stage_state)
-        if isinstance(self.module, GPT):
-            state = gpt_state_from_sequential(state, self.module.config.n_layer)
+        state = self.layers.model_keys(self.pipe.full_state_dict(stage_state=stage_state))
         # copies: on one stage nothing was gathered, and a payload must not follow the training
         # a tied tensor under whichever of its names a stage holds (T5: `shared.weight` is held
         # as `encoder.embed_tokens.weight` and `lm_head.weight`)
@@ -356,10 +330,7 @@ class PipelineEngine(Engine):
 
     def full_key(self, stage_key: str) -> str:
         """The model's own state-dict key of this rank's stage key `stage_key`."""
-        key = self.pipe.full_key(stage_key)
-        if isinstance(self.module, GPT):
-            key = next(iter(gpt_state_from_sequential({key: 0}, self.module.config.n_layer)))
-        return key
+        return next(iter(self.layers.model_keys({self.pipe.full_key(stage_key): 0})))
 
     def state_dict(self) -> dict[str, Any]:
         """Dense model and every rank's optimizer state (list by global rank); collective."""
@@ -415,71 +386,42 @@ class PipelineEngine(Engine):
 
 
 def _tensor_parallel(
-    model: nn.Module, plan: Mapping[str, str] | None, eager: bool, group: dist.ProcessGroup
+    model: nn.Module,
+    plan: Mapping[str, str] | None,
+    eager: bool,
+    group: dist.ProcessGroup,
+    own_plan: bool = False,
 ) -> None:
-    """Apply the plan (or the GPT's own) before the model is cut; refuse a traced split."""
+    """Apply the plan (or the model's own: `own_plan`) before the model is cut; refuse a
+    traced split."""
     name = type(model).__name__
     if not eager:
         raise ValueError(
             f"tp > 1 with a {name} split at named modules: traced stages run ATen graphs, not "
             "the modules a plan replaces; split an nn.Sequential at its layers, or use pp=1"
         )
-    if plan is not None:
-        parallelize(model, plan, group=group)
-    elif isinstance(model, GPT):
-        parallelize_gpt(model, group=group)
-    else:
+    if plan is None and not own_plan:
         raise ValueError(f"tp > 1 on a {name} needs plan={{module-name pattern: style}}")
+    parallelize_model(model, plan, group=group)
 
 
-def _scaled_loss(loss_fn: LossFn, scale: float) -> LossFn:
-    """`loss_fn` times the fp16 loss scale: the pipeline runs backward on what the loss returns."""
+def _scaled_loss(loss_fn: LossFn, scaled: Callable[[torch.Tensor], torch.Tensor]) -> LossFn:
+    """`loss_fn` then `scaled` (the engine's fp16 loss scaling): the pipeline runs backward on
+    what the loss returns."""
 
-    def scaled(output: Any, targets: Any) -> torch.Tensor:
-        return loss_fn(output, targets) * scale
+    def scaled_loss(output: Any, targets: Any) -> torch.Tensor:
+        return scaled(loss_fn(output, targets))
 
-    return scaled
-
-
-def build_pipeline(
-    model: nn.Module,
-    optimizer_factory: OptimizerFactory,
-    ctx: Context,
-    *,
-    loss_fn: LossFn | None = None,
-    grad_clip: float = 0.0,
-    policy: PipelinePolicy | None = None,
-) -> PipelineEngine:
-    """Every rank one pipeline stage of `model` (the mesh pp = world)."""
-    policy = policy or PipelinePolicy()
-    hybrid = HybridPolicy(
-        pp=ctx.world_size,
-        split=policy.split,
-        microbatches=policy.microbatches,
-        schedule=policy.schedule,
-        virtual_stages=policy.virtual_stages,
-        defer_weight_grads=policy.defer_weight_grads,
-    )
-    return PipelineEngine(
-        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=hybrid
-    )
+    return scaled_loss
 
 
-def build_hybrid(
-    model: nn.Module,
-    optimizer_factory: OptimizerFactory,
-    ctx: Context,
-    *,
-    loss_fn: LossFn | None = None,
-    grad_clip: float = 0.0,
-    policy: HybridPolicy | None = None,
-) -> PipelineEngine:
-    """dp x tp x pp training of `model` (pp 0: what dp and tp leave)."""
-    return PipelineEngine(
-        model,
-        optimizer_factory,
-        ctx,
-        loss_fn=loss_fn,
-        grad_clip=grad_clip,
-        policy=policy or HybridPolicy(),
-    )
+def _as_hybrid(policy: HybridPolicy | PipelinePolicy | None, world_size: int) -> HybridPolicy:
+    """The `pipeline` strategy's policy as the hybrid's with every rank one stage (pp = world);
+    None: `HybridPolicy()`."""
+    if not isinstance(policy, PipelinePolicy):
+        return policy or HybridPolicy()
+    return HybridPolicy(pp=world_size, pipeline=policy)
+
+
+build_pipeline = build_hybrid = PipelineEngine
+"""The builders of `pipeline` (a `PipelinePolicy`: every rank one stage) and `hybrid`."""

@@ -9,9 +9,12 @@ knobs it takes, resume on another world size, elastic restarts, its rank layout.
 here for tessera's own, and by a user's strategy on its policy or Engine class: the trainer reads
 the declaration and never a strategy's name.
 
-A builder is `build(model, optimizer_factory, ctx, *, loss_fn, grad_clip, policy) -> Engine`;
-a policy is a frozen dataclass whose fields are the strategy's options (`tessera.setup`'s
-keywords).
+A builder is an `Engine` class (or a function like one):
+`build(model, optimizer_factory, ctx, *, policy, **steps) -> Engine`, where `steps` are the
+`Engine` constructor's cross-cutting keywords (loss_fn, grad_clip, grad_accum, precision,
+loss_scaler, batch_keys, strategy_name), which a subclass hands on to `Engine.__init__`: the
+engine is whole when built. A policy is a frozen dataclass whose fields are the strategy's
+options (`tessera.setup`'s keywords).
 """
 
 from __future__ import annotations
@@ -49,30 +52,33 @@ __all__ = [
 _NO_OPTIONS = "tessera.strategies.engine:NoOptions"
 
 BUILTIN_STRATEGIES: dict[str, tuple[str, str]] = {
-    "single": ("tessera.strategies.single:build", _NO_OPTIONS),
+    "single": ("tessera.strategies.engine:Engine", _NO_OPTIONS),
     "torch-ddp": (
-        "tessera.strategies.torch_ddp:build",
+        "tessera.strategies.torch_ddp:TorchDDPEngine",
         "tessera.data_parallel.policy:TorchDDPPolicy",
     ),
-    "ddp": ("tessera.strategies.ddp:build_ddp", "tessera.data_parallel.policy:DDPPolicy"),
+    "ddp": ("tessera.strategies.ddp:DDPEngine", "tessera.data_parallel.policy:DDPPolicy"),
     "local-sgd": (
-        "tessera.strategies.ddp:build_local_sgd",
+        "tessera.strategies.ddp:LocalSGDEngine",
         "tessera.data_parallel.policy:LocalSGDPolicy",
     ),
-    "zero1": ("tessera.strategies.zero:build_zero1", "tessera.zero.policy:ZeroPolicy"),
-    "zero2": ("tessera.strategies.zero:build_zero2", "tessera.zero.policy:ZeroPolicy"),
-    "zero3": ("tessera.strategies.zero:build_zero3", "tessera.zero.policy:ZeroPolicy"),
+    "zero1": ("tessera.strategies.zero:Zero1Engine", "tessera.zero.policy:ZeroPolicy"),
+    "zero2": ("tessera.strategies.zero:Zero2Engine", "tessera.zero.policy:ZeroPolicy"),
+    "zero3": ("tessera.strategies.zero:Zero3Engine", "tessera.zero.policy:ZeroPolicy"),
     "pipeline": (
-        "tessera.strategies.pipeline:build_pipeline",
+        "tessera.strategies.pipeline:PipelineEngine",
         "tessera.pipeline.policy:PipelinePolicy",
     ),
     "tensor": (
-        "tessera.strategies.tensor:build_tensor",
+        "tessera.strategies.tensor:TensorEngine",
         "tessera.tensor_parallel.policy:TensorPolicy",
     ),
-    "hybrid": ("tessera.strategies.pipeline:build_hybrid", "tessera.pipeline.policy:HybridPolicy"),
+    "hybrid": (
+        "tessera.strategies.pipeline:PipelineEngine",
+        "tessera.pipeline.policy:HybridPolicy",
+    ),
 }
-"""tessera's strategies: name -> ("module:builder", "module:PolicyClass")."""
+"""tessera's strategies: name -> ("module:EngineClass", "module:PolicyClass")."""
 
 OWN_ENTRY_POINTS: dict[str, str] = {
     "ps": "tessera.strategies.ps:train_ps",
@@ -245,11 +251,12 @@ def register_strategy(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator adding a strategy `name` built by the decorated function (or Engine class).
 
-    It is called as `build(model, optimizer_factory, ctx, *, loss_fn, grad_clip, policy)` and
-    returns an `Engine`; `policy` is the frozen dataclass of its options (default: none): each
-    of its fields is also a `tessera train` option (`--FIELD`, YAML `options: {FIELD: ...}`).
-    What it can do (`Capabilities`: resume on another world size, elastic restarts, ...) comes
-    from `capabilities`, else a `capabilities` attribute of the policy class or of the decorated
+    It is called as `build(model, optimizer_factory, ctx, *, policy, **steps)` (an `Engine`
+    subclass takes `steps`, the cross-cutting keywords, as they are) and returns an `Engine`;
+    `policy` is the frozen dataclass of its options (default: none): each of its fields is also
+    a `tessera train` option (`--FIELD`, YAML `options: {FIELD: ...}`). What it can do
+    (`Capabilities`: resume on another world size, elastic restarts, ...) comes from
+    `capabilities`, else a `capabilities` attribute of the policy class or of the decorated
     Engine class, else the defaults (none of those). A name is registered once: reusing one
     raises ValueError.
     """

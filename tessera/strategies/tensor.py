@@ -1,6 +1,6 @@
 """Adapter for `strategy="tensor"`: Megatron-style tensor parallelism of any model over all ranks.
 
-`build(model, optimizer_factory, ctx, *, loss_fn, grad_clip, policy)` starts every rank from rank
+`TensorEngine(model, optimizer_factory, ctx, *, policy, **steps)` starts every rank from rank
 0's weights (broadcast, as DDP does), splits the model over the world group by the policy's plan
 (`tessera.tensor_parallel.parallelize_model`: the given plan, or the model's built-in one), and
 builds the optimizer over this rank's parameters: its shards of the split layers and its copy of
@@ -35,10 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tessera.optim.clip import clip_grad_norm, squared_sum, sum_over
+from tessera.optim.clip import squared_sum
 from tessera.runtime.context import Context
-from tessera.runtime.scalar import DeviceScalar
-from tessera.strategies.batch import LossFn, gather_batch
+from tessera.strategies.batch import gather_batch
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.step_loss import StepLoss
 from tessera.tensor_parallel import (
@@ -61,10 +60,10 @@ class TensorEngine(Engine):
         optimizer_factory: OptimizerFactory,
         ctx: Context,
         *,
-        loss_fn: LossFn | None = None,
-        grad_clip: float = 0.0,
         policy: TensorPolicy | None = None,
+        **steps: Any,
     ) -> None:
+        """`steps`: `Engine`'s cross-cutting keywords (loss_fn, grad_clip, precision, ...)."""
         policy = policy if policy is not None else TensorPolicy()
         model.to(ctx.device)
         if ctx.world_size > 1:  # a plan slices each rank's copy: the copies must be equal
@@ -73,9 +72,7 @@ class TensorEngine(Engine):
         # split in place: the split layers hold this rank's shards, and the optimizer the base
         # builds goes over this rank's shards and replicated parameters
         split_model = parallelize_model(model, policy.plan, group=None)
-        super().__init__(
-            split_model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-        )
+        super().__init__(split_model, optimizer_factory, ctx, policy=policy, **steps)
         self.params = list(self.module.parameters())
         split = [m for m in self.module.modules() if isinstance(m, _Parallel)]
         split_ids = {id(getattr(m, name)) for m in split for name in m.shard_dims}
@@ -97,13 +94,10 @@ class TensorEngine(Engine):
         """The global batch's mean loss (gathered as in `train_step`), on every rank."""
         return super()._eval_loss(gather_batch(batch))
 
-    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
-        """Scale every rank's gradients so the dense model's gradient norm is at most
-        `max_norm`; return the norm before. Collective."""
-        grads = [p.grad for p in self.params]
-        total = squared_sum(grads, self._norm_weight)
-        all_reduce = sum_over(None) if self.ctx.world_size > 1 else None
-        return clip_grad_norm(grads, max_norm, local_sq_sum=total, all_reduce=all_reduce)
+    def squared_norm_share(self) -> torch.Tensor:
+        """This rank's shards, and the replicated parameters on rank 0 only (summed over the
+        world group by `Engine.reduce_squared_norm`): the dense model's squared norm."""
+        return squared_sum(self.local_gradients(), self._norm_weight)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The dense model's `state_dict` with its plain keys, on every rank. Collective."""
@@ -137,20 +131,5 @@ class TensorEngine(Engine):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def build_tensor(
-    model: nn.Module,
-    optimizer_factory: OptimizerFactory,
-    ctx: Context,
-    *,
-    loss_fn: LossFn | None = None,
-    grad_clip: float = 0.0,
-    policy: TensorPolicy | None = None,
-) -> TensorEngine:
-    """The `tensor` strategy's Engine for `model` (split in place over every rank)."""
-    return TensorEngine(
-        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-    )
-
-
-build = build_tensor
-"""The adapter's builder under the name every adapter module has."""
+build = build_tensor = TensorEngine
+"""The `tensor` strategy's builder (the registry's name for the engine class)."""

@@ -18,9 +18,7 @@ from torch import nn
 
 from tessera.data_parallel.policy import TorchDDPPolicy
 from tessera.runtime.context import Context
-from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
-from tessera.strategies.precision import DTYPES
 
 __all__ = ["TorchDDPEngine", "TorchDDPPolicy", "build"]
 
@@ -36,14 +34,11 @@ class TorchDDPEngine(Engine):
         optimizer_factory: OptimizerFactory,
         ctx: Context,
         *,
-        loss_fn: LossFn | None = None,
-        grad_clip: float = 0.0,
         policy: TorchDDPPolicy | None = None,
+        **steps: Any,
     ) -> None:
+        """`steps`: `Engine`'s cross-cutting keywords (loss_fn, grad_clip, precision, ...)."""
         policy = policy if policy is not None else TorchDDPPolicy()
-        super().__init__(
-            module, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-        )
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         self.ddp = nn.parallel.DistributedDataParallel(
             module, device_ids=device_ids, find_unused_parameters=policy.find_unused_parameters
@@ -52,17 +47,13 @@ class TorchDDPEngine(Engine):
         for parameter in module.parameters():
             if parameter.requires_grad:
                 parameter.register_post_accumulate_grad_hook(self._mark_gradient)
+        super().__init__(module, optimizer_factory, ctx, policy=policy, **steps)
 
-    def use_precision(
-        self, precision: str, loss_scaler: Any = None, *, autocast: bool = True
-    ) -> None:
-        """As `Engine.use_precision`; bf16/fp16 also register a comm hook, so DDP all-reduces
-        each bucket in that dtype (before the first backward: DDP's rule). The hook is our own
-        `_compress_hook`, the shape of torch's `fp16_compress_hook` for either dtype (torch's
-        own bf16 hook refuses gloo)."""
-        super().use_precision(precision, loss_scaler, autocast=autocast)
-        if precision in DTYPES:
-            self.ddp.register_comm_hook(None, _compress_hook(DTYPES[precision]))
+    def reduce_gradients_in(self, dtype: torch.dtype) -> None:
+        """Register a comm hook, so DDP all-reduces each bucket in `dtype` (before the first
+        backward: DDP's rule). The hook is our own `_compress_hook`, the shape of torch's
+        `fp16_compress_hook` for either dtype (torch's own bf16 hook refuses gloo)."""
+        self.ddp.register_comm_hook(None, _compress_hook(dtype))
 
     def _mark_gradient(self, _parameter: torch.Tensor) -> None:
         self._last_gradient_at = time.perf_counter()
@@ -107,16 +98,5 @@ def _compress_hook(dtype: torch.dtype) -> Any:
     return hook
 
 
-def build(
-    model: nn.Module,
-    optimizer_factory: OptimizerFactory,
-    ctx: Context,
-    *,
-    loss_fn: LossFn | None = None,
-    grad_clip: float = 0.0,
-    policy: TorchDDPPolicy | None = None,
-) -> Engine:
-    """PyTorch DDP over the default group."""
-    return TorchDDPEngine(
-        model, optimizer_factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy
-    )
+build = TorchDDPEngine
+"""The `torch-ddp` strategy's builder (the registry's name for the engine class)."""

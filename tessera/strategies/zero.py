@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tessera.optim.clip import squared_sum
 from tessera.runtime.context import Context
-from tessera.runtime.scalar import DeviceScalar
-from tessera.strategies.batch import LossFn
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.zero.api import full_state_dict, shard
 from tessera.zero.checkpoint import load_shards, save_shard
@@ -32,6 +31,9 @@ from tessera.zero.policy import OffloadPolicy, ZeroPolicy
 __all__ = [
     "SHARD_ROOT",
     "OffloadPolicy",
+    "Zero1Engine",
+    "Zero2Engine",
+    "Zero3Engine",
     "ZeroEngine",
     "ZeroPolicy",
     "build_zero1",
@@ -49,33 +51,31 @@ class ZeroEngine(Engine):
     sharded_checkpoint = True
     items_over_ranks = True  # gradients averaged over ranks: Engine._items_scale
 
+    stage: int | None = None
+    """1, 2 or 3: the class of `strategy="zeroN"` sets it (`Zero1Engine`...), or the keyword."""
+
     def __init__(
         self,
         module: nn.Module,
         optimizer_factory: OptimizerFactory,
         ctx: Context,
         *,
-        stage: int,
-        loss_fn: LossFn | None = None,
-        grad_clip: float = 0.0,
+        stage: int | None = None,
         policy: ZeroPolicy | None = None,
+        **steps: Any,
     ) -> None:
+        """`steps`: `Engine`'s cross-cutting keywords (loss_fn, grad_clip, precision, ...)."""
         policy = policy if policy is not None else ZeroPolicy()
+        stage = stage if stage is not None else self.stage
+        if stage not in (1, 2, 3):
+            raise ValueError(f"a ZeroEngine needs stage 1, 2 or 3, got {stage!r}")
         self.stage = stage
         self._user_dtypes = {key: t.dtype for key, t in module.state_dict().items()}
         """The dtype of each tensor of the user's model: what `full_state_dict` (and so `export`)
         gives back, whatever ZeRO keeps (fp32 masters, of bf16 parameters too)."""
         self.zero = shard(module, optimizer_factory, stage=stage, policy=policy, device=ctx.device)
         """The ZeRO optimizer (`ZeroStage1/2/3`): reduce-scatter, sharded step, all-gather."""
-        super().__init__(
-            module,
-            None,
-            ctx,
-            loss_fn=loss_fn,
-            grad_clip=grad_clip,
-            policy=policy,
-            optimizer=self.zero.optimizer,
-        )
+        super().__init__(module, None, ctx, policy=policy, optimizer=self.zero.optimizer, **steps)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward (of the fp16-scaled loss); buckets are reduce-scattered as they fill, the end
@@ -96,9 +96,14 @@ class ZeroEngine(Engine):
         """Forget the reduced slices and the module's gradients (a skipped fp16 step)."""
         self.zero.zero_grad()
 
-    def clip_grad_norm(self, max_norm: float) -> DeviceScalar:
-        """Clip by the global norm, summed over every rank's gradient shard."""
-        return self.zero.clip_grad_norm(max_norm)
+    def squared_norm_share(self) -> torch.Tensor:
+        """The squared sum of this rank's slices: every element sits in one rank's slice."""
+        return squared_sum(self.local_gradients())
+
+    def reduce_squared_norm(self, total: torch.Tensor) -> torch.Tensor:
+        """Summed over ZeRO's group on its stream (offloaded: back on the host, where the
+        gradients are scaled)."""
+        return self.zero.reduce_squared_norm(total)
 
     def optimizer_step(self) -> None:
         """Step this rank's slices, all-gather (publish) them, clear the gradients."""
@@ -149,32 +154,23 @@ class ZeroEngine(Engine):
             close()
 
 
-def _builder(stage: int) -> Any:
-    def build(
-        model: nn.Module,
-        optimizer_factory: OptimizerFactory,
-        ctx: Context,
-        *,
-        loss_fn: LossFn | None = None,
-        grad_clip: float = 0.0,
-        policy: ZeroPolicy | None = None,
-    ) -> Engine:
-        return ZeroEngine(
-            model,
-            optimizer_factory,
-            ctx,
-            stage=stage,
-            loss_fn=loss_fn,
-            grad_clip=grad_clip,
-            policy=policy,
-        )
+class Zero1Engine(ZeroEngine):
+    """`strategy="zero1"`: optimizer states sharded."""
 
-    build.__name__ = build.__qualname__ = f"build_zero{stage}"
-    build.__doc__ = f"ZeRO stage {stage} over the default group."
-    build.sharded_checkpoint = True  # type: ignore[attr-defined]  (read by the trainer's faults)
-    return build
+    stage = 1
 
 
-build_zero1 = _builder(1)
-build_zero2 = _builder(2)
-build_zero3 = _builder(3)
+class Zero2Engine(ZeroEngine):
+    """`strategy="zero2"`: optimizer states and gradients sharded."""
+
+    stage = 2
+
+
+class Zero3Engine(ZeroEngine):
+    """`strategy="zero3"`: optimizer states, gradients and parameters sharded."""
+
+    stage = 3
+
+
+build_zero1, build_zero2, build_zero3 = Zero1Engine, Zero2Engine, Zero3Engine
+"""The registry's former builder names of the three stages."""

@@ -319,13 +319,12 @@ class ZeroOptimizer:
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale gradients to global norm <= `max_norm`; the norm is summed over all shards."""
-        return clip_grad_norm(  # offloaded: the norm is summed, reduced, and scales on the host
-            self.gradient_slices(),
-            max_norm,
-            all_reduce=lambda total: self._on_device(
-                self.collectives.run(_all_reduce_sum, self._on_device(total), self.group), host=True
-            ),
-        )
+        return clip_grad_norm(self.gradient_slices(), max_norm, all_reduce=self.reduce_squared_norm)
+
+    def reduce_squared_norm(self, total: torch.Tensor) -> torch.Tensor:
+        """A squared norm's shares summed over the group on its stream (offloaded: on the host)."""
+        sums = self.collectives.run(_all_reduce_sum, self._on_device(total), self.group)
+        return self._on_device(sums, host=True)
 
     def _on_device(self, tensor: torch.Tensor, host: bool = False) -> torch.Tensor:
         """`tensor` where the collectives run (a host value goes to the device: NCCL); `host`:
