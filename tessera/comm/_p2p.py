@@ -213,10 +213,19 @@ class Comm:
             if remaining <= 0 or not work.wait(datetime.timedelta(seconds=remaining)):
                 raise RuntimeError("timeout")
         except RuntimeError as exc:
-            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+            if not _gave_up(str(exc).lower()):
                 raise
             raise flight_recorder.timeout_error(
                 info.key, self.seq, info.ranks, self.op_name, self.timeout_s, peer_global
             ) from exc
         finally:
             progress.done_waiting()
+
+
+def _gave_up(message: str) -> bool:
+    """Whether a failed wait means a rank gave up on this collective: its own timeout, or a
+    peer's (a peer that times out first closes its connections, and gloo then reports
+    "Connection closed by peer" here): either way the ranks that never arrived are named."""
+    return any(
+        words in message for words in ("timeout", "timed out", "connection closed by peer")
+    )

@@ -131,19 +131,37 @@ def setup(
 
         ctx = init()
     build = STRATEGIES[strategy]
-    return build(  # built whole, in one step: the Engine does the cross-cutting steps
-        model,
-        optimizer,
-        ctx,
-        policy=policy,
-        loss_fn=loss_fn,
-        grad_clip=grad_clip,
-        grad_accum=grad_accum,
-        precision=precision,
-        loss_scaler=loss_scaler,
-        batch_keys=batch_keys,
-        strategy_name=strategy,
-    )
+    steps = dict(
+        loss_fn=loss_fn, grad_clip=grad_clip, grad_accum=grad_accum, precision=precision,
+        loss_scaler=loss_scaler, batch_keys=batch_keys, strategy_name=strategy,
+    )  # fmt: skip
+    if _takes_steps(build, steps):  # built whole, in one step: the Engine does them
+        return build(model, optimizer, ctx, policy=policy, **steps)
+    return _finished(build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip,
+                           policy=policy), steps)  # fmt: skip
+
+
+def _takes_steps(build: Any, steps: dict[str, Any]) -> bool:
+    """Whether `build` takes the cross-cutting keywords `steps` (an `Engine` class, or a function
+    with `**kwargs` or every one of them), not only the `loss_fn`, `grad_clip` and `policy` a
+    registered builder function took before engines were built in one step."""
+    if isinstance(build, type):
+        return True
+    parameters = inspect.signature(build).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return True
+    return set(steps) <= {p.name for p in parameters}
+
+
+def _finished(engine: Any, steps: dict[str, Any]) -> Any:
+    """An engine from a builder function of the old signature, given the steps it did not take
+    (as `setup` once did after every build), so registered strategies keep working."""
+    engine.grad_accum = steps["grad_accum"]
+    engine.strategy_name = steps["strategy_name"]
+    engine.batch_keys = steps["batch_keys"]
+    if steps["precision"] != "fp32":
+        engine.use_precision(steps["precision"], steps["loss_scaler"])
+    return engine
 
 
 def _batch_keys(
