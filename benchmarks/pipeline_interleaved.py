@@ -27,11 +27,14 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -46,9 +49,63 @@ V = 2
 ENGINES = (("gpipe", 1), ("1f1b", 1), ("interleaved", V))
 
 
-def _engine(schedule: str, v: int, m: int, p: int):
+class _DeviceTime(torch.autograd.Function):
+    """Identity whose forward sleeps `ms_per_row` per row and whose backward twice that: the
+    time a device of its own would take, during which this process holds no core (a GPU kernel
+    the host waits for). With it the stages of a 2-core machine behave as devices do: a stage
+    that waits costs the others nothing, so the schedule's bubble shows as time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ms_per_row: float) -> torch.Tensor:
+        ctx.ms = ms_per_row * x.shape[0]
+        time.sleep(ctx.ms / 1e3)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.ms / 1e3)
+        return grad, None
+
+
+class _Device(nn.Module):
+    def __init__(self, ms_per_row: float) -> None:
+        super().__init__()
+        self.ms_per_row = ms_per_row
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeviceTime.apply(x, self.ms_per_row)
+
+
+def _model_with(ms_per_row: float) -> nn.Sequential:
+    """`benchmarks/pipeline.py`'s model; with `ms_per_row` > 0 each block also takes that long
+    per row on an emulated device of its own (`_DeviceTime`)."""
+    model = _model()
+    if ms_per_row > 0:
+        for block in model:
+            block.append(_Device(ms_per_row))
+    return model
+
+
+def _one(ms_per_row: float, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    """Median step of the whole model on rank 0 (the others wait), broadcast to every rank."""
+    times = []
+    if dist.get_rank() == 0:
+        model = _model_with(ms_per_row)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(steps + 1):
+            began = time.perf_counter()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - began)
+    box = [statistics.median(times[1:]) if times else 0.0]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _engine(schedule: str, v: int, m: int, p: int, ms_per_row: float = 0.0):
     pipe = Pipeline(
-        _model(),
+        _model_with(ms_per_row),
         num_microbatches=m,
         schedule=schedule,
         virtual_stages=v,
@@ -64,15 +121,20 @@ def _engine(schedule: str, v: int, m: int, p: int):
     return step, list(pipe.module.parameters()), pipe
 
 
-def _bench(p: int, microbatches: list[int], rounds: int, batch: int = BATCH) -> dict:
+def _bench(
+    p: int, microbatches: list[int], rounds: int, batch: int = BATCH, ms_per_row: float = 0.0
+) -> dict:
     tessera.init()
     torch.set_num_threads(1)  # a core per rank: the stages must not share one through threads
     torch.manual_seed(1)
     x, y = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
-    one = _one_process(x, y, rounds)
+    one = _one(ms_per_row, x, y, rounds) if ms_per_row > 0 else _one_process(x, y, rounds)
     rows, drawn = [], None
     for m in microbatches:
-        engines = {f"{s} v={v}" if v > 1 else s: (_engine(s, v, m, p), s, v) for s, v in ENGINES}
+        engines = {
+            f"{s} v={v}" if v > 1 else s: (_engine(s, v, m, p, ms_per_row), s, v)
+            for s, v in ENGINES
+        }
         times = {name: [] for name in engines}
         idle = {name: [] for name in engines}
         for (step, params, _), _, _ in engines.values():
@@ -134,13 +196,19 @@ def main(argv: list[str] | None = None) -> None:
         "--batch", type=int, default=BATCH,
         help="rows a step: more rows, more compute per micro-batch against its fixed costs",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-ms-per-row", type=float, default=0.0,
+        help="emulate devices of their own: each block also sleeps this long per row in forward "
+        "(twice in backward), holding no core",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     load = os.getloadavg()
     results = []
     for p in args.stages:
         results.append(
             tessera.launch(
-                _bench, p, p, args.microbatches, args.rounds, args.batch, deadline_s=1800
+                _bench, p, p, args.microbatches, args.rounds, args.batch,
+                args.device_ms_per_row, deadline_s=1800,
             )[0]
         )
     machine = (
@@ -148,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         f"{load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     )
     lines = [
-        f"Machine: {machine}; batch {args.batch}; {args.rounds} rounds, medians.", "",
+        f"Machine: {machine}; batch {args.batch}; {args.rounds} rounds, medians"
+        + (f"; emulated devices, {args.device_ms_per_row:g} ms a row and block forward (x2 "
+           "backward)" if args.device_ms_per_row else "") + ".", "",
         *_table(results),
     ]  # fmt: skip
     print("\n".join(lines))
