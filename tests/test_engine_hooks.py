@@ -136,6 +136,27 @@ def test_setup_builds_the_engine_whole_in_one_step(monkeypatch):
     assert seen["reduce_in"] is torch.float16 and engine.loss_scaler is scaler
 
 
+def test_a_builder_function_of_the_old_signature_still_gets_every_step(monkeypatch):
+    """A strategy registered before engines were built in one step: a function taking
+    (model, factory, ctx, *, loss_fn, grad_clip, policy). `setup` finishes its engine as it
+    once did: accumulation, precision, loss scale, batch keys and the strategy's name."""
+    monkeypatch.setattr(registry, "_user_strategies", {})
+
+    @registry.register_strategy("test-old-builder")
+    def build(model, factory, ctx, *, loss_fn=None, grad_clip=0.0, policy=None):  # noqa: ANN001
+        return Engine(model, factory, ctx, loss_fn=loss_fn, grad_clip=grad_clip)
+
+    ctx = Context(0, 1, 0, 1, torch.device("cpu"), "gloo", 60.0)
+    engine = tessera.setup(
+        _model(), lambda params: torch.optim.SGD(params, lr=LR), strategy="test-old-builder",
+        grad_accum=2, precision="bf16", input_keys=["x"], target_keys=["y"], loss_fn=F.mse_loss,
+        grad_clip=0.5, ctx=ctx,
+    )  # fmt: skip
+    assert (engine.grad_accum, engine.precision, engine.grad_clip) == (2, "bf16", 0.5)
+    assert engine.autocast_dtype is torch.bfloat16
+    assert engine.batch_keys == (("x",), ("y",)) and engine.strategy_name == "test-old-builder"
+
+
 def test_every_builtin_strategy_is_its_engine_class():
     """No forwarding builder: the registry names each strategy's Engine class (the old
     `build_*` names stay, as the same objects)."""

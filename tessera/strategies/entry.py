@@ -137,8 +137,8 @@ def setup(
     )  # fmt: skip
     if _takes_steps(build, steps):  # built whole, in one step: the Engine does them
         return build(model, optimizer, ctx, policy=policy, **steps)
-    return _finished(build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip,
-                           policy=policy), steps)  # fmt: skip
+    engine = build(model, optimizer, ctx, loss_fn=loss_fn, grad_clip=grad_clip, policy=policy)
+    return _finished(engine, steps, own_low_precision=_owns_low_precision(policy))
 
 
 def _takes_steps(build: Any, steps: dict[str, Any]) -> bool:
@@ -153,14 +153,22 @@ def _takes_steps(build: Any, steps: dict[str, Any]) -> bool:
     return set(steps) <= {p.name for p in parameters}
 
 
-def _finished(engine: Any, steps: dict[str, Any]) -> Any:
+def _owns_low_precision(policy: Any) -> bool:
+    """Whether the strategy keeps its weights in the low dtype itself (ZeRO's bf16): no
+    autocast on top."""
+    return getattr(policy, "mixed_precision", None) is not None
+
+
+def _finished(engine: Any, steps: dict[str, Any], *, own_low_precision: bool) -> Any:
     """An engine from a builder function of the old signature, given the steps it did not take
     (as `setup` once did after every build), so registered strategies keep working."""
     engine.grad_accum = steps["grad_accum"]
     engine.strategy_name = steps["strategy_name"]
     engine.batch_keys = steps["batch_keys"]
     if steps["precision"] != "fp32":
-        engine.use_precision(steps["precision"], steps["loss_scaler"])
+        engine.use_precision(
+            steps["precision"], steps["loss_scaler"], autocast=not own_low_precision
+        )
     return engine
 
 
