@@ -143,12 +143,13 @@ def _timed(step, params, x, y) -> tuple[float, int]:
     return float(took), saved.peak
 
 
-def _one_process(x, y, steps: int, m: int = 1) -> float:
-    """Median step of the whole model on rank 0 while the other ranks wait; with m > 1 the batch
-    is processed as m accumulated micro-batches (the compute a pipeline of m cannot avoid)."""
+def _one_process(x, y, steps: int, m: int = 1, model_fn=None) -> float:
+    """Median step of the whole model (`model_fn()`, default `_model()`) on rank 0 while the
+    other ranks wait; with m > 1 the batch is processed as m accumulated micro-batches (the
+    compute a pipeline of m cannot avoid)."""
     times = []
     if dist.get_rank() == 0:
-        model = _model()
+        model = (model_fn or _model)()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         for _ in range(steps + 1):
             began = time.perf_counter()

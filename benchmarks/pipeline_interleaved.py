@@ -86,23 +86,6 @@ def _model_with(ms_per_row: float) -> nn.Sequential:
     return model
 
 
-def _one(ms_per_row: float, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
-    """Median step of the whole model on rank 0 (the others wait), broadcast to every rank."""
-    times = []
-    if dist.get_rank() == 0:
-        model = _model_with(ms_per_row)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-        for _ in range(steps + 1):
-            began = time.perf_counter()
-            F.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            times.append(time.perf_counter() - began)
-    box = [statistics.median(times[1:]) if times else 0.0]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _engine(schedule: str, v: int, m: int, p: int, ms_per_row: float = 0.0):
     pipe = Pipeline(
         _model_with(ms_per_row),
@@ -128,7 +111,7 @@ def _bench(
     torch.set_num_threads(1)  # a core per rank: the stages must not share one through threads
     torch.manual_seed(1)
     x, y = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
-    one = _one(ms_per_row, x, y, rounds) if ms_per_row > 0 else _one_process(x, y, rounds)
+    one = _one_process(x, y, rounds, model_fn=lambda: _model_with(ms_per_row))
     rows, drawn = [], None
     for m in microbatches:
         engines = {
