@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import tessera
 from tessera.comm import all_reduce, dump_on_failure, set_dump_dir
-from tessera.errors import RankFailedError
+from tessera.errors import CollectiveTimeout, RankFailedError
 from tessera.runtime.flight_recorder import install_signal_dump, reached
 from tessera.train import build_config
 from tessera.train.loop import train_worker
@@ -238,3 +238,32 @@ def test_sigusr1_is_answered_and_a_forked_childs_signal_does_not_reach_its_paren
     process.start()
     process.join(60)
     assert process.exitcode == 0  # -15: the child's SIGTERM woke the parent's watcher
+
+
+def _a_peer_gives_up_first() -> str:
+    """Rank 1 never joins; rank 2 waits on it with a short timeout, then closes its connections
+    (as a rank that gives up and exits does); rank 0, whose ring neighbour is rank 2, waits with a
+    long timeout and sees gloo's "Connection closed by peer" long before its own deadline."""
+    ctx = tessera.init()
+    all_reduce(torch.ones(8), algorithm="ring")
+    if ctx.rank == 1:
+        time.sleep(2 * TIMEOUT_S + 1)  # alive, never reaching the next collective
+        return ""
+    start = time.monotonic()
+    try:
+        all_reduce(torch.ones(8), algorithm="ring", timeout=TIMEOUT_S if ctx.rank == 2 else 30.0)
+    except CollectiveTimeout as exc:
+        if ctx.rank == 2:
+            dist.destroy_process_group()  # closes its connections, as an exiting rank does
+        return f"{time.monotonic() - start:.2f} {exc}"
+    return "completed"
+
+
+def test_a_wait_cut_short_by_a_peer_that_gave_up_names_the_missing_rank():
+    """The peer's closed connection is diagnosed like a timeout (the rank that never arrived
+    is named), not reported as gloo's bare "Connection closed by peer"."""
+    results = tessera.launch(_a_peer_gives_up_first, 3, deadline_s=60)
+    for rank in (0, 2):
+        message = results[rank].split(" ", 1)[1]
+        assert "ranks [1] have not reached" in message, (rank, message)
+    assert float(results[0].split()[0]) < 15.0, results[0]  # cut short by rank 2, not its 30 s
