@@ -25,12 +25,12 @@ from typing import Any
 
 from tessera.errors import ConfigError
 from tessera.strategies.capabilities import (
-    FOLDED,
     Capabilities,
     hybrid_layout,
     pipeline_layout,
     tensor_layout,
 )
+from tessera.strategies.knobs import options_of_named
 
 __all__ = [
     "BUILTIN_STRATEGIES",
@@ -39,6 +39,7 @@ __all__ = [
     "NOT_COMPILABLE",
     "OWN_ENTRY_POINTS",
     "STRATEGIES",
+    "builtin_policies",
     "capabilities",
     "check_compile",
     "offered_by",
@@ -88,22 +89,11 @@ run alike on every rank fits them: the trainer hands them the whole job,
 `entry(config, run_dir, resume, tools) -> summary`, `tools` the trainer's functions they call
 (`tessera.strategies.own_job.JobTools`)."""
 
-_ZERO_OFFLOAD = {
-    "offload": "offload",
-    "nvme_dir": FOLDED,
-    "nvme_buffer_mb": FOLDED,
-    "offload_moments": FOLDED,
-    "delayed_update": FOLDED,
-    "delayed_update_after": FOLDED,
-}
-"""The offload group of ZeRO's flags: one `OffloadPolicy`, ZeroPolicy's `offload`."""
-_ZERO = {"bucket_cap_mb": "bucket_cap_mb", **_ZERO_OFFLOAD}
-_PIPELINE = {
-    "split": "split",
-    "microbatches": "microbatches",
-    "schedule": "schedule",
-    "virtual_stages": "virtual_stages",
-}
+_OWN_POLICIES: dict[str, str] = {"ps": "tessera.parameter_server.options:PSPolicy"}
+"""The policy (its knobs) of each strategy that runs the job itself."""
+
+_ZERO_1_2 = options_of_named(BUILTIN_STRATEGIES["zero1"][1], leaving_out=("offload_params",))
+"""ZeRO's knobs (the offload group folded into its `offload`) but ZeRO-3's `offload_params`."""
 _SPLITS_STAGES = "it cuts the model into stages by running its modules one by one"
 _SPLIT_BY_STAGE = "its optimizer state is split by pipeline stage"
 _OWN_SPLIT = {"activation_checkpointing": False, "frees_gradients": True}
@@ -129,27 +119,23 @@ def _ps_world(config: Any, world_size: int | None) -> None:
 CAPABILITIES: dict[str, Capabilities] = {
     "single": Capabilities(one_process=True, resume_any_world=True),
     "torch-ddp": Capabilities(
-        options={"find_unused_parameters": "find_unused_parameters"},
+        options=options_of_named(BUILTIN_STRATEGIES["torch-ddp"][1]),
         elastic=True,
         resume_any_world=True,
     ),
     "ddp": Capabilities(
-        options={
-            "bucket_cap_mb": "bucket_cap_mb",
-            "comm_algorithm": "algorithm",
-            "find_unused_parameters": "find_unused_parameters",
-        },
+        options=options_of_named(BUILTIN_STRATEGIES["ddp"][1]),
         elastic=True,
         resume_any_world=True,
     ),
     "local-sgd": Capabilities(
-        options={"average_every": "average_every", "comm_algorithm": "algorithm"},
+        options=options_of_named(BUILTIN_STRATEGIES["local-sgd"][1]),
         world_bound="it keeps one model replica per rank between averages",
     ),
-    "zero1": Capabilities(options=_ZERO, elastic=True, resume_any_world=True),
-    "zero2": Capabilities(options=_ZERO, elastic=True, resume_any_world=True),
+    "zero1": Capabilities(options=_ZERO_1_2, elastic=True, resume_any_world=True),
+    "zero2": Capabilities(options=_ZERO_1_2, elastic=True, resume_any_world=True),
     "zero3": Capabilities(
-        options={**_ZERO, "offload_params": FOLDED},
+        options=options_of_named(BUILTIN_STRATEGIES["zero3"][1]),
         elastic=True,
         resume_any_world=True,
         builds_on_meta=True,
@@ -157,30 +143,21 @@ CAPABILITIES: dict[str, Capabilities] = {
         "forward",
     ),
     "pipeline": Capabilities(
-        options=_PIPELINE,
+        options=options_of_named(BUILTIN_STRATEGIES["pipeline"][1]),
         layout=pipeline_layout,
         world_bound=_SPLIT_BY_STAGE,
         not_compilable=_SPLITS_STAGES,
         **_OWN_SPLIT,
     ),
     "tensor": Capabilities(
-        options={"tp_plan": "plan"},
+        options=options_of_named(BUILTIN_STRATEGIES["tensor"][1]),
         layout=tensor_layout,
         world_bound="its parameters and optimizer state are split by tensor-parallel rank",
         not_compilable="its sharded layers issue collectives inside forward and backward",
         **_OWN_SPLIT,
     ),
     "hybrid": Capabilities(
-        options={
-            "dp": "dp",
-            "tp": "tp",
-            "pp": "pp",
-            "zero": "zero",
-            "tp_plan": "plan",
-            "bucket_cap_mb": "bucket_cap_mb",
-            "find_unused_parameters": "find_unused_parameters",
-            **_PIPELINE,
-        },
+        options=options_of_named(BUILTIN_STRATEGIES["hybrid"][1]),
         layout=hybrid_layout,
         world_bound="its parameters and optimizer state are split by stage and tensor-parallel "
         "rank",
@@ -188,9 +165,7 @@ CAPABILITIES: dict[str, Capabilities] = {
         **_OWN_SPLIT,
     ),
     "ps": Capabilities(
-        options={
-            name: name for name in ("servers", "workers", "consistency", "staleness", "slow_worker")
-        },
+        options=options_of_named(_OWN_POLICIES["ps"]),
         grad_accum=False,
         check_world=_ps_world,
         not_compilable="its workers run their own loop against the parameter servers",
@@ -243,7 +218,16 @@ def policy_class(name: str) -> type:
         return _user_strategies[name][1]
     if name in BUILTIN_STRATEGIES:
         return _load(BUILTIN_STRATEGIES[name][1])
+    if name in _OWN_POLICIES:
+        return _load(_OWN_POLICIES[name])
     raise _unknown(name)
+
+
+def builtin_policies() -> list[type]:
+    """The policy class of each of tessera's strategies, once each: the homes of the trainer's
+    knobs (`tessera.strategies.knobs`)."""
+    names = [*BUILTIN_STRATEGIES, *OWN_ENTRY_POINTS]
+    return list(dict.fromkeys(policy_class(name) for name in names))
 
 
 def register_strategy(

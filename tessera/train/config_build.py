@@ -112,5 +112,11 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
-    """The config as plain data, for config.yaml and checkpoints."""
-    return dataclasses.asdict(config)
+    """The config as plain data, for config.yaml and checkpoints: the run's own fields first,
+    then the strategies' knobs (`TrainConfig` inherits those, so they come first as fields)."""
+    data = dataclasses.asdict(config)
+    knobs = {f.name for f in dataclasses.fields(config) if "policy" in f.metadata}
+    return {
+        **{key: value for key, value in data.items() if key not in knobs},
+        **{key: value for key, value in data.items() if key in knobs},
+    }

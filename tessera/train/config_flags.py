@@ -15,11 +15,13 @@ __all__ = ["add_config_flags", "add_train_flags", "flag_layer"]
 
 
 def add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """Every config flag of `tessera train`: TrainConfig's, then the registered strategies'."""
+    """Every config flag of `tessera train`: the run's, then the strategies' knobs (generated
+    from their policies, `tessera.train.config_knobs`), then the registered strategies'."""
     from tessera.train.config import TrainConfig
 
-    taken = add_config_flags(parser, TrainConfig)
-    _add_strategy_flags(parser, taken)
+    knobs = parser.add_argument_group("strategy options (each declared on its strategy's policy)")
+    taken = add_config_flags(parser, TrainConfig, knobs=knobs)
+    _add_strategy_flags(knobs, taken)
 
 
 def _flag(name: str) -> str:
@@ -27,7 +29,7 @@ def _flag(name: str) -> str:
 
 
 def _add_flag(
-    parser: argparse.ArgumentParser, flag: str, dest: str, annotation: Any, help_text: str
+    parser: argparse._ActionsContainer, flag: str, dest: str, annotation: Any, help_text: str
 ) -> None:
     """`flag` into `dest`, typed by `annotation` (bool: --flag / --no-flag; X | None: X)."""
     if annotation is bool:
@@ -44,11 +46,18 @@ def _add_flag(
     )
 
 
-def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> set[str]:
-    """One flag per config field, typed and documented from the dataclass itself; the flags."""
+def add_config_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    knobs: argparse._ActionsContainer | None = None,
+) -> set[str]:
+    """One flag per config field, typed and documented from the dataclass itself; the flags.
+    `knobs`: where the strategies' knobs (fields with a home `"policy"`) go, after the others."""
     hints = typing.get_type_hints(cls)
     flags: set[str] = set()
-    for field in dataclasses.fields(cls):
+    ordered = sorted(dataclasses.fields(cls), key=lambda field: "policy" in field.metadata)
+    for field in ordered:
         annotation = hints[field.name]
         if field.metadata.get("cli") is False:  # (`options`: flags of their own, below)
             continue
@@ -62,12 +71,13 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
 
             help_text += f"; one of: {', '.join([*strategy_names(), *OWN_ENTRY_POINTS])}"
         flag = field.metadata.get("flag", _flag(field.name))
-        _add_flag(parser, flag, prefix + field.name, annotation, help_text)
+        target = knobs if knobs is not None and "policy" in field.metadata else parser
+        _add_flag(target, flag, prefix + field.name, annotation, help_text)
         flags.add(flag)
     return flags
 
 
-def _add_strategy_flags(parser: argparse.ArgumentParser, taken: set[str]) -> None:
+def _add_strategy_flags(parser: argparse._ActionsContainer, taken: set[str]) -> None:
     """A flag per policy field of each strategy added with `register_strategy` (`--FIELD`, into
     the config's `options`), unless a flag of that name exists; its type from the annotation."""
     from tessera.strategies.registry import user_policies
