@@ -26,10 +26,9 @@ each built-in strategy's `Capabilities.options` (`options_of`).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,6 @@ __all__ = [
     "knob_name",
     "option_names",
     "options_of",
-    "options_of_named",
 ]
 
 
@@ -127,39 +125,6 @@ def options_of(policy: type, *, leaving_out: Iterable[str] = ()) -> dict[str, st
                     options[name] = inner.name
     leave = set(leaving_out)
     return {knob: keyword for knob, keyword in options.items() if knob not in leave}
-
-
-class _NamedPolicyOptions(Mapping[str, str]):
-    """`options_of` a policy named "module:Class", imported on first read (so that the registry
-    declares its strategies' options without importing their libraries)."""
-
-    def __init__(self, target: str, leaving_out: Iterable[str]) -> None:
-        self._target, self._leaving_out = target, tuple(leaving_out)
-        self._options: dict[str, str] | None = None
-
-    def _read(self) -> dict[str, str]:
-        if self._options is None:
-            module, _, name = self._target.partition(":")
-            policy = getattr(importlib.import_module(module), name)
-            self._options = options_of(policy, leaving_out=self._leaving_out)
-        return self._options
-
-    def __getitem__(self, knob: str) -> str:
-        return self._read()[knob]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._read())
-
-    def __len__(self) -> int:
-        return len(self._read())
-
-    def __repr__(self) -> str:
-        return f"options_of({self._target})"
-
-
-def options_of_named(target: str, *, leaving_out: Iterable[str] = ()) -> Mapping[str, str]:
-    """`options_of` the policy class `target` ("module:Class"), read when first used."""
-    return _NamedPolicyOptions(target, leaving_out)
 
 
 def declared_knobs(policies: Iterable[type]) -> dict[str, Knob]:
