@@ -5,6 +5,8 @@ from it without changing a single one.
 tessera's strategies' `Capabilities.options` are generated from the policy fields that declare
 them (`tessera.strategies.knobs`). These tests hold the generation to what the hand-written lists
 were (captured below from main before the move), and each knob to exactly one declaring field.
+A built-in strategy is declared in its adapter file, found there by the registry, which spells
+no strategy's name.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+
+import pytest
 
 from tessera.cli import _parser
 from tessera.strategies.capabilities import FOLDED
@@ -223,3 +227,74 @@ def _every_policy() -> list[type]:
         ]
         pending += [t for t in typing.get_type_hints(policy).values() if isinstance(t, type)]
     return found
+
+
+TOY_ADAPTER = '''
+"""A built-in strategy's adapter file, as a new one would be written: nothing else is edited."""
+from dataclasses import dataclass, field
+
+from tessera.strategies.capabilities import Capabilities
+from tessera.strategies.engine import Engine
+from tessera.strategies.registry import declare_strategy
+
+
+@dataclass(kw_only=True, frozen=True)
+class ToyDepthPolicy:
+    toy_depth: int = field(default=2, metadata={"help": "toy-builtin: the depth (a test knob)."})
+
+    def __post_init__(self) -> None:
+        if self.toy_depth < 1:
+            raise ValueError(f"toy_depth must be at least 1, got {self.toy_depth}")
+
+
+declare_strategy(
+    "toy-builtin", Engine, policy=ToyDepthPolicy, capabilities=Capabilities(elastic=True)
+)
+'''
+
+
+def test_a_builtin_strategy_is_declared_in_its_adapter_file_and_found_there(tmp_path, monkeypatch):
+    import sys
+
+    import tessera.strategies as package
+    from tessera.strategies import registry
+    from tessera.strategies.engine import Engine
+    from tessera.strategies.entry import make_policy
+
+    (tmp_path / "toy_builtin_adapter.py").write_text(TOY_ADAPTER)
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    # the adapters already imported keep their declarations; the registry looks again
+    monkeypatch.setattr(registry, "_declared", dict(registry._builtins()))
+    monkeypatch.setattr(registry, "_discovered", False)
+    monkeypatch.delitem(sys.modules, "tessera.strategies.toy_builtin_adapter", raising=False)
+    try:
+        assert "toy-builtin" in registry.strategy_names()
+        assert registry.STRATEGIES["toy-builtin"] is Engine
+        caps = registry.capabilities("toy-builtin")
+        assert caps.elastic and dict(caps.options) == {"toy_depth": "toy_depth"}
+        knob = declared_knobs(registry.builtin_policies())["toy_depth"]  # a config field, a flag
+        assert (knob.default, knob.help) == (2, "toy-builtin: the depth (a test knob).")
+        with pytest.raises(ValueError, match="toy_depth must be at least 1"):
+            make_policy("toy-builtin", {"toy_depth": 0})
+    finally:
+        sys.modules.pop("tessera.strategies.toy_builtin_adapter", None)
+
+
+def test_the_registry_spells_no_strategy_name():
+    import ast
+    import inspect
+
+    from tessera.strategies import capabilities as capabilities_module
+    from tessera.strategies import registry
+
+    names = {*BUILTIN_STRATEGIES, *OWN_ENTRY_POINTS}
+    for module in (registry, capabilities_module):
+        tree = ast.parse(inspect.getsource(module))
+        spelled = {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in names
+        }
+        assert not spelled, (
+            f"{module.__name__} names strategies {spelled}: declare them in adapters"
+        )
