@@ -17,6 +17,7 @@ import typing
 
 import pytest
 
+from tessera import errors as tessera_errors
 from tessera.cli import _parser
 from tessera.strategies.capabilities import FOLDED
 from tessera.strategies.knobs import declared_knobs, home_of, knob_name
@@ -298,3 +299,39 @@ def test_the_registry_spells_no_strategy_name():
         assert not spelled, (
             f"{module.__name__} names strategies {spelled}: declare them in adapters"
         )
+
+
+def test_a_renamed_knob_keeps_its_old_flag_and_key_with_one_deprecation_line(monkeypatch, capsys):
+    from dataclasses import dataclass, field
+
+    from tessera.train import build_config, config_knobs
+    from tessera.train.config_flags import flag_layer
+
+    @dataclass(kw_only=True, frozen=True)
+    class Renamed:
+        width: int = field(default=1, metadata={"help": "w", "old_names": ("breadth",)})
+
+    assert config_knobs.renamed(declared_knobs([Renamed])) == {"breadth": "width"}
+    # as if DDPPolicy's fields said old_names=("bucket_mb",) and ("unused_ok",)
+    renames = {"bucket_mb": "bucket_cap_mb", "unused_ok": "find_unused_parameters"}
+    monkeypatch.setattr(config_knobs, "RENAMED", renames)
+    parser = _train_parser()
+    args = parser.parse_args(["--bucket-mb", "5", "--no-unused-ok", "--steps", "3"])
+    assert flag_layer(args) == {"bucket_cap_mb": 5.0, "find_unused_parameters": False, "steps": 3}
+    assert capsys.readouterr().err.splitlines() == [
+        "tessera: --bucket-mb is deprecated: use --bucket-cap-mb",
+        "tessera: --no-unused-ok is deprecated: use --no-find-unused-parameters",
+    ]
+    assert "--bucket-mb" not in parser.format_help()
+    config = build_config({"strategy": "ddp", "bucket_mb": 7.0}, {"unused_ok": True})
+    assert (config.bucket_cap_mb, config.find_unused_parameters) == (7.0, True)
+    assert capsys.readouterr().err.splitlines() == [
+        "tessera: config key 'bucket_mb' is deprecated: use 'bucket_cap_mb'",
+        "tessera: config key 'unused_ok' is deprecated: use 'find_unused_parameters'",
+    ]
+    with pytest.raises(tessera_errors.ConfigError, match="are one knob: set 'bucket_cap_mb'"):
+        build_config({"bucket_mb": 7.0, "bucket_cap_mb": 5.0})
+    # nothing renamed: the former names are unknown, as any other
+    monkeypatch.setattr(config_knobs, "RENAMED", {})
+    with pytest.raises(tessera_errors.ConfigError, match="unknown config key 'bucket_mb'"):
+        build_config({"bucket_mb": 7.0})

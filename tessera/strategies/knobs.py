@@ -15,6 +15,8 @@ keys (they import nothing from here, which sits above them):
   DDP's), declared there.
 - `"folds"`: a policy class whose knobs are flags of their own that the trainer folds into this
   one option (the offload group: `--nvme-dir`, `--offload-moments`... into ZeRO's `offload`).
+- `"old_names"`: former names of a renamed knob: its old flag and YAML key still work, each use
+  printing one deprecation line (`tessera.train.config_knobs.RENAMED`).
 
 A field of a policy whose type is itself a policy (`HybridPolicy.pipeline`) is a part: the part's
 knobs that the composed policy takes by name are the composed policy's options too.
@@ -60,6 +62,8 @@ class Knob:
     """The field's default (declared once, there)."""
     help: str
     """Its line in `tessera train --help`."""
+    old_names: tuple[str, ...] = ()
+    """Its former names (a renamed knob's old flag and YAML key, deprecated)."""
 
 
 def option_names(cls: type) -> list[str]:
@@ -158,6 +162,7 @@ def declared_knobs(policies: Iterable[type]) -> dict[str, Knob]:
                 annotation=field.metadata.get("config_type", hints[field.name]),
                 default=field.default,
                 help=field.metadata["help"],
+                old_names=tuple(field.metadata.get("old_names", ())),
             )
         pending.extend(_parts(policy).values())
     return knobs
