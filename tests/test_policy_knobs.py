@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import tessera
-from tessera.strategies.registry import BUILTIN_STRATEGIES, policy_class
+from tessera.strategies.registry import builtin_policies
 from tessera.train import TrainConfig, build_config
 from tessera.zero.policy import OffloadPolicy
 
@@ -55,6 +55,11 @@ BAD: dict[tuple[str, str], Any] = {
     ("HybridPolicy", "pipeline"): "1f1b",
     ("HybridPolicy", "tensor"): {},
     ("HybridPolicy", "data"): 25.0,
+    ("PSPolicy", "servers"): 0,
+    ("PSPolicy", "workers"): 0,
+    ("PSPolicy", "consistency"): "eventual",
+    ("PSPolicy", "staleness"): -1,
+    ("PSPolicy", "slow_worker"): "9:2",
 }
 """A value each policy field refuses."""
 
@@ -76,10 +81,10 @@ NOT_THE_POLICY = {
 
 
 def _policies() -> list[type]:
-    """Every policy class of tessera's strategies, with the parts they hold."""
+    """Every policy class of tessera's strategies (the parameter server's job's too), with the
+    parts they hold."""
     found: list[type] = []
-    for name in BUILTIN_STRATEGIES:
-        cls = policy_class(name)
+    for cls in builtin_policies():
         for each in (cls, *typing.get_type_hints(cls).values(), OffloadPolicy):
             if isinstance(each, type) and dataclasses.is_dataclass(each) and each not in found:
                 found.append(each)

@@ -8,7 +8,7 @@ can travel in a config. `DDPPolicy` drives `DataParallel`; `TorchDDPPolicy` PyTo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["DDPPolicy", "LocalSGDPolicy", "TorchDDPPolicy", "check_bucket_cap_mb", "check_flag"]
 
@@ -33,29 +33,27 @@ def _check_algorithm(algorithm: str) -> None:
 class DDPPolicy:
     """Bulk-synchronous data parallelism: gradients averaged over the ranks every step."""
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = field(
+        default=25.0, metadata={"help": "ddp: gradient bucket size in MB."}
+    )
     """Gradient bucket size in MB: a bucket's all-reduce starts once its gradients are ready."""
-    algorithm: str = "auto"
+    algorithm: str = field(
+        default="auto",
+        metadata={
+            "knob": "comm_algorithm",
+            "help": "ddp, local-sgd: all-reduce algorithm (tessera.comm).",
+        },
+    )
     """All-reduce algorithm of `tessera.comm` (`auto` chooses by the cost model)."""
-    find_unused_parameters: bool = False
+    find_unused_parameters: bool = field(
+        default=False, metadata={"help": "ddp/torch-ddp/hybrid: allow unused parameters."}
+    )
     """PyTorch DDP's knob: after each forward, find the parameters its output does not reach
     (an unused head) and average them as zero gradients; off, such a parameter is an error."""
 
     def __post_init__(self) -> None:
         check_bucket_cap_mb(self.bucket_cap_mb)
         _check_algorithm(self.algorithm)
-        check_flag("find_unused_parameters", self.find_unused_parameters)
-
-
-@dataclass(kw_only=True, frozen=True)
-class TorchDDPPolicy:
-    """PyTorch's own `DistributedDataParallel` (the anchor): the one knob a model may need."""
-
-    find_unused_parameters: bool = False
-    """Passed to `DistributedDataParallel` (its meaning: parameters the forward's output does
-    not reach are reduced as zero gradients)."""
-
-    def __post_init__(self) -> None:
         check_flag("find_unused_parameters", self.find_unused_parameters)
 
 
@@ -66,12 +64,32 @@ def check_flag(name: str, value: object) -> None:
 
 
 @dataclass(kw_only=True, frozen=True)
+class TorchDDPPolicy:
+    """PyTorch's own `DistributedDataParallel` (the anchor): the one knob a model may need."""
+
+    find_unused_parameters: bool = field(
+        default=DDPPolicy.find_unused_parameters,
+        metadata={"same_as": (DDPPolicy, "find_unused_parameters")},
+    )
+    """Passed to `DistributedDataParallel` (its meaning: parameters the forward's output does
+    not reach are reduced as zero gradients)."""
+
+    def __post_init__(self) -> None:
+        check_flag("find_unused_parameters", self.find_unused_parameters)
+
+
+@dataclass(kw_only=True, frozen=True)
 class LocalSGDPolicy:
     """Local SGD: every rank steps on its own gradients, parameters averaged every H steps."""
 
-    average_every: int = 8
+    average_every: int = field(
+        default=8,
+        metadata={"help": "local-sgd: average the parameters every this many steps."},
+    )
     """H: average the parameters over the ranks every this many steps (1: after every step)."""
-    algorithm: str = "auto"
+    algorithm: str = field(
+        default=DDPPolicy.algorithm, metadata={"same_as": (DDPPolicy, "algorithm")}
+    )
     """All-reduce algorithm of `tessera.comm` for the parameter average."""
 
     def __post_init__(self) -> None:

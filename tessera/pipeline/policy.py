@@ -44,17 +44,34 @@ def _check_pipeline(microbatches: Any, schedule: Any, virtual_stages: Any) -> No
 class PipelinePolicy:
     """Every rank one pipeline stage of the model."""
 
-    split: tuple[str, ...] | None = None
+    split: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "pipeline, hybrid with --model: module names where a new stage starts, "
+            "comma-separated.",
+            "config_type": str | None,
+        },
+    )
     """Names of the modules where a new stage starts (one fewer than the ranks), as
     `torch.distributed.pipelining`'s `SplitPoint.BEGINNING`; None: an `nn.Sequential` is cut by
     parameter count, the reference GPT after equal numbers of blocks."""
-    microbatches: int = 4
+    microbatches: int = field(
+        default=4, metadata={"help": "pipeline, hybrid: micro-batches per step."}
+    )
     """Micro-batches each batch is cut into (on dim 0 of every tensor)."""
-    schedule: str = "1f1b"
+    schedule: str = field(
+        default="1f1b",
+        metadata={"help": "pipeline, hybrid: naive, gpipe, 1f1b or interleaved."},
+    )
     """Order of the micro-batches' forward and backward passes: "naive", "gpipe", "1f1b" or
     "interleaved" (1F1B over `virtual_stages` model chunks per rank; microbatches a multiple of
     the stages; `split` then names p*v - 1 layers of an `nn.Sequential`)."""
-    virtual_stages: int = 1
+    virtual_stages: int = field(
+        default=1,
+        metadata={
+            "help": "pipeline, hybrid: model chunks per rank, >= 2 with --schedule interleaved."
+        },
+    )
     """Model chunks per rank (v): 1, or >= 2 with schedule "interleaved" (bubble / v)."""
     defer_weight_grads: bool | None = None
     """Compute linear weight gradients in one W pass per step (None: when microbatches > 1 and
@@ -88,13 +105,22 @@ class HybridPolicy:
     `tessera.setup(strategy="hybrid", ...)` passes them.
     """
 
-    dp: int = 1
+    dp: int = field(default=1, metadata={"help": "hybrid: data-parallel degree."})
     """Data-parallel replicas; each takes 1/dp of the global batch's rows."""
-    tp: int = 1
+    tp: int = field(default=1, metadata={"help": "hybrid: tensor-parallel degree."})
     """Tensor-parallel ranks inside each stage (needs `plan`, or the reference GPT)."""
-    pp: int = 0
+    pp: int = field(
+        default=0,
+        metadata={"help": "hybrid: pipeline stages; 0 takes the ranks left by dp and tp."},
+    )
     """Pipeline stages; 0: world size / (dp * tp)."""
-    zero: int = 0
+    zero: int = field(
+        default=0,
+        metadata={
+            "help": "hybrid: 1 shards optimizer states, 2 also gradients, over each stage's dp "
+            "group."
+        },
+    )
     """0, or 1 / 2: ZeRO-1 / ZeRO-2 over the dp axis inside each stage."""
     pipeline: PipelinePolicy = field(default_factory=PipelinePolicy)
     """The stages: split, microbatches, schedule, virtual_stages, defer_weight_grads."""

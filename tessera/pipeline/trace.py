@@ -47,13 +47,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import SymInt, fx, nn
-from torch.distributed.pipelining._IR import (
-    MultiUseParameterConfig,
-    Pipe,
-    SplitPoint,
-    annotate_split_points,
-)
-from torch.export import Dim
 
 from tessera.pipeline.microbatch import batch_rows
 
@@ -298,6 +291,11 @@ def _no_cache(model: nn.Module) -> Iterator[None]:
 def _export(model: nn.Module, split: list[str], example: Any, dynamic: bool) -> Any:
     """`torch.export` of `model` annotated at `split` (dim 0 of the batch symbolic if `dynamic`:
     None if the model does not allow it)."""
+    # (imported here, when a model is traced: torch's pipelining package takes ~2 s to import,
+    # which listing the strategies, `tessera train --help` and config checks need not pay)
+    from torch.distributed.pipelining._IR import SplitPoint, annotate_split_points
+    from torch.export import Dim
+
     args, kwargs = call_args(example)
     shapes = None
     if dynamic:
@@ -338,6 +336,8 @@ def _cut(
 ) -> tuple[list[TracedStage], int | None, bool]:
     """The stages of one traced graph, the rows every micro-batch must have (None: any), and
     whether the graph holds an operation a module's mode changes (`_depends_on_mode`)."""
+    from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe  # (see _export)
+
     program = _export(model, split, example, dynamic) if dynamic else None
     if program is None:
         program = _export(model, split, example, False)

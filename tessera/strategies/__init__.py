@@ -2,9 +2,10 @@
 
 The Engine protocol (`engine.py`), the batch rule (`batch.py`), the registry of strategy names
 (`registry.py`) and one small adapter per strategy, each building an Engine from the strategy
-libraries below (`tessera.data_parallel`, `tessera.zero`, `tessera.pipeline`, ...). Names load
-on first use (PEP 562): importing the registry alone (as `tessera train`'s config does) imports
-neither torch.distributed nor any strategy library.
+libraries below (`tessera.data_parallel`, `tessera.zero`, `tessera.pipeline`, ...) and declaring
+its strategy there (`registry.declare_strategy`). Names load on first use (PEP 562): importing
+the registry alone imports neither torch.distributed nor any strategy library; its first lookup
+imports the adapters, where the strategies are declared.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 `tessera train` needs to know, before any rank starts, things about the chosen strategy: which of
 its flags the strategy takes, whether its checkpoint loads on another world size, whether it can
 restart on fewer ranks, how it lays the ranks out (data x tensor x pipeline), whether it frees its
-gradients after a step. Each strategy says so in one `Capabilities` value: tessera's own in the
-registry (`tessera.strategies.registry`, which imports no engine, so validating a config stays
-light), a user's strategy on its policy class or its Engine class (`capabilities = ...`, read by
-`register_strategy`). Nothing in `tessera.train` spells a strategy's name.
+gradients after a step. Each strategy says so in one `Capabilities` value: tessera's own in its
+adapter file (`tessera.strategies.registry.declare_strategy`, which derives `options` from the
+strategy's policy: `tessera.strategies.knobs`), a user's strategy on its policy class or its
+Engine class (`capabilities = ...`, read by `register_strategy`). Nothing in `tessera.train` or
+the registry spells a strategy's name.
 
 The defaults are what an unknown strategy may safely be assumed to do: nothing beyond training
 on every rank alike (no elastic restart, no resume on another world size).
@@ -65,7 +66,8 @@ class Capabilities:
     options: Mapping[str, str] = field(default_factory=dict)
     """The `tessera train` knobs (config fields, flags) the strategy takes -> the keyword of its
     policy each becomes (`FOLDED`: taken as part of another option). A knob not listed is
-    refused where it would change nothing silently (`--offload`, `--split`, `--tp-plan`)."""
+    refused where it would change nothing silently (`--offload`, `--split`, `--tp-plan`).
+    tessera's strategies get theirs derived from their policies' fields (`declare_strategy`)."""
     elastic: bool = False
     """Restarts on fewer ranks after a lost rank (`tessera train --min-nproc`)."""
     resume_any_world: bool = False

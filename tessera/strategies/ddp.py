@@ -16,7 +16,9 @@ from tessera.data_parallel.naive import average_parameters
 from tessera.data_parallel.policy import DDPPolicy, LocalSGDPolicy
 from tessera.errors import CheckpointError
 from tessera.runtime.context import Context
+from tessera.strategies.capabilities import Capabilities
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.registry import declare_strategy
 
 __all__ = [
     "DDPEngine",
@@ -162,3 +164,16 @@ build_ddp = DDPEngine
 """The `ddp` strategy's builder (the registry's name for the engine class)."""
 build_local_sgd = LocalSGDEngine
 """The `local-sgd` strategy's builder."""
+
+declare_strategy(
+    "ddp",
+    DDPEngine,
+    policy=DDPPolicy,
+    capabilities=Capabilities(elastic=True, resume_any_world=True),
+)
+declare_strategy(
+    "local-sgd",
+    LocalSGDEngine,
+    policy=LocalSGDPolicy,
+    capabilities=Capabilities(world_bound="it keeps one model replica per rank between averages"),
+)

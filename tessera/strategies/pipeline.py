@@ -23,6 +23,7 @@ built on the whole model, then narrowed to the stage before its first step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,8 +44,10 @@ from tessera.runtime.context import Context
 from tessera.runtime.mesh import Mesh
 from tessera.strategies import batch as rule
 from tessera.strategies.batch import LossFn, gather_batch, model_loss, no_loss_message
+from tessera.strategies.capabilities import Capabilities, hybrid_layout, pipeline_layout
 from tessera.strategies.engine import Engine, OptimizerFactory
 from tessera.strategies.precision import DTYPES
+from tessera.strategies.registry import declare_strategy
 from tessera.strategies.stage_state import held, release_other_stages
 from tessera.strategies.step_loss import StepLoss
 from tessera.tensor_parallel import full_state_dict, parallelize_model
@@ -88,9 +91,9 @@ class PipelineEngine(Engine):
         """Every state-dict key of the model -> every key of the same tensor (tied), in order."""
         v = policy.virtual_stages
         # the model's own view where it has one (the GPT: embed, blocks, head), else itself
-        self.layers = gpt_layers(
-            model, policy.split, pp * v if v > 1 else None
-        ) or model_layers(model, policy.split)
+        self.layers = gpt_layers(model, policy.split, pp * v if v > 1 else None) or model_layers(
+            model, policy.split
+        )
         eager = pp == 1 or self.layers.eager(pp * v)
         self.mesh = Mesh(dp=dp, tp=tp, pp=pp)
         self.tp_group, self.dp_group = self.mesh.group("tp"), self.mesh.group("dp")
@@ -425,3 +428,30 @@ def _as_hybrid(policy: HybridPolicy | PipelinePolicy | None, world_size: int) ->
 
 build_pipeline = build_hybrid = PipelineEngine
 """The builders of `pipeline` (a `PipelinePolicy`: every rank one stage) and `hybrid`."""
+
+_MODEL_PARALLEL = Capabilities(
+    not_compilable="it cuts the model into stages by running its modules one by one",
+    activation_checkpointing=False,  # (it splits the GPT its own way)
+    frees_gradients=True,
+)
+declare_strategy(
+    "pipeline",
+    PipelineEngine,
+    policy=PipelinePolicy,
+    capabilities=dataclasses.replace(
+        _MODEL_PARALLEL,
+        layout=pipeline_layout,
+        world_bound="its optimizer state is split by pipeline stage",
+    ),
+)
+declare_strategy(
+    "hybrid",
+    PipelineEngine,
+    policy=HybridPolicy,
+    capabilities=dataclasses.replace(
+        _MODEL_PARALLEL,
+        layout=hybrid_layout,
+        world_bound="its parameters and optimizer state are split by stage and tensor-parallel "
+        "rank",
+    ),
+)

@@ -16,8 +16,15 @@ from typing import Any
 import torch
 
 from tessera.parameter_server.job import SERVERS_FOLDER, GPTJob, run_gpt_job
-from tessera.parameter_server.options import parse_slow_workers, ps_policy
+from tessera.parameter_server.options import (
+    PSPolicy,
+    check_ps_options,
+    parse_slow_workers,
+    ps_policy,
+)
+from tessera.strategies.capabilities import Capabilities
 from tessera.strategies.own_job import JobTools
+from tessera.strategies.registry import declare_strategy
 
 __all__ = ["SERVERS_FOLDER", "train_ps"]
 
@@ -73,3 +80,29 @@ def train_ps(config: Any, run_dir: str | Path, resume: bool, tools: JobTools) ->
         read_log=tools.read_metrics,
     )
     return run_gpt_job(job, run_dir, resume)
+
+
+def _ps_world(config: Any, world_size: int | None) -> None:
+    """The parameter server's job: servers + workers processes, whatever nproc says."""
+    check_ps_options(
+        servers=config.servers,
+        workers=config.workers,
+        consistency=config.consistency,
+        staleness=config.staleness,
+        slow_worker=config.slow_worker,
+        batch_size=config.batch_size,
+        world_size=world_size,
+    )
+
+
+declare_strategy(
+    "ps",
+    train_ps,
+    policy=PSPolicy,
+    own_job=True,
+    capabilities=Capabilities(
+        grad_accum=False,
+        check_world=_ps_world,
+        not_compilable="its workers run their own loop against the parameter servers",
+    ),
+)

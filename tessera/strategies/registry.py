@@ -1,13 +1,18 @@
-"""Strategy names, where their builders and policies live, loaded only when used.
+"""Strategy names, their builders, policies and declarations: found in the adapters, and users'.
 
-`tessera train --strategy NAME` and its config need the list of names; only a process that
-builds an engine needs the engine's code (and with it torch.distributed, the collectives, the
-pipeline runner...). So tessera's own strategies are "module:attribute" strings, imported when
-looked up: listing names or printing `--help` imports no engine. Users add theirs with
-`register_strategy(name, policy=...)`. What each strategy can do (`Capabilities`: the trainer
-knobs it takes, resume on another world size, elastic restarts, its rank layout...) is declared
-here for tessera's own, and by a user's strategy on its policy or Engine class: the trainer reads
-the declaration and never a strategy's name.
+Each of tessera's strategies is declared in its adapter file (`tessera/strategies/zero.py`...)
+by one `declare_strategy(name, build, policy=..., capabilities=...)` call: its name, its
+`Engine` class (or, for a strategy whose ranks play different roles, the entry point that runs
+the whole job), its policy dataclass (its knobs, each declared on its field:
+`tessera.strategies.knobs`) and what it can do (`Capabilities`: resume on another world size,
+elastic restarts, its rank layout...), whose `options` (the trainer knobs it takes) are derived
+from the policy. The registry finds the declarations by importing every module of
+`tessera.strategies` once, on the first lookup: adding a built-in strategy touches its library,
+its policy and its adapter file, never this one. That import costs about half a second after
+torch (the adapters import their libraries, not torch's pipelining, which loads when a model is
+traced); importing this module alone imports none of them. Users add strategies with
+`register_strategy(name, policy=...)`. The trainer reads the declarations and never a
+strategy's name.
 
 A builder is an `Engine` class (or a function like one):
 `build(model, optimizer_factory, ctx, *, policy, **steps) -> Engine`, where `steps` are the
@@ -19,28 +24,28 @@ options (`tessera.setup`'s keywords).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+import pkgutil
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 from tessera.errors import ConfigError
-from tessera.strategies.capabilities import (
-    FOLDED,
-    Capabilities,
-    hybrid_layout,
-    pipeline_layout,
-    tensor_layout,
-)
+from tessera.strategies.capabilities import Capabilities
+from tessera.strategies.knobs import options_of
 
 __all__ = [
     "BUILTIN_STRATEGIES",
     "CAPABILITIES",
     "Capabilities",
+    "Declared",
     "NOT_COMPILABLE",
     "OWN_ENTRY_POINTS",
     "STRATEGIES",
+    "builtin_policies",
     "capabilities",
     "check_compile",
+    "declare_strategy",
     "offered_by",
     "own_entry_point",
     "policy_class",
@@ -49,159 +54,132 @@ __all__ = [
     "user_policies",
 ]
 
-_NO_OPTIONS = "tessera.strategies.engine:NoOptions"
+_ADAPTERS = "tessera.strategies"
+"""The package whose modules declare tessera's strategies."""
 
-BUILTIN_STRATEGIES: dict[str, tuple[str, str]] = {
-    "single": ("tessera.strategies.engine:Engine", _NO_OPTIONS),
-    "torch-ddp": (
-        "tessera.strategies.torch_ddp:TorchDDPEngine",
-        "tessera.data_parallel.policy:TorchDDPPolicy",
-    ),
-    "ddp": ("tessera.strategies.ddp:DDPEngine", "tessera.data_parallel.policy:DDPPolicy"),
-    "local-sgd": (
-        "tessera.strategies.ddp:LocalSGDEngine",
-        "tessera.data_parallel.policy:LocalSGDPolicy",
-    ),
-    "zero1": ("tessera.strategies.zero:Zero1Engine", "tessera.zero.policy:ZeroPolicy"),
-    "zero2": ("tessera.strategies.zero:Zero2Engine", "tessera.zero.policy:ZeroPolicy"),
-    "zero3": ("tessera.strategies.zero:Zero3Engine", "tessera.zero.policy:ZeroPolicy"),
-    "pipeline": (
-        "tessera.strategies.pipeline:PipelineEngine",
-        "tessera.pipeline.policy:PipelinePolicy",
-    ),
-    "tensor": (
-        "tessera.strategies.tensor:TensorEngine",
-        "tessera.tensor_parallel.policy:TensorPolicy",
-    ),
-    "hybrid": (
-        "tessera.strategies.pipeline:PipelineEngine",
-        "tessera.pipeline.policy:HybridPolicy",
-    ),
-}
-"""tessera's strategies: name -> ("module:EngineClass", "module:PolicyClass")."""
 
-OWN_ENTRY_POINTS: dict[str, str] = {
-    "ps": "tessera.strategies.ps:train_ps",
-}
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """One of tessera's strategies, as its adapter file declares it."""
+
+    name: str
+    build: Callable[..., Any]
+    """Its `Engine` class (or builder); or, `own_job`, its entry point
+    `entry(config, run_dir, resume, tools) -> summary`."""
+    policy: type
+    """The frozen dataclass of its options."""
+    capabilities: Capabilities
+    """What it can do; `options` derived from `policy`."""
+    own_job: bool = False
+    """Its ranks play different roles (parameter servers and workers), so no `Engine` run alike
+    on every rank fits it: the trainer hands it the whole job, with `tools` the trainer's
+    functions it calls (`tessera.strategies.own_job.JobTools`)."""
+
+
+_declared: dict[str, Declared] = {}
+_discovered = False
+
+
+def declare_strategy(
+    name: str,
+    build: Callable[..., Any],
+    *,
+    policy: type,
+    capabilities: Capabilities | None = None,
+    leaving_out: Iterable[str] = (),
+    own_job: bool = False,
+) -> None:
+    """Declare one of tessera's strategies (called at the bottom of its adapter file).
+
+    `capabilities`' `options` are derived from `policy`'s fields (`knobs.options_of`), less
+    `leaving_out` (knobs of the policy this strategy does not take). A name is declared once.
+    """
+    if name in _declared:
+        raise ValueError(f"strategy {name!r} is declared twice")
+    caps = capabilities or Capabilities()
+    caps = dataclasses.replace(caps, options=options_of(policy, leaving_out=leaving_out))
+    _declared[name] = Declared(name, build, policy, caps, own_job)
+
+
+def _builtins() -> dict[str, Declared]:
+    """Every declared strategy, importing each module of `tessera.strategies` on first use."""
+    global _discovered
+    if not _discovered:
+        _discovered = True  # (set first: an adapter's import may look a name up)
+        try:
+            package = importlib.import_module(_ADAPTERS)
+            for module in pkgutil.iter_modules(package.__path__, _ADAPTERS + "."):
+                importlib.import_module(module.name)
+        except BaseException:
+            _discovered = False
+            raise
+    return _declared
+
+
+def _engines() -> dict[str, Declared]:
+    return {name: entry for name, entry in _builtins().items() if not entry.own_job}
+
+
+def _owns() -> dict[str, Declared]:
+    return {name: entry for name, entry in _builtins().items() if entry.own_job}
+
+
+def _target(obj: Any) -> str:
+    return f"{obj.__module__}:{obj.__qualname__}"
+
+
+V = TypeVar("V")
+
+
+class _Derived(Mapping[str, V], Generic[V]):
+    """A read-only view of the declarations, read when first used (listing the adapters imports
+    them): name -> `value(declaration)` of those `keep` selects."""
+
+    def __init__(self, keep: Callable[[Declared], bool], value: Callable[[Declared], V]) -> None:
+        self._keep, self._value = keep, value
+
+    def _read(self) -> dict[str, V]:
+        return {n: self._value(d) for n, d in _builtins().items() if self._keep(d)}
+
+    def __getitem__(self, name: str) -> V:
+        return self._read()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+    def __repr__(self) -> str:
+        return repr(self._read())
+
+
+BUILTIN_STRATEGIES: Mapping[str, tuple[str, str]] = _Derived(
+    lambda d: not d.own_job,
+    lambda d: (_target(d.build), _target(d.policy)),
+)
+"""tessera's Engine strategies: name -> ("module:EngineClass", "module:PolicyClass")."""
+
+OWN_ENTRY_POINTS: Mapping[str, str] = _Derived(
+    lambda d: d.own_job,
+    lambda d: _target(d.build),
+)
 """Strategies whose ranks play different roles (parameter servers and workers), so no `Engine`
 run alike on every rank fits them: the trainer hands them the whole job,
 `entry(config, run_dir, resume, tools) -> summary`, `tools` the trainer's functions they call
 (`tessera.strategies.own_job.JobTools`)."""
 
-_ZERO_OFFLOAD = {
-    "offload": "offload",
-    "nvme_dir": FOLDED,
-    "nvme_buffer_mb": FOLDED,
-    "offload_moments": FOLDED,
-    "delayed_update": FOLDED,
-    "delayed_update_after": FOLDED,
-}
-"""The offload group of ZeRO's flags: one `OffloadPolicy`, ZeroPolicy's `offload`."""
-_ZERO = {"bucket_cap_mb": "bucket_cap_mb", **_ZERO_OFFLOAD}
-_PIPELINE = {
-    "split": "split",
-    "microbatches": "microbatches",
-    "schedule": "schedule",
-    "virtual_stages": "virtual_stages",
-}
-_SPLITS_STAGES = "it cuts the model into stages by running its modules one by one"
-_SPLIT_BY_STAGE = "its optimizer state is split by pipeline stage"
-_OWN_SPLIT = {"activation_checkpointing": False, "frees_gradients": True}
-"""Model-parallel engines: they split the GPT their own way (no whole-model activation
-checkpointing), and their gradients are freed after each step."""
+CAPABILITIES: Mapping[str, Capabilities] = _Derived(
+    lambda d: True,
+    lambda d: d.capabilities,
+)
+"""What each of tessera's strategies can do (`Capabilities`), as its adapter file declares it;
+a user's strategy declares its own (`register_strategy`)."""
 
-
-def _ps_world(config: Any, world_size: int | None) -> None:
-    """The parameter server's job: servers + workers processes, whatever nproc says."""
-    from tessera.parameter_server.options import check_ps_options
-
-    check_ps_options(
-        servers=config.servers,
-        workers=config.workers,
-        consistency=config.consistency,
-        staleness=config.staleness,
-        slow_worker=config.slow_worker,
-        batch_size=config.batch_size,
-        world_size=world_size,
-    )
-
-
-CAPABILITIES: dict[str, Capabilities] = {
-    "single": Capabilities(one_process=True, resume_any_world=True),
-    "torch-ddp": Capabilities(
-        options={"find_unused_parameters": "find_unused_parameters"},
-        elastic=True,
-        resume_any_world=True,
-    ),
-    "ddp": Capabilities(
-        options={
-            "bucket_cap_mb": "bucket_cap_mb",
-            "comm_algorithm": "algorithm",
-            "find_unused_parameters": "find_unused_parameters",
-        },
-        elastic=True,
-        resume_any_world=True,
-    ),
-    "local-sgd": Capabilities(
-        options={"average_every": "average_every", "comm_algorithm": "algorithm"},
-        world_bound="it keeps one model replica per rank between averages",
-    ),
-    "zero1": Capabilities(options=_ZERO, elastic=True, resume_any_world=True),
-    "zero2": Capabilities(options=_ZERO, elastic=True, resume_any_world=True),
-    "zero3": Capabilities(
-        options={**_ZERO, "offload_params": FOLDED},
-        elastic=True,
-        resume_any_world=True,
-        builds_on_meta=True,
-        not_compilable="its module hooks gather and free each parameter's storage around every "
-        "forward",
-    ),
-    "pipeline": Capabilities(
-        options=_PIPELINE,
-        layout=pipeline_layout,
-        world_bound=_SPLIT_BY_STAGE,
-        not_compilable=_SPLITS_STAGES,
-        **_OWN_SPLIT,
-    ),
-    "tensor": Capabilities(
-        options={"tp_plan": "plan"},
-        layout=tensor_layout,
-        world_bound="its parameters and optimizer state are split by tensor-parallel rank",
-        not_compilable="its sharded layers issue collectives inside forward and backward",
-        **_OWN_SPLIT,
-    ),
-    "hybrid": Capabilities(
-        options={
-            "dp": "dp",
-            "tp": "tp",
-            "pp": "pp",
-            "zero": "zero",
-            "tp_plan": "plan",
-            "bucket_cap_mb": "bucket_cap_mb",
-            "find_unused_parameters": "find_unused_parameters",
-            **_PIPELINE,
-        },
-        layout=hybrid_layout,
-        world_bound="its parameters and optimizer state are split by stage and tensor-parallel "
-        "rank",
-        not_compilable=_SPLITS_STAGES,
-        **_OWN_SPLIT,
-    ),
-    "ps": Capabilities(
-        options={
-            name: name for name in ("servers", "workers", "consistency", "staleness", "slow_worker")
-        },
-        grad_accum=False,
-        check_world=_ps_world,
-        not_compilable="its workers run their own loop against the parameter servers",
-    ),
-}
-"""What each of tessera's strategies can do (`Capabilities`), declared here beside its name so
-that reading it imports no engine; a user's strategy declares its own (`register_strategy`)."""
-
-NOT_COMPILABLE: dict[str, str] = {
-    name: caps.not_compilable for name, caps in CAPABILITIES.items() if caps.not_compilable
-}
+NOT_COMPILABLE: Mapping[str, str] = _Derived(
+    lambda d: bool(d.capabilities.not_compilable),
+    lambda d: d.capabilities.not_compilable or "",
+)
 """Strategies under which `tessera train --compile` (torch.compile of the model) is refused, and
 why (from their `Capabilities`); the others (single, ddp, torch-ddp, local-sgd, zero1, zero2)
 keep the module whole and hook only its gradients, which a compiled module leaves to eager
@@ -218,19 +196,15 @@ def check_compile(strategy: str, compile: bool) -> None:
 _user_strategies: dict[str, tuple[Callable[..., Any], type, Capabilities]] = {}
 
 
-def _load(target: str) -> Any:
-    module_name, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module_name), attribute)
-
-
 def own_entry_point(name: str) -> Callable[..., Any] | None:
     """The entry point of strategy `name` if it runs the job itself, else None."""
-    return _load(OWN_ENTRY_POINTS[name]) if name in OWN_ENTRY_POINTS else None
+    entry = _owns().get(name)
+    return None if entry is None else entry.build
 
 
 def strategy_names() -> list[str]:
-    """Every Engine strategy name, sorted (imports no engine)."""
-    return sorted({*BUILTIN_STRATEGIES, *_user_strategies})
+    """Every Engine strategy name, sorted."""
+    return sorted({*_engines(), *_user_strategies})
 
 
 def _unknown(name: str) -> KeyError:
@@ -241,9 +215,15 @@ def policy_class(name: str) -> type:
     """The policy dataclass of strategy `name` (its options)."""
     if name in _user_strategies:
         return _user_strategies[name][1]
-    if name in BUILTIN_STRATEGIES:
-        return _load(BUILTIN_STRATEGIES[name][1])
+    if name in _builtins():
+        return _builtins()[name].policy
     raise _unknown(name)
+
+
+def builtin_policies() -> list[type]:
+    """The policy class of each of tessera's strategies, once each: the homes of the trainer's
+    knobs (`tessera.strategies.knobs`)."""
+    return list(dict.fromkeys(entry.policy for entry in _builtins().values()))
 
 
 def register_strategy(
@@ -261,19 +241,21 @@ def register_strategy(
     raises ValueError.
     """
     if policy is None:
-        policy = _load(_NO_OPTIONS)
+        from tessera.strategies.engine import NoOptions
+
+        policy = NoOptions
 
     def add(factory: Callable[..., Any]) -> Callable[..., Any]:
-        if name in BUILTIN_STRATEGIES or name in OWN_ENTRY_POINTS or name in _user_strategies:
+        if name in _builtins() or name in _user_strategies:
             raise ValueError(f"strategy {name!r} is registered twice")
-        declared = capabilities or _declared(policy) or _declared(factory) or Capabilities()
+        declared = capabilities or _declared_on(policy) or _declared_on(factory) or Capabilities()
         _user_strategies[name] = (factory, policy, declared)
         return factory
 
     return add
 
 
-def _declared(owner: Any) -> Capabilities | None:
+def _declared_on(owner: Any) -> Capabilities | None:
     found = getattr(owner, "capabilities", None)
     return found if isinstance(found, Capabilities) else None
 
@@ -282,8 +264,8 @@ def capabilities(name: str) -> Capabilities:
     """What strategy `name` (tessera's, a parameter-server-like entry point, or a user's) can do."""
     if name in _user_strategies:
         return _user_strategies[name][2]
-    if name in CAPABILITIES:
-        return CAPABILITIES[name]
+    if name in _builtins():
+        return _builtins()[name].capabilities
     raise _unknown(name)
 
 
@@ -300,17 +282,17 @@ def user_policies() -> dict[str, type]:
 
 
 class _StrategyTable(Mapping[str, Callable[..., Any]]):
-    """Read-only name -> builder view; looking a name up imports its module, listing does not."""
+    """Read-only name -> builder view of tessera's Engine strategies and users'."""
 
     def __getitem__(self, name: str) -> Callable[..., Any]:
         if name in _user_strategies:
             return _user_strategies[name][0]
-        if name in BUILTIN_STRATEGIES:
-            return _load(BUILTIN_STRATEGIES[name][0])
+        if name in _engines():
+            return _engines()[name].build
         raise _unknown(name)
 
     def __contains__(self, name: object) -> bool:
-        return name in BUILTIN_STRATEGIES or name in _user_strategies
+        return name in _engines() or name in _user_strategies
 
     def __iter__(self) -> Iterator[str]:
         return iter(strategy_names())

@@ -38,7 +38,9 @@ from torch import nn
 from tessera.optim.clip import squared_sum
 from tessera.runtime.context import Context
 from tessera.strategies.batch import gather_batch
+from tessera.strategies.capabilities import Capabilities, tensor_layout
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.registry import declare_strategy
 from tessera.strategies.step_loss import StepLoss
 from tessera.tensor_parallel import (
     TensorPolicy,
@@ -133,3 +135,16 @@ class TensorEngine(Engine):
 
 build = build_tensor = TensorEngine
 """The `tensor` strategy's builder (the registry's name for the engine class)."""
+
+declare_strategy(
+    "tensor",
+    TensorEngine,
+    policy=TensorPolicy,
+    capabilities=Capabilities(
+        layout=tensor_layout,
+        world_bound="its parameters and optimizer state are split by tensor-parallel rank",
+        not_compilable="its sharded layers issue collectives inside forward and backward",
+        activation_checkpointing=False,  # (it splits the GPT its own way)
+        frees_gradients=True,
+    ),
+)

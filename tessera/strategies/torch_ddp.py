@@ -18,7 +18,9 @@ from torch import nn
 
 from tessera.data_parallel.policy import TorchDDPPolicy
 from tessera.runtime.context import Context
+from tessera.strategies.capabilities import Capabilities
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.registry import declare_strategy
 
 __all__ = ["TorchDDPEngine", "TorchDDPPolicy", "build"]
 
@@ -100,3 +102,10 @@ def _compress_hook(dtype: torch.dtype) -> Any:
 
 build = TorchDDPEngine
 """The `torch-ddp` strategy's builder (the registry's name for the engine class)."""
+
+declare_strategy(
+    "torch-ddp",
+    TorchDDPEngine,
+    policy=TorchDDPPolicy,
+    capabilities=Capabilities(elastic=True, resume_any_world=True),
+)

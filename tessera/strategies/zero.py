@@ -23,7 +23,9 @@ from torch import nn
 
 from tessera.optim.clip import squared_sum
 from tessera.runtime.context import Context
+from tessera.strategies.capabilities import Capabilities
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.registry import declare_strategy
 from tessera.zero.api import full_state_dict, shard
 from tessera.zero.checkpoint import load_shards, save_shard
 from tessera.zero.policy import OffloadPolicy, ZeroPolicy
@@ -174,3 +176,22 @@ class Zero3Engine(ZeroEngine):
 
 build_zero1, build_zero2, build_zero3 = Zero1Engine, Zero2Engine, Zero3Engine
 """The registry's former builder names of the three stages."""
+
+_ELASTIC = Capabilities(elastic=True, resume_any_world=True)
+for _name, _engine in (("zero1", Zero1Engine), ("zero2", Zero2Engine)):
+    # ZeRO's knobs (the offload group folded into `offload`) but ZeRO-3's offload_params
+    declare_strategy(
+        _name, _engine, policy=ZeroPolicy, capabilities=_ELASTIC, leaving_out=("offload_params",)
+    )
+declare_strategy(
+    "zero3",
+    Zero3Engine,
+    policy=ZeroPolicy,
+    capabilities=Capabilities(
+        elastic=True,
+        resume_any_world=True,
+        builds_on_meta=True,
+        not_compilable="its module hooks gather and free each parameter's storage around every "
+        "forward",
+    ),
+)

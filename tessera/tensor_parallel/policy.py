@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["TensorPolicy"]
 
@@ -12,7 +12,15 @@ __all__ = ["TensorPolicy"]
 class TensorPolicy:
     """How `strategy="tensor"` splits the model over the ranks."""
 
-    plan: Mapping[str, str] | None = None
+    plan: Mapping[str, str] | None = field(
+        default=None,
+        metadata={
+            "knob": "tp_plan",
+            "help": "tensor, hybrid with --model: JSON/YAML file {module-name pattern: "
+            "column|row|embedding}.",
+            "config_type": str | None,
+        },
+    )
     """`{module-name pattern (fnmatch): style}`, styles "column", "row", "embedding", "vocab",
     "column_gather" (see `tessera.tensor_parallel.parallelize`). None: the model's own plan
     (tessera's GPT; Hugging Face GPT-2 and BERT, `plans.py`); any other model must be given one.

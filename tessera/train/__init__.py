@@ -1,9 +1,10 @@
 """The training loop, its config, metrics and checkpoints, on top of `tessera.strategies`.
 
 The config and the strategy registry (`tessera.strategies.registry`, re-exported here with
-`register_strategy`) load eagerly (they are light); the engines and the loop load on first use,
-so validating a config imports no engine: of the strategy libraries only their policies (each
-knob's default and check).
+`register_strategy`) load eagerly: the config's strategy knobs are generated from the strategies'
+policies, which the registry finds declared in the adapters (importing them costs about half a
+second after torch; torch's pipelining loads only when a model is traced); the loop loads on
+first use.
 """
 
 from __future__ import annotations

@@ -11,21 +11,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tessera.data_parallel.policy import DDPPolicy, LocalSGDPolicy
 from tessera.errors import ConfigError
-from tessera.pipeline.policy import HybridPolicy, PipelinePolicy
 from tessera.strategies.registry import (
     OWN_ENTRY_POINTS,
     STRATEGIES,
     capabilities,
     check_compile,
 )
-from tessera.tensor_parallel.policy import TensorPolicy
 from tessera.train.config_data import (
     LoaderSettings,
     check_eval_and_logging,
     check_loader_options,
 )
+from tessera.train.config_knobs import StrategyKnobs
 from tessera.train.config_optimizer import check_optimizer_options
 from tessera.train.config_sources import (
     job_world_size,
@@ -38,7 +36,6 @@ from tessera.train.config_strategy import (
     check_memory_options,
     check_model_parallel,
 )
-from tessera.zero.policy import OffloadPolicy, ZeroPolicy
 
 __all__ = [
     "LoaderSettings",
@@ -55,13 +52,6 @@ __all__ = [
 def _option(default: Any, help_text: str) -> Any:
     """A config field whose help text is shown by `tessera train --help`."""
     return field(default=default, metadata={"help": help_text})
-
-
-def _knob(policy: type, name: str, help_text: str) -> Any:
-    """A strategy's knob: its default is `policy`'s field `name` (declared there, once), and that
-    policy checks its value (`tessera.train.config_strategy.check_knob_values`)."""
-    default = policy.__dataclass_fields__[name].default
-    return field(default=default, metadata={"help": help_text, "policy": (policy, name)})
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -87,8 +77,9 @@ class ModelSettings:
 
 
 @dataclass(kw_only=True, frozen=True)
-class TrainConfig:
-    """One training run of `tessera train`."""
+class TrainConfig(StrategyKnobs):
+    """One training run of `tessera train`: the run's own fields, and (inherited) each
+    strategy's knobs, generated from the policies that declare them (`config_knobs`)."""
 
     strategy: str = _option(
         "ddp", "How training is split over ranks (torch-ddp: PyTorch's DDP, the anchor)."
@@ -137,16 +128,6 @@ class TrainConfig:
         0.1, "AdamW's weight decay (not SGD's), on parameters of 2+ dims: not biases, norms."
     )
     grad_clip: float = _option(1.0, "Clip the global gradient norm to this; 0 turns it off.")
-    bucket_cap_mb: float = _knob(DDPPolicy, "bucket_cap_mb", "ddp: gradient bucket size in MB.")
-    comm_algorithm: str = _knob(
-        DDPPolicy, "algorithm", "ddp, local-sgd: all-reduce algorithm (tessera.comm)."
-    )
-    find_unused_parameters: bool = _knob(
-        DDPPolicy, "find_unused_parameters", "ddp/torch-ddp/hybrid: allow unused parameters."
-    )
-    average_every: int = _knob(
-        LocalSGDPolicy, "average_every", "local-sgd: average the parameters every this many steps."
-    )
     mixed_precision: str | None = _option(
         None,
         "bf16 or fp16: compute under autocast (zero1-3 bf16: bf16 weights), gradients reduced in "
@@ -156,40 +137,6 @@ class TrainConfig:
     loss_scale_init: float = _option(2.0**16, "fp16: the first loss scale.")
     loss_scale_growth_interval: int = _option(
         2000, "fp16: double the loss scale after this many steps without inf/nan."
-    )
-    offload: str | None = _knob(
-        ZeroPolicy,
-        "offload",
-        "zero1-3 with adamw: cpu (ZeRO-Offload: the step runs on the host with CPUAdam) or nvme "
-        "(ZeRO-Infinity: optimizer state in files under nvme_dir, streamed through buffers).",
-    )
-    nvme_dir: str | None = _knob(
-        OffloadPolicy, "nvme_dir", "offload nvme: existing writable folder for the files."
-    )
-    nvme_buffer_mb: float = _knob(
-        OffloadPolicy, "nvme_buffer_mb", "offload nvme: memory of the streaming buffers, MB."
-    )
-    offload_params: bool = _knob(
-        OffloadPolicy,
-        "params",
-        "zero3 with offload: the parameter partitions go to the host (cpu) or nvme_dir.",
-    )
-    offload_moments: str = _knob(
-        OffloadPolicy,
-        "moments",
-        "offload cpu: how CPUAdam stores Adam's two moments: fp32, bf16 (round to nearest: fewer "
-        "bytes per step, an accuracy cost) or bf16-stochastic (stochastic rounding, unbiased).",
-    )
-    delayed_update: bool = _knob(
-        OffloadPolicy,
-        "delayed_update",
-        "offload cpu: one-step delayed parameter update (ZeRO-Offload's DPU): each host step "
-        "runs beside the next forward/backward, which use the parameters of one step before.",
-    )
-    delayed_update_after: int = _knob(
-        OffloadPolicy,
-        "delayed_update_after",
-        "delayed_update: steps run without delay first (the paper's 'few dozen').",
     )
     meta_init: bool = _option(
         True,
@@ -202,36 +149,6 @@ class TrainConfig:
         "zero1-3).",
     )
     compile: bool = _option(False, "torch.compile the model (not zero3, pipeline, tensor, ps).")
-    dp: int = _knob(HybridPolicy, "dp", "hybrid: data-parallel degree.")
-    tp: int = _knob(HybridPolicy, "tp", "hybrid: tensor-parallel degree.")
-    pp: int = _knob(
-        HybridPolicy, "pp", "hybrid: pipeline stages; 0 takes the ranks left by dp and tp."
-    )
-    zero: int = _knob(
-        HybridPolicy,
-        "zero",
-        "hybrid: 1 shards optimizer states, 2 also gradients, over each stage's dp group.",
-    )
-    microbatches: int = _knob(
-        PipelinePolicy, "microbatches", "pipeline, hybrid: micro-batches per step."
-    )
-    schedule: str = _knob(
-        PipelinePolicy, "schedule", "pipeline, hybrid: naive, gpipe, 1f1b or interleaved."
-    )
-    virtual_stages: int = _knob(
-        PipelinePolicy,
-        "virtual_stages",
-        "pipeline, hybrid: model chunks per rank, >= 2 with --schedule interleaved.",
-    )
-    servers: int = _option(1, "ps: parameter servers (the parameters are sharded over them).")
-    workers: int = _option(2, "ps: workers; each computes on 1/workers of the batch.")
-    consistency: str = _option("bsp", "ps: bsp, asp or ssp.")
-    staleness: int = _option(2, "ps: the bound K of ssp, in clocks.")
-    slow_worker: str | None = _option(
-        None,
-        "ps: WORKER:FACTOR (comma-separated for several) makes a worker FACTOR times slower."
-        " ps does not apply grad_clip.",
-    )
     model_factory: str | None = field(
         default=None,
         metadata={
@@ -261,16 +178,6 @@ class TrainConfig:
     )
     eval_data: str | None = _option(
         None, "Held-out data, as --data: loaded and checked before training starts."
-    )
-    split: str | None = _knob(
-        PipelinePolicy,
-        "split",
-        "pipeline, hybrid with --model: module names where a new stage starts, comma-separated.",
-    )
-    tp_plan: str | None = _knob(
-        TensorPolicy,
-        "plan",
-        "tensor, hybrid with --model: JSON/YAML file {module-name pattern: column|row|embedding}.",
     )
     corpus: str = _option("stdlib", "Text to train on: stdlib (Python's own source) or a path.")
     corpus_bytes: int = _option(1_000_000, "How many bytes of the corpus to read.")

@@ -93,6 +93,23 @@ def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _current_names(layer: dict[str, Any]) -> dict[str, Any]:
+    """`layer` with each renamed knob's former key (`config_knobs.RENAMED`) under its name, one
+    deprecation line per former key; both in one layer: ConfigError (set it once)."""
+    from tessera.train import config_knobs
+
+    if not isinstance(layer, dict) or not set(layer) & set(config_knobs.RENAMED):
+        return layer
+    current = dict(layer)
+    for old, new in config_knobs.RENAMED.items():
+        if old in current:
+            if new in current:
+                raise ConfigError(f"config keys {old!r} and {new!r} are one knob: set {new!r}")
+            config_knobs.warn_renamed(f"config key {old!r}", repr(new))
+            current[new] = current.pop(old)
+    return current
+
+
 def build_config(*layers: dict[str, Any]) -> TrainConfig:
     """Merge config layers (later ones win, nested `model:` merged key by key) and validate.
 
@@ -101,7 +118,7 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
     """
     merged: dict[str, Any] = {}
     for layer in layers:
-        merged = _merge(merged, layer)
+        merged = _merge(merged, _current_names(layer))
     merged, auto = _resolve_nproc(merged)
     try:
         return _build(TrainConfig, merged, "")
@@ -112,5 +129,11 @@ def build_config(*layers: dict[str, Any]) -> TrainConfig:
 
 
 def config_to_dict(config: TrainConfig) -> dict[str, Any]:
-    """The config as plain data, for config.yaml and checkpoints."""
-    return dataclasses.asdict(config)
+    """The config as plain data, for config.yaml and checkpoints: the run's own fields first,
+    then the strategies' knobs (`TrainConfig` inherits those, so they come first as fields)."""
+    data = dataclasses.asdict(config)
+    knobs = {f.name for f in dataclasses.fields(config) if "policy" in f.metadata}
+    return {
+        **{key: value for key, value in data.items() if key not in knobs},
+        **{key: value for key, value in data.items() if key in knobs},
+    }

@@ -8,7 +8,7 @@ huge pages of `offload="cpu"`, for one, were once set by `initialize` and not by
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.data_parallel.policy import DDPPolicy, check_bucket_cap_mb, check_flag
@@ -35,18 +35,51 @@ class OffloadPolicy:
 
     device: str = "cpu"
     """`cpu` (ZeRO-Offload) or `nvme` (ZeRO-Infinity)."""
-    nvme_dir: str | None = None
+    nvme_dir: str | None = field(
+        default=None,
+        metadata={"help": "offload nvme: existing writable folder for the files."},
+    )
     """`nvme`: an existing writable folder for the state files."""
-    nvme_buffer_mb: float = 64.0
+    nvme_buffer_mb: float = field(
+        default=64.0,
+        metadata={"help": "offload nvme: memory of the streaming buffers, MB."},
+    )
     """`nvme`: memory of the streaming buffers, in MB."""
-    params: bool = False
+    params: bool = field(
+        default=False,
+        metadata={
+            "knob": "offload_params",
+            "help": "zero3 with offload: the parameter partitions go to the host (cpu) or "
+            "nvme_dir.",
+        },
+    )
     """Stage 3: ZeRO-3's parameter partitions leave the device too (`cpu`: host memory, `nvme`:
     files), each gather copying them up ahead of use."""
-    moments: str = "fp32"
+    moments: str = field(
+        default="fp32",
+        metadata={
+            "knob": "offload_moments",
+            "help": "offload cpu: how CPUAdam stores Adam's two moments: fp32, bf16 (round to "
+            "nearest: fewer bytes per step, an accuracy cost) or bf16-stochastic (stochastic "
+            "rounding, unbiased).",
+        },
+    )
     """`cpu`: how CPUAdam stores Adam's moments: fp32, bf16 or bf16-stochastic."""
-    delayed_update: bool = False
+    delayed_update: bool = field(
+        default=False,
+        metadata={
+            "help": "offload cpu: one-step delayed parameter update (ZeRO-Offload's DPU): each "
+            "host step runs beside the next forward/backward, which use the parameters of one "
+            "step before."
+        },
+    )
     """`cpu`: one-step delayed parameter update (DPU), the host step beside the next backward."""
-    delayed_update_after: int = DEFAULT_WARMUP_STEPS
+    delayed_update_after: int = field(
+        default=DEFAULT_WARMUP_STEPS,
+        metadata={
+            "help": "delayed_update: steps run without delay first (the paper's 'few dozen')."
+        },
+    )
     """`delayed_update`: steps run in place before the delay starts."""
 
     def __post_init__(self) -> None:
@@ -80,14 +113,25 @@ class ZeroPolicy:
     `OffloadPolicy(device="cpu")`).
     """
 
-    bucket_cap_mb: float = DDPPolicy.bucket_cap_mb
+    bucket_cap_mb: float = field(
+        default=DDPPolicy.bucket_cap_mb, metadata={"same_as": (DDPPolicy, "bucket_cap_mb")}
+    )
     """Stages 1-2: gradient bucket size in MB (stage 3 reduces per gather unit); DDP's knob, as
     stages 1-2 reduce through DDP's buckets: its default and its check."""
     mixed_precision: str | None = None
     """`bf16`: compute and communicate in bf16, fp32 master weights and optimizer state."""
     units: Sequence[Any] | Any | None = None
     """Stage 3: module classes and/or name patterns gathered as one (default: every block)."""
-    offload: OffloadPolicy | str | None = None
+    offload: OffloadPolicy | str | None = field(
+        default=None,
+        metadata={
+            "help": "zero1-3 with adamw: cpu (ZeRO-Offload: the step runs on the host with "
+            "CPUAdam) or nvme (ZeRO-Infinity: optimizer state in files under nvme_dir, streamed "
+            "through buffers).",
+            "config_type": str | None,
+            "folds": OffloadPolicy,
+        },
+    )
     """Offload of the optimizer step and state, or None."""
     init_fn: Callable[[Any], None] | None = None
     """Stage 3, a model built on the meta device: `init_fn(module)` initialises each module's own
