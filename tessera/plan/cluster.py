@@ -10,8 +10,8 @@ processes of this machine.
 the thread count a rank of `--nproc` ranks gets), the cost of torch's AdamW step per parameter and
 per tensor with those threads, and the cost model's constants fitted by `tessera.comm.calibrate`
 on that many local ranks (at least two), and what a pipeline step costs there besides compute
-(`plan.pipeline_cost`: per message, per step). They are cached in a JSON file, so a run measures once
-per machine and rank count (`recalibrate=True` measures again).
+(`plan.pipeline_cost`: per message, per step). They are cached in a JSON file, so a run
+measures once per machine and rank count (`recalibrate=True` measures again).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
 
 import torch
 from torch import nn
