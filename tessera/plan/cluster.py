@@ -88,9 +88,9 @@ class Cluster:
     schedule's host work, on cores the ranks share). None: the link's latency α, each
     device paying its own messages (a GPU's copy engines move them)."""
     pipeline_step_s: float = 0.0
-    """Seconds a pipeline engine's step adds whatever its micro-batches (this machine: the
-    gather of the global batch over all ranks, the loss broadcast and mean; measured by
-    `plan.pipeline_cost`). 0: not priced."""
+    """Seconds a pipeline engine's step adds whatever its micro-batches, beyond what a
+    data-parallel engine's step costs (this machine: the gather of the global batch over all
+    ranks, the loss broadcast; measured by `plan.pipeline_cost`). 0: not priced."""
     algorithms: tuple[str, ...] = ("native",)
     """Collective algorithms the cost model may choose between (`comm.cost.choose`)."""
     measured: dict[str, Any] = field(default_factory=dict)

@@ -4,8 +4,9 @@ The planner prices a pipeline message as a link's latency plus its bytes over th
 α-β of `comm.calibrate`, which times collectives issued back to back by ranks that do nothing
 else. A pipeline engine's step on processes sharing cores costs more than that, and not in its
 compute (BENCHMARKS.md "plan_check": 4 ranks on 2 cores ran the hybrid dp=2 pp=2 56-88 ms a step
-above its prediction at the achieved compute rate, while its ranks' CPU time showed the cores
-busy, not idle: the time goes to host work, not to a bubble):
+above its prediction at the achieved compute rate; timed here with other jobs beside it, its
+four ranks' CPU time filled the two cores for about 93% of the step, each rank's 25-45 ms more
+than the same rows through the whole model: host work, not a bubble):
 * per message (an activation forward or a gradient backward across one stage boundary, per
   micro-batch): the send's copy, the receiver's wake-up (a process that slept in poll() waits
   for a core the others hold), the schedule's per-micro-batch actions around it;
@@ -116,8 +117,8 @@ def measure_pipeline(ranks: int, beta: float) -> dict[str, float]:
     """{"pipeline_message_s", "pipeline_step_s"} of `ranks` local ranks (see the module
     docstring): a message's cost besides its bytes (`beta` seconds a byte, the link's), and
     what the pipeline engine's step costs whatever its micro-batches beyond a data-parallel
-    engine's. Each step time is the
-    slowest rank's (a synchronous step waits for it), the median over steps."""
+    engine's. Each step time is the slowest rank's (a synchronous step waits for it), the
+    median over steps."""
     from tessera.runtime.launch import launch
 
     ranks = max(2, ranks)
