@@ -104,3 +104,36 @@ def test_the_stand_in_pipeline_measures_a_cost_per_message_and_per_step():
     assert set(found) == {"pipeline_message_s", "pipeline_step_s"}
     assert 0.0 <= found["pipeline_message_s"] < 1.0
     assert 0.0 < found["pipeline_step_s"] < 1.0
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_the_calibration_reads_a_cost_per_message_and_per_step_off_the_step_times(
+    ranks, monkeypatch
+):
+    """Step times made here (a + b m on each rank, the last rank slowest; a data-parallel step
+    d): the slope over the messages a micro-batch sends per rank (2 (p - 1) / p, counted from
+    the schedule) less the stand-in's bytes at β is the message, the intercept less d the step."""
+    import importlib
+
+    from tessera.plan.pipeline_cost import layout, measure_pipeline
+
+    launch_module = importlib.import_module("tessera.runtime.launch")
+
+    a, b, d, beta = 0.02, 0.003, 0.004, 1e-9
+    _, pp = layout(ranks)
+
+    def launch(fn, nproc, counts, timeout_s):
+        assert nproc == ranks and counts == (pp, 8 * pp)
+        rows = []
+        for rank in range(nproc):
+            slower = 1e-4 * rank  # the slowest rank's time is the step's
+            times = {m: [a + b * m + slower + 1e-5 * k for k in range(5)] for m in counts}
+            rows.append({**times, "ddp": [d + slower + 1e-5 * k for k in range(5)]})
+        return rows
+
+    monkeypatch.setattr(launch_module, "launch", launch)
+    found = measure_pipeline(ranks, beta=beta)
+    per_rank = _sent_per_rank(pp, 1, 1, "1f1b")  # messages of one micro-batch, per rank
+    assert per_rank == pytest.approx(2 * (pp - 1) / pp)
+    assert found["pipeline_message_s"] == pytest.approx(b / per_rank - 1024 * beta, rel=1e-9)
+    assert found["pipeline_step_s"] == pytest.approx(a - d, rel=1e-9)
