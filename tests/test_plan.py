@@ -38,8 +38,10 @@ from tessera.zero import estimate_memory
 GPT3 = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--seq", "2048", "--vocab", "51200"]
 
 
-ADAMW = {"adamw_s_per_param": 2e-9, "adamw_s_per_tensor": 3e-5}
-"""A calibration's AdamW step costs (`plan.cluster.adamw_cost`), for the caches written here."""
+ADAMW = {"adamw_s_per_param": 2e-9, "adamw_s_per_tensor": 3e-5,
+         "pipeline_message_s": 1e-3, "pipeline_step_s": 5e-3}  # fmt: skip
+"""A calibration's AdamW step costs (`plan.cluster.adamw_cost`) and pipeline costs
+(`plan.pipeline_cost`), for the caches written here."""
 
 
 def test_plan_json_schema_best_first_and_fits_consistent(capsys):
@@ -157,6 +159,7 @@ def test_presets_and_this_machine_from_its_cache(tmp_path):
     assert four.peak_flops == 2e10 * min(1, (os.cpu_count() or 1) / 4) and four.devices == 4
     assert here.link(intra=True).alpha == 1e-4  # the fitted constants, as fitted
     assert here.intra_bandwidth == pytest.approx(1e9)
+    assert (here.pipeline_message_s, here.pipeline_step_s) == (1e-3, 5e-3)  # as measured
 
 
 def test_train_reports_mfu_from_equation_3(tmp_path, monkeypatch):

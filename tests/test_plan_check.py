@@ -26,8 +26,10 @@ SAME = ("strategy", "nproc", "dp", "tp", "pp", "zero", "offload", "nvme_dir", "s
 """What a run's config must share with the command's: the strategy and everything it runs."""
 
 
-ADAMW = {"adamw_s_per_param": 2e-9, "adamw_s_per_tensor": 3e-5}
-"""A calibration's AdamW step costs (`plan.cluster.adamw_cost`), for the caches written here."""
+ADAMW = {"adamw_s_per_param": 2e-9, "adamw_s_per_tensor": 3e-5,
+         "pipeline_message_s": 1e-3, "pipeline_step_s": 5e-3}  # fmt: skip
+"""A calibration's AdamW step costs (`plan.cluster.adamw_cost`) and pipeline costs
+(`plan.pipeline_cost`), for the caches written here."""
 
 
 @pytest.fixture

@@ -9,8 +9,9 @@ processes of this machine.
 `this_machine()` measures instead of assuming: the matmul rate of one rank (a float32 `mm`, with
 the thread count a rank of `--nproc` ranks gets), the cost of torch's AdamW step per parameter and
 per tensor with those threads, and the cost model's constants fitted by `tessera.comm.calibrate`
-on that many local ranks (at least two). They are cached in a JSON file, so a run measures once
-per machine and rank count (`recalibrate=True` measures again).
+on that many local ranks (at least two), and what a pipeline step costs there besides compute
+(`plan.pipeline_cost`: per message, per step). They are cached in a JSON file, so a run
+measures once per machine and rank count (`recalibrate=True` measures again).
 """
 
 from __future__ import annotations
@@ -80,6 +81,16 @@ class Cluster:
     """The devices are processes sharing this many cores (`this-machine`), one thread each:
     a pipeline stage that waits gives its core to the others
     (`formulas.bubble_fraction_on_shared_cores`). None: each device computes on its own."""
+    pipeline_message_s: float | None = None
+    """Seconds one pipeline message (an activation forward or a gradient backward across one
+    stage boundary, per micro-batch) adds to a step besides its bytes over the link, as a
+    rank sees it: measured on `this-machine` (`plan.pipeline_cost`: sends, wake-ups and the
+    schedule's host work, on cores the ranks share). None: the link's latency α, each
+    device paying its own messages (a GPU's copy engines move them)."""
+    pipeline_step_s: float = 0.0
+    """Seconds a pipeline engine's step adds whatever its micro-batches, beyond what a
+    data-parallel engine's step costs (this machine: the gather of the global batch over all
+    ranks, the loss broadcast; measured by `plan.pipeline_cost`). 0: not priced."""
     algorithms: tuple[str, ...] = ("native",)
     """Collective algorithms the cost model may choose between (`comm.cost.choose`)."""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -227,6 +238,10 @@ def adamw_cost(seconds: float = 0.2) -> tuple[float, float]:
     return per_param, per_tensor
 
 
+_CACHED_KEYS = {"adamw_s_per_param", "pipeline_message_s", "pipeline_step_s"}
+"""What a cache written before a cost was measured lacks (it is measured again)."""
+
+
 def _calibrate_rank() -> dict[str, float]:
     """One rank of the calibration: `comm.calibrate` on the default group (the plan's ranks)."""
     import torch
@@ -242,6 +257,7 @@ def _calibrate_rank() -> dict[str, float]:
 def _measure(ranks: int) -> dict[str, Any]:
     import torch
 
+    from tessera.plan.pipeline_cost import measure_pipeline
     from tessera.runtime.launch import launch
 
     threads = torch.get_num_threads()
@@ -255,11 +271,13 @@ def _measure(ranks: int) -> dict[str, Any]:
     # collective then waits for each to be scheduled (4 ranks on 2 cores: ddp's all-reduce
     # measured 20x what two ranks' constants predicted, BENCHMARKS.md "plan_check")
     cost = launch(_calibrate_rank, max(2, ranks), timeout_s=120)[0]
+    pipeline = measure_pipeline(ranks, beta=cost["beta"])  # the same ranks, sharing the cores
     return {
         "matmul_flops": rate,
         "adamw_s_per_param": adam_per_param,
         "adamw_s_per_tensor": adam_per_tensor,
         "cost": cost,
+        **pipeline,
         "ranks": ranks,
         "measured_at": time.time(),
     }
@@ -273,7 +291,8 @@ def this_machine(
     peak_flops is the matmul rate of one rank of `ranks` sharing the cores (what the trainer's
     ranks get: `runtime.context` gives each cores // ranks threads, at least one; more ranks than
     cores take turns, so each gets cores / ranks of its thread's rate); the links are the cost
-    model fitted by `comm.calibrate` on `ranks` local ranks (at least two); memory is the host's
+    model fitted by `comm.calibrate` on `ranks` local ranks (at least two), and a pipeline
+    message and step as `plan.pipeline_cost` times them on those ranks; memory is the host's
     RAM shared by `ranks` ranks. Measured values are read from `cache` (default `CACHE_FILE`)
     when present.
     """
@@ -281,8 +300,8 @@ def this_machine(
     measured: dict[str, Any] | None = None
     if path.is_file() and not recalibrate:
         measured = json.loads(path.read_text())
-        if measured.get("ranks") != ranks or "adamw_s_per_param" not in measured:
-            measured = None  # another rank count, or measured before the optimizer's cost was
+        if measured.get("ranks") != ranks or not _CACHED_KEYS <= set(measured):
+            measured = None  # another rank count, or measured before some cost was
     if measured is None:
         measured = _measure(ranks)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,6 +326,8 @@ def this_machine(
         optimizer_s_per_tensor=measured["adamw_s_per_tensor"] * max(1.0, ranks / cores),
         overlap=False,
         shared_cores=cores,
+        pipeline_message_s=measured["pipeline_message_s"],
+        pipeline_step_s=measured["pipeline_step_s"],
         algorithms=("native", "ring", "shm"),
         measured=measured,
     )

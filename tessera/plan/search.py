@@ -22,7 +22,11 @@ Two ways to price a step, after what the rate X per device means:
 * tensor parallelism: per layer and micro-batch 4 all-reduces of b s h 16-bit values (2 forward,
   2 backward; 6 when recomputing), inside a node, all exposed (they sit between the matmuls);
 * pipeline: per micro-batch one activation send forward and one gradient send backward of
-  b s h / t values (scatter/gather, Narayanan et al. 2021 section 4.1), exposed;
+  b s h / t values (scatter/gather, Narayanan et al. 2021 section 4.1), exposed; where the
+  cluster measured what a message and a step of the pipeline engine cost on cores its ranks
+  share (`Cluster.pipeline_message_s`, `pipeline_step_s`: this machine, `plan.pipeline_cost`),
+  per micro-batch and stage boundary, forward and backward, spread over the ranks
+  (`pipeline_messages`), plus the per-step cost;
 * data parallelism: the gradient all-reduce (ZeRO-1: reduce-scatter + all-gather; ZeRO-2 keeps
   no full gradient, so each of the m accumulated micro-batches reduce-scatters; ZeRO-3 also
   gathers the parameters for each micro-batch's forward and backward, 1.5x per micro-batch:
@@ -57,7 +61,15 @@ from tessera.plan.formulas import (
 )
 from tessera.plan.model import ModelSpec
 
-__all__ = ["PRECISIONS", "Estimate", "Strategy", "enumerate_strategies", "estimate", "plan"]
+__all__ = [
+    "PRECISIONS",
+    "Estimate",
+    "Strategy",
+    "enumerate_strategies",
+    "estimate",
+    "pipeline_messages",
+    "plan",
+]
 
 PRECISIONS = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
 """Bytes per parameter (parameter, gradient, optimizer state) for Adam: mixed precision (fp16/bf16
@@ -264,6 +276,28 @@ def _bubble(s: Strategy, cluster: Cluster) -> float:
     return bubble_fraction_on_shared_cores(s.pp, s.microbatches, s.dp * s.tp, shared)
 
 
+def pipeline_messages(s: Strategy) -> float:
+    """Messages per rank and step of a pipeline on cores its ranks share: per micro-batch, per
+    stage boundary (p v - 1 of them, v chunks a device), one forward and one backward, each
+    pipeline's spread over its p ranks (every rank's sends and receives take the cores'
+    time alike; a middle stage has both, an end stage one side)."""
+    return 2 * s.microbatches * (s.pp * s.chunks - 1) / s.pp
+
+
+def _pipeline_time(s: Strategy, cluster: Cluster, message_bytes: float) -> float:
+    """Exposed seconds of a pipeline's messages (and, where measured, its engine's per-step
+    costs): on devices of their own, each device's 2 m v sends at the link's latency and
+    bandwidth (Narayanan et al. 2021 section 4.1); where the cluster measured a message as
+    processes sharing cores see it (`Cluster.pipeline_message_s`, this machine), that cost
+    instead of the latency, `pipeline_messages` of them, plus `Cluster.pipeline_step_s`."""
+    link = cluster.link(s.tp * s.pp <= cluster.per_node)
+    if cluster.pipeline_message_s is None:
+        one = link.alpha_native + message_bytes * link.beta
+        return 2 * s.microbatches * s.chunks * one
+    one = cluster.pipeline_message_s + message_bytes * link.beta
+    return pipeline_messages(s) * one + cluster.pipeline_step_s
+
+
 def _stepped(s: Strategy, model: ModelSpec, shard: float) -> tuple[float, int]:
     """Parameters and tensors one device's optimizer steps: its stage's tensors whole (tensor
     parallelism cuts each, their count stays), or under ZeRO its slice of the flat buffers: two
@@ -342,10 +376,7 @@ def estimate(
         count = s.microbatches * (model.layers / s.pp) * per_layer
         comm += count * _collective(cluster, act_bytes, s.tp, "all_reduce", intra=True)
     if s.pp > 1:
-        intra = s.tp * s.pp <= cluster.per_node
-        link = cluster.link(intra)
-        one = link.alpha_native + act_bytes / s.tp * link.beta
-        comm += 2 * s.microbatches * s.chunks * one
+        comm += _pipeline_time(s, cluster, act_bytes / s.tp)
     shard = _device_params(s, model)
     comm += _data_parallel_time(s, cluster, shard, compute, precision)
     offload = 0.0
