@@ -45,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from tessera.checkpoint.atomic import write_atomically
 from tessera.data.loader import select_keys
@@ -270,19 +271,21 @@ class Engine:
         batch = self.as_pair(batch)
         count = item_counter(self.loss_fn, self.module)
         parts = split_for_accumulation(batch, self.grad_accum, count)
-        scale = self._items_scale(batch, count)
+        scale = self._items_scale(batch, item_counter(self.loss_fn, self.module, on_device=True))
         total: torch.Tensor | None = None
         for index, (micro, share) in enumerate(parts):
             last = index == len(parts) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._micro_loss(micro)
-                weight = share * scale
-                self.backward(loss if weight == 1.0 else loss * weight)
-            weighted = loss.detach().float() * share  # stays on the device: no sync per step
+                weight = scale if share == 1.0 else share * scale
+                self.backward(loss if _is_one(weight) else loss * weight)
+            # stays on the device (no sync per step); a factor of 1 costs no operator
+            weighted = loss.detach().float()
+            weighted = weighted if share == 1.0 else weighted * share
             total = weighted if total is None else total + weighted
         assert total is not None  # split_for_accumulation yields at least one part
         # ranks weighed by their items (scale): the mean over ranks is the global batch's loss
-        return self.global_loss(total if scale == 1.0 else total * scale)
+        return self.global_loss(total if _is_one(scale) else total * scale)
 
     loss_is_global = False
     """True where `train_step` computes the loss of the global batch on every rank (tensor):
@@ -295,20 +298,31 @@ class Engine:
             return StepLoss(local)
         return StepLoss.mean_over(local)
 
-    def _items_scale(self, batch: Batch, count: Any) -> float:
+    def _items_scale(self, batch: Batch, count: Any) -> float | torch.Tensor:
         """Data parallelism averages the ranks' gradients; where the loss averages over items
         that differ in number between ranks (tokens not ignored), this rank's loss is scaled by
         `world * its items / all ranks' items`, so the average is the global batch's loss (what
         Hugging Face's Trainer does with `average_tokens_across_devices`). One all-reduce of a
         number per step (on the world's communication stream, in order with the engine's own
-        collectives), only for such a loss; 1.0 otherwise."""
+        collectives), only for such a loss; 1.0 otherwise.
+
+        The count, its sum over ranks and the factor stay tensors on the labels' device
+        (`item_counter(..., on_device=True)`): reading them on the host was two device syncs a
+        step (the count, then the sum) under ddp and zero1-3 with `nn.CrossEntropyLoss` or a
+        Hugging Face model's own loss. A count declared by the loss (`count_items`) may be a
+        number; it is made a tensor on the batch's device."""
         if not self.items_over_ranks or self.ctx.world_size == 1 or count is None:
             return 1.0
-        mine = count(loss_targets(batch))
+        targets = loss_targets(batch)
+        mine = count(targets)
         if mine is None:
             return 1.0
-        total = float(sum_flag(torch.tensor([float(mine)], dtype=torch.float64)))  # in order
-        return self.ctx.world_size * float(mine) / total if total > 0 else 1.0
+        if not isinstance(mine, torch.Tensor):
+            mine = torch.tensor(float(mine), device=_device_of(targets, self.ctx.device))
+        mine = mine.detach().to(torch.float64).reshape(1)
+        total = sum_flag(mine.clone())  # in order with the engine's collectives; on the device
+        share = torch.where(total > 0, self.ctx.world_size * mine / total, 1.0)
+        return share.reshape(()).float()  # (a factor the loss's dtype takes, as a float's)
 
     def eval_step(self, batch: Batch) -> float:
         """The loss of `batch` without training: the float `train_step` would return for it.
@@ -482,3 +496,14 @@ class Engine:
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:
             dist.barrier()
+
+
+def _is_one(factor: float | torch.Tensor) -> bool:
+    """A number equal to 1 (a tensor factor, computed on the device, is never read to check)."""
+    return not isinstance(factor, torch.Tensor) and factor == 1.0
+
+
+def _device_of(batch: Any, default: torch.device) -> torch.device:
+    """The device of the first tensor in `batch` (a tensor, or a dict/tuple/list of them)."""
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else default
