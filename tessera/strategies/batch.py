@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "Batch",
@@ -43,6 +44,7 @@ __all__ = [
     "gather_batch",
     "call_model",
     "item_counter",
+    "items_share",
     "items_weighted",
     "loss_targets",
     "model_loss",
@@ -250,6 +252,34 @@ def item_counter(
 
         return own
     return None
+
+
+def items_share(
+    batch: Batch,
+    count: Callable[[Any], Any],
+    world: int,
+    device: torch.device,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+) -> float | torch.Tensor:
+    """This rank's weight when data-parallel ranks average their gradients: `world * its
+    items / all ranks' items` (1 where no rank has any), from `count` (`item_counter(...,
+    on_device=True)`) and `sum_over_ranks`, a collective. 1.0 where `count` gives None.
+
+    The count, its sum and the weight stay tensors on the labels' device: reading them on the
+    host was two device syncs a step under ddp and zero1-3 with `nn.CrossEntropyLoss` or a
+    Hugging Face model's own loss. A count the loss declares as a number goes to the device of
+    the batch's first tensor (`device` where it holds none). Returns a 0-dim float32 tensor.
+    """
+    targets = loss_targets(batch)
+    mine = count(targets)
+    if mine is None:
+        return 1.0
+    if not isinstance(mine, torch.Tensor):
+        tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+        mine = torch.tensor(float(mine), device=tensors[0].device if tensors else device)
+    mine = mine.detach().to(torch.float64).reshape(1)
+    total = sum_over_ranks(mine.clone())
+    return torch.where(total > 0, world * mine / total, 1.0).reshape(()).float()
 
 
 def items_weighted(

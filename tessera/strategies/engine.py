@@ -45,7 +45,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from tessera.checkpoint.atomic import write_atomically
 from tessera.data.loader import select_keys
@@ -58,7 +57,7 @@ from tessera.strategies.batch import (
     LossFn,
     compute_loss,
     item_counter,
-    loss_targets,
+    items_share,
     split_for_accumulation,
 )
 from tessera.strategies.evaluation import evaluating
@@ -302,27 +301,12 @@ class Engine:
         """Data parallelism averages the ranks' gradients; where the loss averages over items
         that differ in number between ranks (tokens not ignored), this rank's loss is scaled by
         `world * its items / all ranks' items`, so the average is the global batch's loss (what
-        Hugging Face's Trainer does with `average_tokens_across_devices`). One all-reduce of a
-        number per step (on the world's communication stream, in order with the engine's own
-        collectives), only for such a loss; 1.0 otherwise.
-
-        The count, its sum over ranks and the factor stay tensors on the labels' device
-        (`item_counter(..., on_device=True)`): reading them on the host was two device syncs a
-        step (the count, then the sum) under ddp and zero1-3 with `nn.CrossEntropyLoss` or a
-        Hugging Face model's own loss. A count declared by the loss (`count_items`) may be a
-        number; it is made a tensor on the batch's device."""
+        Hugging Face's Trainer does with `average_tokens_across_devices`): `items_share`, one
+        all-reduce of a number per step (on the world's communication stream, in order with
+        the engine's own collectives), on the device, only for such a loss; 1.0 otherwise."""
         if not self.items_over_ranks or self.ctx.world_size == 1 or count is None:
             return 1.0
-        targets = loss_targets(batch)
-        mine = count(targets)
-        if mine is None:
-            return 1.0
-        if not isinstance(mine, torch.Tensor):
-            mine = torch.tensor(float(mine), device=_device_of(targets, self.ctx.device))
-        mine = mine.detach().to(torch.float64).reshape(1)
-        total = sum_flag(mine.clone())  # in order with the engine's collectives; on the device
-        share = torch.where(total > 0, self.ctx.world_size * mine / total, 1.0)
-        return share.reshape(()).float()  # (a factor the loss's dtype takes, as a float's)
+        return items_share(batch, count, self.ctx.world_size, self.ctx.device, sum_flag)
 
     def eval_step(self, batch: Batch) -> float:
         """The loss of `batch` without training: the float `train_step` would return for it.
@@ -501,9 +485,3 @@ class Engine:
 def _is_one(factor: float | torch.Tensor) -> bool:
     """A number equal to 1 (a tensor factor, computed on the device, is never read to check)."""
     return not isinstance(factor, torch.Tensor) and factor == 1.0
-
-
-def _device_of(batch: Any, default: torch.device) -> torch.device:
-    """The device of the first tensor in `batch` (a tensor, or a dict/tuple/list of them)."""
-    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-    return tensors[0].device if tensors else default
