@@ -95,12 +95,12 @@ class DynamicLossScaler:
             flag = flags.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device))
             inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(members, flag, inverse)
-        bad = torch.zeros(1, dtype=torch.float32)
-        for index, flag in enumerate(flags.values()):
-            bad = flag if index == 0 else bad + flag.to(bad.device)
-        bad = bad.clamp(max=1.0)  # a flag: the ranks' sum says how many ranks saw inf/nan
+        found = list(flags.values())
+        bad = found[0] if found else torch.zeros(1, dtype=torch.float32)  # (no gradient: clean)
+        for flag in found[1:]:
+            bad = bad + flag.to(bad.device)
         if all_reduce is not None:
-            bad = all_reduce(bad)
+            bad = all_reduce(bad.clamp(max=1.0))  # the ranks' sum: how many ranks saw inf/nan
         return bool(bad.item() > 0)
 
     def update(self, found_inf: bool) -> None:
