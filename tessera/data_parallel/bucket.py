@@ -46,8 +46,8 @@ class Bucket:
     """Members whose gradient has not arrived yet in this backward."""
     ready: list[bool] = field(default_factory=list)
     """Per member: has its gradient arrived in this backward?"""
-    _views: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _viewed: torch.Tensor | None = field(default=None, repr=False)
+    _views: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+    _viewed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def view(self, position: int) -> torch.Tensor:
         """Member `position`'s slice of the buffer, shaped like the parameter.
