@@ -9,12 +9,11 @@ the calling thread and on the communication stream's worker:
   `TorchDispatchMode`) and `.tolist()`, `.cpu()`, `.numpy()` (no operator on a CPU tensor: seen
   by a `TorchFunctionMode`). A step through `tessera.setup` (single, ddp, zero1-3; fp32, bf16
   with the trainer's default clip; 1 and 2 ranks; with `nn.CrossEntropyLoss`, whose items
-  tessera weighs over the ranks) makes none. fp16 makes exactly one: the skip decision
-  (`DynamicLossScaler.unscale_and_check`), a Python `if` on whether any rank saw inf/nan, which
-  decides whether the optimizer steps and how the scale changes. It could stay on the device
-  only where the optimizer takes `found_inf` (torch's fused Adam/AdamW/SGD, as `GradScaler`
-  passes it) and the scale were a tensor; any other optimizer (a user's, ZeRO's offloaded CPU
-  Adam) still needs it read.
+  tessera weighs over the ranks) makes none; nor does fp16 where the optimizer's step takes
+  `found_inf` (torch's fused Adam/AdamW/SGD, as here; `_skips_on_device`): the inf/nan flag goes
+  to that step and the loss scale is updated on the device (`tests/test_fp16_device_skip.py`).
+  fp16 under ZeRO reads once a step (FP16_SYNCS), the skip decision: a Python `if` on whether any
+  rank saw inf/nan, since ZeRO's step does more than the optimizer's (it publishes the shards).
 - an **operator** is at least one kernel launch (5-10 us of host time). tessera's extra
   operators per step over the plain loop written here are what each strategy needs, counted
   from the code (`_allowed_extra`), not a round number.
@@ -40,8 +39,9 @@ from tessera.comm import stream as comm_stream
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-FP16_SYNCS = 1
-"""fp16's one read a step: whether any rank's gradients hold inf/nan (see the module doc)."""
+FP16_SYNCS = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 1, "zero3": 1}
+"""fp16's reads a step: none where the fused optimizer skips on the device, else one: whether
+any rank's gradients hold inf/nan (see the module doc)."""
 SYNC = str(torch.ops.aten._local_scalar_dense.default)
 VOCAB, WIDTH, ROWS, COLUMNS = 24, 16, 4, 6
 
@@ -201,7 +201,10 @@ def test_a_steady_step_reads_nothing_from_the_device(run_ranks, world):
     rank, under every data-parallel strategy and single."""
     for counts in run_ranks(_counts, world, CONFIGS):
         reads = {key: _host_reads(main + worker) for key, (main, worker) in _tessera_rows(counts)}
-        expected = {key: FP16_SYNCS if " fp16 " in key else 0 for key, _ in _tessera_rows(counts)}
+        expected = {
+            key: FP16_SYNCS[key.split()[0]] if " fp16 " in key else 0
+            for key, _ in _tessera_rows(counts)
+        }
         assert reads == expected
         assert all(_host_reads(plain) == 0 for plain in counts["plain"].values())  # the oracle's
 

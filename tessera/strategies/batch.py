@@ -42,6 +42,7 @@ __all__ = [
     "check_grad_accum",
     "compute_loss",
     "gather_batch",
+    "is_one",
     "call_model",
     "item_counter",
     "items_share",
@@ -252,6 +253,11 @@ def item_counter(
 
         return own
     return None
+
+
+def is_one(factor: float | torch.Tensor) -> bool:
+    """A number equal to 1 (a tensor factor, computed on the device, is never read to check)."""
+    return not isinstance(factor, torch.Tensor) and factor == 1.0
 
 
 def items_share(

@@ -56,6 +56,7 @@ from tessera.strategies.batch import (
     Batch,
     LossFn,
     compute_loss,
+    is_one,
     item_counter,
     items_share,
     split_for_accumulation,
@@ -214,8 +215,15 @@ class Engine:
 
     def unscale_or_skip(self) -> bool:
         """fp16: unscale the gradients and decide over every rank; False (gradients discarded,
-        scale halved) when any rank holds an inf/nan. True without a loss scaler. Collective."""
+        scale halved) when any rank holds an inf/nan. True without a loss scaler. Collective.
+
+        Where the optimizer skips on the device (`_skips_on_device`), nothing is read."""
         if self.loss_scaler is None:
+            return True
+        if self._skips_on_device():
+            found_inf = self.loss_scaler.unscale_and_flag(self.local_gradients(), sum_flag)
+            self.loss_scaler.update_on_device(found_inf)
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
             return True
         found_inf = self.loss_scaler.unscale_and_check(self.local_gradients(), sum_flag)
         self.loss_scaler.update(found_inf)
@@ -277,14 +285,14 @@ class Engine:
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._micro_loss(micro)
                 weight = scale if share == 1.0 else share * scale
-                self.backward(loss if _is_one(weight) else loss * weight)
+                self.backward(loss if is_one(weight) else loss * weight)
             # stays on the device (no sync per step); a factor of 1 costs no operator
             weighted = loss.detach().float()
             weighted = weighted if share == 1.0 else weighted * share
             total = weighted if total is None else total + weighted
         assert total is not None  # split_for_accumulation yields at least one part
         # ranks weighed by their items (scale): the mean over ranks is the global batch's loss
-        return self.global_loss(total if _is_one(scale) else total * scale)
+        return self.global_loss(total if is_one(scale) else total * scale)
 
     loss_is_global = False
     """True where `train_step` computes the loss of the global batch on every rank (tensor):
@@ -299,11 +307,9 @@ class Engine:
 
     def _items_scale(self, batch: Batch, count: Any) -> float | torch.Tensor:
         """Data parallelism averages the ranks' gradients; where the loss averages over items
-        that differ in number between ranks (tokens not ignored), this rank's loss is scaled by
-        `world * its items / all ranks' items`, so the average is the global batch's loss (what
-        Hugging Face's Trainer does with `average_tokens_across_devices`): `items_share`, one
-        all-reduce of a number per step (on the world's communication stream, in order with
-        the engine's own collectives), on the device, only for such a loss; 1.0 otherwise."""
+        that differ in number between ranks (tokens not ignored), this rank's loss is weighed by
+        its share of them (`items_share`, on the device), so the average is the global batch's
+        loss (as Hugging Face's `average_tokens_across_devices`); 1.0 otherwise."""
         if not self.items_over_ranks or self.ctx.world_size == 1 or count is None:
             return 1.0
         return items_share(batch, count, self.ctx.world_size, self.ctx.device, sum_flag)
@@ -365,9 +371,21 @@ class Engine:
         """
         if not self.unscale_or_skip():
             return
-        if self.grad_clip > 0:
-            self.clip_grad_norm(self.grad_clip)
-        self.optimizer_step()
+        try:
+            if self.grad_clip > 0:
+                self.clip_grad_norm(self.grad_clip)  # (a skipped step's nan norm changes nothing)
+            self.optimizer_step()
+        finally:  # a found_inf is for this step only (GradScaler removes it the same way)
+            for name in ("grad_scale", "found_inf"):
+                self.optimizer.__dict__.pop(name, None)
+
+    def _skips_on_device(self) -> bool:
+        """fp16 without a host sync: where the optimizer's step takes `found_inf` (torch's fused
+        Adam, AdamW, SGD) and the engine's step is that step and `zero_grad` alone; strategies
+        doing more (ZeRO publishes, local SGD counts, a pipeline) read the flag on the host."""
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and (
+            type(self).optimizer_step is Engine.optimizer_step
+        )
 
     def optimizer_step(self) -> None:
         """The optimizer's step and `zero_grad` (what strategies change after clipping)."""
@@ -480,8 +498,3 @@ class Engine:
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:
             dist.barrier()
-
-
-def _is_one(factor: float | torch.Tensor) -> bool:
-    """A number equal to 1 (a tensor factor, computed on the device, is never read to check)."""
-    return not isinstance(factor, torch.Tensor) and factor == 1.0
