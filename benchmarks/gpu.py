@@ -128,6 +128,8 @@ class _Bench:
     def tessera(
         self, strategy: str, compiled: bool = False, precision: str = "bf16", **options: Any
     ) -> Step:
+        """`tessera.setup` with its defaults: no gradient clipping (`grad_clip=0`), as the plain
+        loop does not clip (`tessera train`'s default `--grad-clip 1.0` is not what is timed)."""
         engine = tessera.setup(
             self.model(compiled), self.adamw, strategy=strategy, loss_fn=_loss,
             precision=precision if self.dtype is not None else "fp32", **options,

@@ -46,11 +46,26 @@ class Bucket:
     """Members whose gradient has not arrived yet in this backward."""
     ready: list[bool] = field(default_factory=list)
     """Per member: has its gradient arrived in this backward?"""
+    _views: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+    _viewed: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def view(self, position: int) -> torch.Tensor:
-        """Member `position`'s slice of the buffer, shaped like the parameter."""
-        start, end = self.offsets[position], self.offsets[position + 1]
-        return self.buffer[start:end].view_as(self.params[position])
+        """Member `position`'s slice of the buffer, shaped like the parameter.
+
+        The views of a buffer are made once, all together (one split), and kept while the
+        buffer is: the reducer asks for one per gradient per step, and slicing each anew cost
+        two operators a parameter a step (host time per kernel launch on a GPU)."""
+        if self._viewed is not self.buffer:
+            sizes = [end - start for start, end in zip(self.offsets, self.offsets[1:])]
+            rest = self.buffer.numel() - self.offsets[-1]  # padding (ZeRO's flats): no member's
+            chunks = self.buffer.split(sizes + [rest] if rest else sizes)
+            self._views = [chunk.view_as(p) for chunk, p in zip(chunks, self.params)]
+            self._viewed = self.buffer
+        return self._views[position]
+
+    def forget_views(self) -> None:
+        """Drop the kept views (a released buffer's memory must not stay held by them)."""
+        self._views, self._viewed = [], None
 
     def reset(self) -> None:
         """Before a backward: no gradient has arrived."""

@@ -142,6 +142,7 @@ class Reducer:
     def _release(bucket: Bucket) -> None:
         """Drop the bucket's buffer and its members' gradient views (they alias the buffer)."""
         bucket.buffer = bucket.buffer.new_empty(0)
+        bucket.forget_views()
         for param in bucket.params:
             param.grad = None
 

@@ -33,16 +33,22 @@ def squared_sum(
     Each device's tensors are added on that device, with no host sync (CUDA gradients stay on
     the GPU; a CPU accumulator beside them would be an error); the sum lives on the device of
     the first tensor (the CPU when there is none), each other device's part copied there once.
+    The tensors of one device and weight take one `_foreach_norm` computed in float64 (no
+    float64 copy of a gradient is made): a few operators a group, not four a tensor, which on a
+    GPU are kernel launches (ZeRO clips its slices of every bucket each step).
     """
     pairs = zip(tensors, weights) if weights is not None else ((t, 1.0) for t in tensors)
-    per_device: dict[torch.device, torch.Tensor] = {}
+    groups: dict[tuple[torch.device, float], list[torch.Tensor]] = {}
     for tensor, weight in pairs:
-        if tensor is None or not weight:
-            continue
-        term = tensor.detach().double().square().sum()
+        if tensor is not None and weight:
+            groups.setdefault((tensor.device, float(weight)), []).append(tensor.detach())
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for (device, weight), members in groups.items():
+        norms = torch._foreach_norm(members, 2.0, dtype=torch.float64)
+        term = (norms[0] if len(norms) == 1 else torch.stack(norms)).square().sum()
         term = term if weight == 1.0 else term * weight
-        before = per_device.get(tensor.device)
-        per_device[tensor.device] = term if before is None else before + term
+        before = per_device.get(device)
+        per_device[device] = term if before is None else before + term
     if not per_device:
         return torch.zeros((), dtype=torch.float64)
     parts = iter(per_device.values())

@@ -61,19 +61,47 @@ class DynamicLossScaler:
             isinstance(growth_interval, int) and growth_interval >= 1
         ):
             raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
-        self.scale = float(init_scale)
-        """The factor the next backward's loss is multiplied by."""
+        self._host = {"scale": float(init_scale), "clean_steps": 0, "skipped": 0}
+        self._device: dict[str, torch.Tensor] | None = None  # the same, held on the device
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = growth_interval
-        self.clean_steps = 0
-        """Steps without inf/nan since the last change of the scale."""
-        self.skipped = 0
-        """Steps skipped because a gradient was inf or nan (on any rank), over the run."""
+
+    scale = property(
+        lambda self: self._get("scale"),
+        lambda self, value: self._set("scale", value),
+        doc="The factor the next backward's loss is multiplied by.",
+    )
+    clean_steps = property(
+        lambda self: self._get("clean_steps"),
+        lambda self, value: self._set("clean_steps", value),
+        doc="Steps without inf/nan since the last change of the scale.",
+    )
+    skipped = property(
+        lambda self: self._get("skipped"),
+        lambda self, value: self._set("skipped", value),
+        doc="Steps skipped because a gradient was inf or nan (on any rank), over the run.",
+    )
+
+    def _get(self, name: str) -> Any:
+        """A value of the state (read from the device, a sync, where `update_on_device` holds
+        it there: only when asked, as a logged step or a checkpoint does)."""
+        if self._device is None:
+            return self._host[name]
+        value = self._device[name].item()
+        return float(value) if name == "scale" else int(value)
+
+    def _set(self, name: str, value: Any) -> None:
+        if self._device is None:
+            self._host[name] = float(value) if name == "scale" else int(value)
+        else:
+            self._device[name].fill_(value)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss * scale`: what backward runs on."""
-        return loss * self.scale
+        """`loss * scale`: what backward runs on (the device's scale where it is held there)."""
+        if self._device is not None:
+            return loss * self._device["scale"]
+        return loss * self._host["scale"]
 
     @torch.no_grad()
     def unscale_and_check(
@@ -83,7 +111,17 @@ class DynamicLossScaler:
 
         `all_reduce` sums the flag over the ranks that step together (None: this process
         alone). Every such rank must call this, each with its own gradients. Then `update`.
+        The answer is read by the host (one sync a step); `unscale_and_flag` leaves it on the
+        device.
         """
+        return bool(self.unscale_and_flag(grads, all_reduce).item() > 0)
+
+    @torch.no_grad()
+    def unscale_and_flag(
+        self, grads: Iterable[torch.Tensor | None], all_reduce: AllReduceSum | None = None
+    ) -> torch.Tensor:
+        """`unscale_and_check` without reading the answer: a 0-dim float32 tensor, 1.0 where a
+        gradient on any rank is inf/nan, else 0.0 (on the first gradient's device)."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
             if grad is not None:
@@ -93,15 +131,39 @@ class DynamicLossScaler:
         flags: dict[torch.device, torch.Tensor] = {}
         for (device, _), members in groups.items():
             flag = flags.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device))
-            inverse = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(members, flag, inverse)
-        bad = torch.zeros(1, dtype=torch.float32)
-        for index, flag in enumerate(flags.values()):
-            bad = flag if index == 0 else bad + flag.to(bad.device)
-        bad = bad.clamp(max=1.0)  # a flag: the ranks' sum says how many ranks saw inf/nan
+            torch._amp_foreach_non_finite_check_and_unscale_(members, flag, self._inverse(device))
+        found = list(flags.values())
+        bad = found[0] if found else torch.zeros(1, dtype=torch.float32)  # (no gradient: clean)
+        for flag in found[1:]:
+            bad = bad + flag.to(bad.device)
         if all_reduce is not None:
-            bad = all_reduce(bad)
-        return bool(bad.item() > 0)
+            bad = all_reduce(bad.clamp(max=1.0))  # the ranks' sum: how many ranks saw inf/nan
+        return bad.clamp(max=1.0).reshape(())  # a flag (an optimizer subtracts it from steps)
+
+    def _inverse(self, device: torch.device) -> torch.Tensor:
+        """1 / scale as the (1,) float32 tensor the unscale kernel takes, on `device`."""
+        if self._device is not None:
+            return self._device["scale"].to(device).reciprocal().reshape(1)
+        return torch.full((1,), 1.0 / self._host["scale"], dtype=torch.float32, device=device)
+
+    @torch.no_grad()
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        """`update` without reading `found_inf` (a 0-dim 0/1 flag from `unscale_and_flag`): the
+        scale, the clean-step count and the skip count move to `found_inf`'s device at the first
+        call and are updated there by torch's `_amp_update_scale_` (GradScaler's rule, which is
+        `update`'s: back off on inf/nan, grow after `growth_interval` clean steps)."""
+        if self._device is None:
+            dtypes = {"scale": torch.float32, "clean_steps": torch.int32, "skipped": torch.int64}
+            self._device = {
+                name: torch.full((), self._host[name], dtype=dtype, device=found_inf.device)
+                for name, dtype in dtypes.items()
+            }
+        state = self._device
+        state["skipped"].add_(found_inf.to(torch.int64))
+        torch._amp_update_scale_(
+            state["scale"], state["clean_steps"], found_inf, self.growth_factor,
+            self.backoff_factor, self.growth_interval,
+        )  # fmt: skip
 
     def update(self, found_inf: bool) -> None:
         """After a step's check: back off (and count the skip) on inf/nan, else maybe grow."""

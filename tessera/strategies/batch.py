@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "Batch",
@@ -41,8 +42,10 @@ __all__ = [
     "check_grad_accum",
     "compute_loss",
     "gather_batch",
+    "is_one",
     "call_model",
     "item_counter",
+    "items_share",
     "items_weighted",
     "loss_targets",
     "model_loss",
@@ -213,34 +216,76 @@ def _causal_lm(module: nn.Module | None) -> bool:
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
 
 
-def _labels_count(labels: Any, shift: bool, ignore_index: int = -100) -> float | None:
+def _labels_count(
+    labels: Any, shift: bool, ignore_index: int = -100, on_device: bool = False
+) -> float | torch.Tensor | None:
     if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dim() == 0:
         return None  # regression targets, or no labels: the rows are the items
     if shift:
         labels = labels[..., 1:]
-    return float((labels != ignore_index).sum())
+    kept = (labels != ignore_index).sum()
+    return kept if on_device else float(kept)
 
 
-def item_counter(loss_fn: LossFn | None, module: nn.Module | None = None) -> Callable | None:
+def item_counter(
+    loss_fn: LossFn | None, module: nn.Module | None = None, *, on_device: bool = False
+) -> Callable | None:
     """`targets -> how many items the loss averages over` (see the module docstring), or None
-    where they are the rows. `targets` is the loss's second argument (a dict batch itself)."""
+    where they are the rows. `targets` is the loss's second argument (a dict batch itself).
+
+    `on_device=True`: the count is a 0-dim tensor on the labels' device, never read by the host
+    (a read is a device sync on a GPU; the data-parallel weighing per step uses it so); a count
+    the loss declares (`count_items`) is returned as the loss gives it."""
     declared = getattr(loss_fn, "count_items", None)
     if callable(declared):
-        return lambda targets: float(declared(targets))
+        return declared if on_device else lambda targets: float(declared(targets))
     if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)) and loss_fn.reduction == "mean":
-        return lambda targets: _class_count(loss_fn, targets)
+        return lambda targets: _class_count(loss_fn, targets, on_device)
     if loss_fn is None:  # the model's own loss of a dict batch
         shift = _causal_lm(module)
 
-        def own(batch: Any) -> float | None:
+        def own(batch: Any) -> float | torch.Tensor | None:
             if not isinstance(batch, Mapping):
                 return None
             if isinstance(batch.get("shift_labels"), torch.Tensor):  # given shifted already
-                return _labels_count(batch["shift_labels"], shift=False)
-            return _labels_count(batch.get("labels"), shift)
+                return _labels_count(batch["shift_labels"], False, on_device=on_device)
+            return _labels_count(batch.get("labels"), shift, on_device=on_device)
 
         return own
     return None
+
+
+def is_one(factor: float | torch.Tensor) -> bool:
+    """A number equal to 1 (a tensor factor, computed on the device, is never read to check)."""
+    return not isinstance(factor, torch.Tensor) and factor == 1.0
+
+
+def items_share(
+    batch: Batch,
+    count: Callable[[Any], Any],
+    world: int,
+    device: torch.device,
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor],
+) -> float | torch.Tensor:
+    """This rank's weight when data-parallel ranks average their gradients: `world * its
+    items / all ranks' items` (1 where no rank has any), from `count` (`item_counter(...,
+    on_device=True)`) and `sum_over_ranks`, a collective. 1.0 where `count` gives None.
+
+    The count, its sum and the weight stay tensors on the labels' device: reading them on the
+    host was two device syncs a step under ddp and zero1-3 with `nn.CrossEntropyLoss` or a
+    Hugging Face model's own loss. A count the loss declares as a number goes to the device of
+    the batch's first tensor (`device` where it holds none). Returns a 0-dim float32 tensor.
+    """
+    targets = loss_targets(batch)
+    mine = count(targets)
+    if mine is None:
+        return 1.0
+    if not isinstance(mine, torch.Tensor):
+        tensors = [t for t in tree_flatten(targets)[0] if isinstance(t, torch.Tensor)]
+        mine = torch.tensor(float(mine), device=tensors[0].device if tensors else device)
+    mine = mine.detach().to(torch.float64).reshape(1)
+    total = sum_over_ranks(mine.clone())
+    return torch.where(total > 0, world * mine / total, 1.0).reshape(()).float()
 
 
 def items_weighted(
@@ -268,13 +313,18 @@ def items_weighted(
     return weighted
 
 
-def _class_count(loss_fn: nn.CrossEntropyLoss | nn.NLLLoss, targets: Any) -> float | None:
-    """The divisor of a mean class loss: targets not ignored, each by its class weight."""
-    count = _labels_count(targets, shift=False, ignore_index=loss_fn.ignore_index)
+def _class_count(
+    loss_fn: nn.CrossEntropyLoss | nn.NLLLoss, targets: Any, on_device: bool = False
+) -> float | torch.Tensor | None:
+    """The divisor of a mean class loss: targets not ignored, each by its class weight (by a
+    mask, not by selecting the kept targets: a selection's size is read by the host)."""
+    count = _labels_count(targets, False, loss_fn.ignore_index, on_device=on_device)
     if count is None or loss_fn.weight is None:
         return count
-    kept = targets[targets != loss_fn.ignore_index]
-    return float(loss_fn.weight.to(kept.device)[kept].sum())
+    keep = targets != loss_fn.ignore_index
+    weights = loss_fn.weight.to(targets.device)[targets.masked_fill(~keep, 0)]
+    kept = (weights * keep).sum()
+    return kept if on_device else float(kept)
 
 
 _META = 10

@@ -56,8 +56,9 @@ from tessera.strategies.batch import (
     Batch,
     LossFn,
     compute_loss,
+    is_one,
     item_counter,
-    loss_targets,
+    items_share,
     split_for_accumulation,
 )
 from tessera.strategies.evaluation import evaluating
@@ -214,8 +215,15 @@ class Engine:
 
     def unscale_or_skip(self) -> bool:
         """fp16: unscale the gradients and decide over every rank; False (gradients discarded,
-        scale halved) when any rank holds an inf/nan. True without a loss scaler. Collective."""
+        scale halved) when any rank holds an inf/nan. True without a loss scaler. Collective.
+
+        Where the optimizer skips on the device (`_skips_on_device`), nothing is read."""
         if self.loss_scaler is None:
+            return True
+        if self._skips_on_device():
+            found_inf = self.loss_scaler.unscale_and_flag(self.local_gradients(), sum_flag)
+            self.loss_scaler.update_on_device(found_inf)
+            self.optimizer.grad_scale, self.optimizer.found_inf = None, found_inf
             return True
         found_inf = self.loss_scaler.unscale_and_check(self.local_gradients(), sum_flag)
         self.loss_scaler.update(found_inf)
@@ -270,19 +278,21 @@ class Engine:
         batch = self.as_pair(batch)
         count = item_counter(self.loss_fn, self.module)
         parts = split_for_accumulation(batch, self.grad_accum, count)
-        scale = self._items_scale(batch, count)
+        scale = self._items_scale(batch, item_counter(self.loss_fn, self.module, on_device=True))
         total: torch.Tensor | None = None
         for index, (micro, share) in enumerate(parts):
             last = index == len(parts) - 1
             with contextlib.nullcontext() if last else self.no_sync():
                 loss = self._micro_loss(micro)
-                weight = share * scale
-                self.backward(loss if weight == 1.0 else loss * weight)
-            weighted = loss.detach().float() * share  # stays on the device: no sync per step
+                weight = scale if share == 1.0 else share * scale
+                self.backward(loss if is_one(weight) else loss * weight)
+            # stays on the device (no sync per step); a factor of 1 costs no operator
+            weighted = loss.detach().float()
+            weighted = weighted if share == 1.0 else weighted * share
             total = weighted if total is None else total + weighted
         assert total is not None  # split_for_accumulation yields at least one part
         # ranks weighed by their items (scale): the mean over ranks is the global batch's loss
-        return self.global_loss(total if scale == 1.0 else total * scale)
+        return self.global_loss(total if is_one(scale) else total * scale)
 
     loss_is_global = False
     """True where `train_step` computes the loss of the global batch on every rank (tensor):
@@ -295,20 +305,14 @@ class Engine:
             return StepLoss(local)
         return StepLoss.mean_over(local)
 
-    def _items_scale(self, batch: Batch, count: Any) -> float:
+    def _items_scale(self, batch: Batch, count: Any) -> float | torch.Tensor:
         """Data parallelism averages the ranks' gradients; where the loss averages over items
-        that differ in number between ranks (tokens not ignored), this rank's loss is scaled by
-        `world * its items / all ranks' items`, so the average is the global batch's loss (what
-        Hugging Face's Trainer does with `average_tokens_across_devices`). One all-reduce of a
-        number per step (on the world's communication stream, in order with the engine's own
-        collectives), only for such a loss; 1.0 otherwise."""
+        that differ in number between ranks (tokens not ignored), this rank's loss is weighed by
+        its share of them (`items_share`, on the device), so the average is the global batch's
+        loss (as Hugging Face's `average_tokens_across_devices`); 1.0 otherwise."""
         if not self.items_over_ranks or self.ctx.world_size == 1 or count is None:
             return 1.0
-        mine = count(loss_targets(batch))
-        if mine is None:
-            return 1.0
-        total = float(sum_flag(torch.tensor([float(mine)], dtype=torch.float64)))  # in order
-        return self.ctx.world_size * float(mine) / total if total > 0 else 1.0
+        return items_share(batch, count, self.ctx.world_size, self.ctx.device, sum_flag)
 
     def eval_step(self, batch: Batch) -> float:
         """The loss of `batch` without training: the float `train_step` would return for it.
@@ -367,9 +371,21 @@ class Engine:
         """
         if not self.unscale_or_skip():
             return
-        if self.grad_clip > 0:
-            self.clip_grad_norm(self.grad_clip)
-        self.optimizer_step()
+        try:
+            if self.grad_clip > 0:
+                self.clip_grad_norm(self.grad_clip)  # (a skipped step's nan norm changes nothing)
+            self.optimizer_step()
+        finally:  # a found_inf is for this step only (GradScaler removes it the same way)
+            for name in ("grad_scale", "found_inf"):
+                self.optimizer.__dict__.pop(name, None)
+
+    def _skips_on_device(self) -> bool:
+        """fp16 without a host sync: where the optimizer's step takes `found_inf` (torch's fused
+        Adam, AdamW, SGD) and the engine's step is that step and `zero_grad` alone; strategies
+        doing more (ZeRO publishes, local SGD counts, a pipeline) read the flag on the host."""
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and (
+            type(self).optimizer_step is Engine.optimizer_step
+        )
 
     def optimizer_step(self) -> None:
         """The optimizer's step and `zero_grad` (what strategies change after clipping)."""

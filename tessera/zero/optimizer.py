@@ -281,7 +281,12 @@ class ZeroOptimizer:
 
     # -- the stage's gradient reduction -------------------------------------------------------
     def _reduce_scatter_mean(self, buffer: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it)."""
+        """This rank's slice `[lo, hi)` of the group's average of `buffer` (may clobber it).
+
+        One rank: the buffer is its own average, returned as a view (a reduce-scatter over one
+        rank copies the whole gradient, a pass over memory per bucket per step for nothing)."""
+        if self.world == 1:
+            return buffer[lo:hi]
         if self.one_host and not self.release_gradients:  # stage 1: see the module docstring
             comm.all_reduce(buffer, "mean", group=self.group)
             return buffer[lo:hi]
