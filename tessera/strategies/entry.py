@@ -19,6 +19,7 @@ from tessera.optim.loss_scale import DynamicLossScaler
 from tessera.runtime.context import Context
 from tessera.strategies.batch import LossFn, check_grad_accum
 from tessera.strategies.engine import Engine, OptimizerFactory
+from tessera.strategies.knobs import option_names
 from tessera.strategies.precision import check_precision, route_to_policy
 from tessera.strategies.registry import (
     BUILTIN_STRATEGIES,
@@ -28,15 +29,6 @@ from tessera.strategies.registry import (
 )
 
 __all__ = ["make_policy", "setup"]
-
-
-def option_names(cls: type) -> list[str]:
-    """The keywords policy class `cls` takes: its fields, and the knobs of its parts that a
-    composed policy (`HybridPolicy`) also takes by name."""
-    names = [field.name for field in dataclasses.fields(cls) if field.init]
-    keywords = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    taken = inspect.signature(cls).parameters.values()
-    return names + [p.name for p in taken if p.kind in keywords and p.name not in names]
 
 
 def make_policy(strategy: str, options: dict[str, Any]) -> Any:
