@@ -6,8 +6,9 @@
 1. `pytest -m gpu` (tests/test_gpu.py, tests/test_setup.py): every strategy on the GPUs against
    a plain loop, through `tessera.setup` and `tessera train`; the summary line is recorded.
 2. Training steps of a GPT-2-small-shaped model (12 x 768, block 1024, bf16 autocast), one rank
-   per GPU (NCCL), each pair timed on the same ranks in alternating blocks (A B A B ...), every
-   time a median over steps fenced by `torch.cuda.synchronize()`:
+   per GPU (NCCL), each pair timed on the same ranks in alternating blocks (A B B A ...: each
+   side runs first in half of them, so neither gains from its place), every time a median over
+   steps fenced by `torch.cuda.synchronize()`:
    - tessera `single`, `ddp`, `zero2` against the plain PyTorch loop written here (eager);
    - `single` with `--compile` (`Module.compile`) against the plain loop compiled the same way;
    - `ddp` against torch DDP (`torch-ddp`), `zero3` against FSDP2 (`fully_shard`);
@@ -205,9 +206,12 @@ def _pair_row(bench: _Bench, pair: tuple, steps: int, blocks: int) -> dict[str, 
         for fn in (mine, theirs):  # warm-up: allocator, communicators, compilation
             _timed(fn, 2, bench.device)
         ours_s, anchor_s = [], []
-        for _ in range(blocks):
-            ours_s.append(_timed(mine, steps, bench.device))
+        for block in range(blocks):  # ABBA: each side runs first in every other block
+            if block % 2 == 0:
+                ours_s.append(_timed(mine, steps, bench.device))
             anchor_s.append(_timed(theirs, steps, bench.device))
+            if block % 2 == 1:
+                ours_s.append(_timed(mine, steps, bench.device))
     except Exception as exc:  # noqa: BLE001 - recorded: the check goes on with the next pair
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return row
@@ -330,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if not args.cpu and not torch.cuda.is_available():
         print("no CUDA device here: run it on a GPU host, or --cpu to check that it runs")
         return None
-    steps, blocks = (1, 1) if args.cpu else ((5, 2) if args.quick else (10, 3))
+    steps, blocks = (1, 2) if args.cpu else ((5, 2) if args.quick else (8, 4))
     world = 1 if args.cpu else torch.cuda.device_count()
     env = {"TESSERA_BACKEND": "gloo"} if args.cpu else None
     started = time.perf_counter()
