@@ -297,13 +297,19 @@ lock.parent.mkdir(parents=True)
 lock.touch()  # what a process killed while compiling leaves
 param = torch.ones(5, requires_grad=True)
 param.grad = torch.ones(5)
-start = time.monotonic()
+# What the build imports first (setuptools under it: seconds on a loaded machine), outside the
+# timed part: what is timed is each optimizer's construction and step.
+from torch.utils import cpp_extension  # noqa: F401
+seconds = []
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for _ in range(2):
+        start = time.monotonic()
         optimizer = CPUAdam([param], lr=0.1, weight_decay=0.0)
         optimizer.step()
-print("seconds", time.monotonic() - start)
+        seconds.append(time.monotonic() - start)
+print("first", seconds[0])
+print("second", seconds[1])
 print("native", optimizer.uses_native_kernel)
 print("warnings", len([w for w in caught if "CPUAdam" in str(w.message)]))
 print("message", " ".join(str(w.message) for w in caught))
@@ -332,7 +338,9 @@ def test_a_stale_build_lock_falls_back_after_a_bounded_wait(tmp_path):
         pytest.fail("CPUAdam waited for a stale build lock for 60 s")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    assert float(lines["seconds"]) < 20, lines  # the 0.5 s bound once, not per optimizer
+    # the 0.5 s bound waited once (the first optimizer), not again by the second
+    assert float(lines["first"]) >= 0.5, lines
+    assert float(lines["second"]) < 0.5, lines
     assert lines["native"] == "False"
     assert lines["warnings"] == "1", lines
     assert "has been held for more than 0.5 s" in lines["message"], lines["message"]
