@@ -195,6 +195,9 @@ def _offload_pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Ca
         ("zero3 offload=cpu", "zero3", lambda: t("zero3", offload="cpu"), lambda: t("zero3")),
         ("zero3 offload=cpu", "FSDP2 CPUOffloadPolicy", lambda: t("zero3", offload="cpu"),
          lambda: bench.fsdp2(offload=True)),
+        ("zero3 offload=cpu delayed", "FSDP2 CPUOffloadPolicy",
+         lambda: t("zero3", offload=OffloadPolicy(delayed_update=True, delayed_update_after=2)),
+         lambda: bench.fsdp2(offload=True)),
     ]  # fmt: skip
 
 

@@ -289,3 +289,33 @@ def test_the_trainer_takes_fp16_for_any_strategy_and_logs_the_scale(tmp_path):
         scale, skipped = scale * (0.5 if skip else 2.0), line["skipped"]
         assert skip in (0, 1) and line["loss_scale"] == scale, line
     assert 0 < skipped < 5  # both kinds of step happened
+
+
+def _one_rank_ddp_gradients() -> dict[str, dict[str, torch.Tensor]]:
+    """One rank: ddp's and a plain bf16 autocast loop's gradients of the same batch."""
+    ctx = tessera.init()
+    model = nn.Sequential(nn.Linear(5, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 3))
+    plain = copy.deepcopy(model)
+    inputs, targets = _batch()
+    engine = tessera.setup(model, _adamw, strategy="ddp", loss_fn=F.cross_entropy,
+                           precision="bf16", ctx=ctx)  # fmt: skip
+    engine.train_step((inputs, targets))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(plain(inputs), targets)
+    loss.backward()
+    ddp = {name: p.grad.clone() for name, p in engine.module.named_parameters()}
+    engine.close()
+    return {"ddp": ddp, "plain": {name: p.grad for name, p in plain.named_parameters()}}
+
+
+def test_ddp_on_one_rank_keeps_its_bf16_run_s_gradients_at_full_width(run_ranks):
+    """bf16 gradients are averaged in bf16 over ranks (half the bytes); one rank sends nothing,
+    so nothing is cast and ddp's gradients are the plain autocast loop's, bit for bit. The
+    LayerNorm's and the biases' gradients are computed in fp32 and are not bf16 values: a cast
+    there would round them (checked, so that the comparison can fail)."""
+    grads = run_ranks(_one_rank_ddp_gradients, 1)[0]
+    plain = grads["plain"]
+    rounded = [n for n, g in plain.items() if not torch.equal(g, g.bfloat16().float())]
+    assert rounded, "every gradient is a bf16 value: the test could not see a cast"
+    for name, grad in plain.items():
+        assert torch.equal(grads["ddp"][name], grad), name

@@ -135,7 +135,12 @@ class DataParallel(nn.Module):
 
     def reduce_in(self, dtype: torch.dtype) -> None:
         """Average every bucket in `dtype` from now on (mixed precision: half the bytes); the
-        result is written back into the full-width gradients. Replaces no other compression."""
+        result is written back into the full-width gradients. Replaces no other compression.
+
+        One rank communicates nothing, so its gradients keep their full width (a cast there
+        would only round them, and cost two copies a bucket a step)."""
+        if self._world == 1:
+            return
         if self._compression is not None:
             raise ValueError("reduce_in: this DataParallel already compresses its gradients")
         self._compression = cast_hook(dtype)
