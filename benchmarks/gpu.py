@@ -183,7 +183,9 @@ def _pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Callable[[
 def _offload_pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Callable[[], Step]]]:
     """ZeRO-Offload from GPU memory against the same stage without it, and against FSDP2's; with
     the delayed parameter update (the host step beside the next forward and backward, after 2
-    warm-up steps: the timed steps are delayed ones) too."""
+    warm-up steps: the timed steps are delayed ones) too, and with bf16 moments: the host step
+    streams 28 bytes a parameter through host memory (20 with bf16 moments), which bounds it
+    once the delayed update hides it behind the device's work."""
     from tessera.zero import OffloadPolicy
 
     t = bench.tessera
@@ -191,6 +193,10 @@ def _offload_pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Ca
         ("zero2 offload=cpu", "zero2", lambda: t("zero2", offload="cpu"), lambda: t("zero2")),
         ("zero2 offload=cpu delayed", "zero2",
          lambda: t("zero2", offload=OffloadPolicy(delayed_update=True, delayed_update_after=2)),
+         lambda: t("zero2")),
+        ("zero2 offload=cpu delayed, bf16 moments", "zero2",
+         lambda: t("zero2", offload=OffloadPolicy(delayed_update=True, delayed_update_after=2,
+                                                  moments="bf16")),
          lambda: t("zero2")),
         ("zero3 offload=cpu", "zero3", lambda: t("zero3", offload="cpu"), lambda: t("zero3")),
         ("zero3 offload=cpu", "FSDP2 CPUOffloadPolicy", lambda: t("zero3", offload="cpu"),
