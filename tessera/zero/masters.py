@@ -46,6 +46,12 @@ class HeldMasters(_Masters):
 
     swapped = False
 
+    def __init__(self, layout: ShardLayout) -> None:
+        super().__init__(layout)
+        self.widened: dict[int, torch.Tensor] = {}
+        """Per bucket, the host buffer its low-precision gradient is widened into for the
+        step (`_widened`), kept from step to step."""
+
     def build(
         self, buckets: list[Bucket], sources: dict[int, torch.Tensor], make_optimizer: Any
     ) -> Any:
@@ -60,10 +66,35 @@ class HeldMasters(_Masters):
         flats = self.layout.flats
         for flat in flats:
             grad = self.layout.step_gradient(flat)  # on the host under offload
-            flat.master.grad = grad if grad.dtype == flat.master.dtype else grad.float()
+            flat.master.grad = (
+                grad if grad.dtype == flat.master.dtype else self._widened(flat, grad)
+            )
         self.optimizer.step()
         for flat in flats:
             flat.master.grad = None
+
+    def _widened(self, flat: FlatShard, grad: torch.Tensor) -> torch.Tensor:
+        """`grad`, `flat`'s gradient slice (bf16/fp16), in its master's dtype, for the step.
+
+        On the host it is copied into a buffer kept from step to step: a fresh tensor that size
+        is a new memory mapping, page-faulted in (and zeroed by the kernel) on every step. For
+        50M elements on 2 cores `grad.float()` took 96 ms against 14 ms for the same copy into
+        a kept buffer, and the CPU Adam step itself 34 ms. On a device the caching allocator
+        reuses the block, so a plain conversion costs no more than the copy."""
+        if grad.device.type != "cpu":
+            return grad.to(flat.master.dtype)
+        buffer = self.widened.get(flat.bucket.index)
+        if buffer is None or buffer.shape != grad.shape:
+            link = self.layout.link
+            numel, dtype = grad.numel(), flat.master.dtype
+            buffer = (
+                link.host_zeros(numel, dtype)
+                if link is not None
+                else grad.new_empty(numel, dtype=dtype)
+            )
+            buffer = buffer.view(grad.shape)
+            self.widened[flat.bucket.index] = buffer
+        return buffer.copy_(grad)
 
     def value(self, flat: FlatShard) -> torch.Tensor:
         """This rank's fp32 master slice of `flat`."""

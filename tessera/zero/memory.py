@@ -108,6 +108,7 @@ def held_bytes(zero: Any) -> dict[str, int]:
     grads = [p.grad for p in zero.module.parameters()]
     grads += [f.bucket.buffer for f in zero.flats] + [f.grad_shard for f in zero.flats]
     grads += zero.delayed.grads if zero.delayed is not None else []
+    grads += list(getattr(zero.masters, "widened", {}).values())  # (kept between steps)
     if zero.link is not None:
         grads += zero.link.grads
         params += [t for t in zero.link.staging if t is not None]
