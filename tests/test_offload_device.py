@@ -23,6 +23,7 @@ stream), so here we check, through `tessera.setup`:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -609,3 +610,58 @@ def test_the_host_step_widens_bf16_gradients_into_buffers_kept_between_steps(run
     assert all(pointers == first for pointers in later)
     assert got["widened"] == sum(n * 4 for n, dtype in got["flats"] if dtype == torch.float32)
     assert got["gradients"] >= got["widened"]
+
+
+def _staged_ranks() -> dict[str, Any]:
+    """bf16 offload="cpu" runs (zero2/zero3, with and without the delayed update), each with
+    the host staging buffers CUDA gets (pinned there; forced here) and without them."""
+    from tessera.zero import OffloadPolicy
+    from tessera.zero.host_link import HostLink
+
+    ctx = tessera.init()
+    plain_add = HostLink.add_bucket
+
+    def staging_add(self, numel, compute_dtype, *, converted, published):
+        plain_add(self, numel, compute_dtype, converted=converted, published=published)
+        if converted and self.staging[-1] is None:  # what a pinned (CUDA) link makes
+            self.staging[-1] = self.host_zeros(numel, compute_dtype)
+
+    out = {}
+    for strategy, delayed in itertools.product(("zero2", "zero3"), (False, True)):
+        offload = OffloadPolicy(device="cpu", delayed_update=delayed, delayed_update_after=1)
+        for staged in (False, True):
+            HostLink.add_bucket = staging_add if staged else plain_add
+            try:
+                engine = _engine(ctx, strategy, "bf16", offload)
+            finally:
+                HostLink.add_bucket = plain_add
+            _train(engine, ctx, range(STEPS))
+            out[strategy, delayed, staged] = {
+                "state": engine.full_state_dict(),
+                "copies": dict(engine.zero.link.copies),
+                "buckets": len(engine.zero.flats),
+            }
+            engine.close()
+    return out
+
+
+def test_the_host_step_rounds_the_uploaded_partition_itself(run_ranks):
+    """Where the partition goes up through a bf16 staging buffer (CUDA's pinned one), CPUAdam
+    writes it there in its own pass (`bf16_out`) and the upload sends it as it is: no rounding
+    pass of its own on the training thread. Same values, bit for bit, as rounding it apart
+    (the run without staging), for zero2/zero3, with and without the delayed update; and every
+    upload of a step's result was one the step had rounded."""
+    got = run_ranks(_staged_ranks, 1)[0]
+    for (strategy, delayed, staged), run in got.items():
+        if not staged:
+            continue
+        what = f"{strategy} delayed={delayed}"
+        apart = got[strategy, delayed, False]
+        for name, value in apart["state"].items():
+            assert torch.equal(run["state"][name], value), (what, name)
+        assert apart["copies"]["staged_by_step"] == 0, what
+        # every upload is a step's result (a bucket per step; under the delayed update the last
+        # step is still in flight at the end: full_state_dict reads its masters, nothing goes up)
+        uploads = run["copies"]["to_device"]
+        assert run["copies"]["staged_by_step"] == uploads, (what, run["copies"])
+        assert uploads == run["buckets"] * (STEPS - delayed), (what, run["copies"])

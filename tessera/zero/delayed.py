@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera.runtime.wait import wait_or_raise
+from tessera.zero.masters import link_outputs
 
 if TYPE_CHECKING:
     from tessera.zero.shards import ShardLayout
@@ -183,23 +184,32 @@ class DelayedUpdate:
         # The step's own copy of the hyper-parameters, taken here on the training thread: a
         # learning-rate scheduler sets the next step's lr in `param_groups` while this one runs.
         groups = [dict(group) for group in optimizer.param_groups]
-        self.launch(partial(_step_with_groups, optimizer, groups, masters))
+        fused = link_outputs(layout, optimizer)  # the step rounds into the staging buffers too
+        if fused is not None:  # (sent by the publish that follows this step's wait)
+            layout.link.staged(fused[1])
+        outputs = fused[0] if fused is not None else None
+        self.launch(partial(_step_with_groups, optimizer, groups, masters, outputs))
         return True
 
 
-def _step_with_groups(optimizer: Any, groups: list[dict[str, Any]], masters: list) -> None:
+def _step_with_groups(
+    optimizer: Any, groups: list[dict[str, Any]], masters: list, outputs: list | None = None
+) -> None:
     """The background half of a delayed step: the inner optimizer on the masters only, with the
     hyper-parameters `groups` held when it was launched.
 
     It runs on a shallow twin of the inner optimizer whose `param_groups` are `groups`: the twin
     shares the state (moments, step counts) and the parameters, so the step updates them as the
     optimizer itself would, while the training thread may already set the next step's learning
-    rate in the optimizer's own groups."""
+    rate in the optimizer's own groups. `outputs`: CPUAdam's `bf16_out` (`link_outputs`)."""
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
     twin.__dict__.pop("step", None)  # an instance wrapper (lr schedulers) steps the original
     twin.param_groups = groups
     with torch.no_grad():
-        type(optimizer).step(twin)
+        if outputs is None:
+            type(optimizer).step(twin)
+        else:
+            type(optimizer).step(twin, bf16_out=outputs)
     for master in masters:
         master.grad = None

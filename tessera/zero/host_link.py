@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from tessera.optim.cpu_adam import host_zeros
+from tessera.optim.cpu_adam import CPUAdam, host_zeros
 
 __all__ = ["HostLink", "link_device"]
 
@@ -73,10 +73,14 @@ class HostLink:
         up (None where the fp32 master itself is in the compute dtype)."""
         self._fresh: list[bool] = []
         """Per bucket: the host gradient was copied since the last `forget_gradients`."""
+        self._staged: set[int] = set()
+        """Buckets whose staging buffer the host step filled (`step_outputs`): the next upload
+        sends it as it is."""
         self.log: deque[tuple[str, int]] = deque(maxlen=_LOG_LENGTH)
         """The latest copies, in issue order: ("to_host" | "to_device", bucket index)."""
-        self.copies = {"to_host": 0, "to_device": 0}
-        """Copies made so far, per direction."""
+        self.copies = {"to_host": 0, "to_device": 0, "staged_by_step": 0}
+        """Copies made so far, per direction; `staged_by_step`: uploads of a partition the
+        host step had already rounded into its staging buffer (no conversion pass)."""
 
     @classmethod
     def of(cls, named: list[tuple[str, torch.Tensor]], huge_pages: bool) -> HostLink:
@@ -140,6 +144,36 @@ class HostLink:
         self.wait()
         return self.grads[index]
 
+    def step_outputs(
+        self, masters: dict[int, int], optimizer: object
+    ) -> tuple[list[torch.Tensor | None], list[int]] | None:
+        """The host step's `bf16_out` (CPUAdam's: each updated master also written, rounded to
+        bf16, in the same pass) aimed at the staging buffers, and the buckets they cover; None
+        where the optimizer is not CPUAdam or no bucket stages bf16. `masters`: id(master) ->
+        bucket index. Without it the upload rounds each master in a pass of its own (reading 4
+        and writing 2 bytes an element on the host, on the training thread). Call `staged` once
+        the step that got them is the one the next upload sends."""
+        if not isinstance(optimizer, CPUAdam):
+            return None
+        outputs: list[torch.Tensor | None] = []
+        covered: list[int] = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                index = masters.get(id(param))
+                staging = self.staging[index] if index is not None else None
+                fits = staging is not None and staging.dtype == torch.bfloat16
+                outputs.append(staging if fits else None)
+                covered += [index] if fits else []
+        return (outputs, covered) if covered else None
+
+    def staged(self, indices: list[int]) -> None:
+        """The staging buffers of `indices` hold the step's result (see `step_outputs`)."""
+        self._staged.update(indices)
+
+    def forget_staged(self, index: int) -> None:
+        """Bucket `index`'s master changed otherwise (a checkpoint load): round it anew."""
+        self._staged.discard(index)
+
     def to_device(self, index: int, master: torch.Tensor, target: torch.Tensor) -> None:
         """Copy bucket `index`'s updated partition up into `target` (a device tensor in the
         compute dtype), converted on the host first (into `staging`, pinned) if the dtypes
@@ -147,7 +181,12 @@ class HostLink:
         source = master.detach().reshape(-1)
         staging = self.staging[index]
         if source.dtype != target.dtype and staging is not None:
-            source = staging.copy_(source)
+            if index in self._staged:  # rounded by the host step itself
+                self._staged.discard(index)
+                self.copies["staged_by_step"] += 1
+                source = staging
+            else:
+                source = staging.copy_(source)
         self._copy("to_device", index, source, target.reshape(-1))
 
     def device_ready(self) -> None:

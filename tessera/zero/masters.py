@@ -69,7 +69,12 @@ class HeldMasters(_Masters):
             flat.master.grad = (
                 grad if grad.dtype == flat.master.dtype else self._widened(flat, grad)
             )
-        self.optimizer.step()
+        fused = link_outputs(self.layout, self.optimizer)
+        if fused is None:
+            self.optimizer.step()
+        else:  # the step also rounds each master into its staging buffer (CPUAdam's bf16_out)
+            self.optimizer.step(bf16_out=fused[0])
+            self.layout.link.staged(fused[1])
         for flat in flats:
             flat.master.grad = None
 
@@ -103,6 +108,8 @@ class HeldMasters(_Masters):
     def set(self, flat: FlatShard, value: torch.Tensor) -> None:
         """Replace this rank's master slice of `flat` (a checkpoint load)."""
         flat.master.copy_(value)
+        if self.layout.link is not None:
+            self.layout.link.forget_staged(flat.bucket.index)
 
     def published(self, flat: FlatShard) -> torch.Tensor:
         """The updated slice of `flat` the stage publishes after the step: the master itself."""
@@ -161,6 +168,14 @@ class SwappedMasters(_Masters):
         target = self.layout.publish_target(flat)
         assert target is not None, "a master whose shard is its file publishes nothing"
         return target.detach()
+
+
+def link_outputs(layout: ShardLayout, optimizer: Any) -> tuple[list, list[int]] | None:
+    """`HostLink.step_outputs` for the masters of `layout` (None without offload)."""
+    if layout.link is None:
+        return None
+    masters = {id(flat.master): flat.bucket.index for flat in layout.flats}
+    return layout.link.step_outputs(masters, optimizer)
 
 
 def _storageless_master(layout: ShardLayout, bucket: Bucket) -> nn.Parameter:
