@@ -232,7 +232,7 @@ wrong = {
     "exp_avg too small": (p, g, torch.zeros(n // 2), torch.zeros(n)),
     "moments of two dtypes": (p, g, torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)),
     "strided grad": (p, torch.ones(2 * n)[::2], torch.zeros(n), torch.zeros(n)),
-    "bf16 grad": (p, g.bfloat16(), torch.zeros(n), torch.zeros(n)),
+    "fp16 grad": (p, g.half(), torch.zeros(n), torch.zeros(n)),
 }
 scalars = dict(beta1=0.9, beta2=0.99, one_minus_beta1=0.1, one_minus_beta2=0.01, eps=1e-8,
                weight_decay=0.0, decay=1.0, step_size=0.1, inv_bias2_sqrt=1.0, adamw=True)
@@ -259,7 +259,7 @@ def test_a_replaced_parameter_or_mismatched_state_is_refused_before_the_native_c
         "refused: CPUAdam: parameter 0 has shape (4000000,) but its state 'exp_avg' has "
         "shape (1000,)" in done.stdout
     ), done.stdout
-    for name in ("exp_avg too small", "moments of two dtypes", "strided grad", "bf16 grad"):
+    for name in ("exp_avg too small", "moments of two dtypes", "strided grad", "fp16 grad"):
         assert f"kernel refused {name} | CPU Adam kernel:" in done.stdout, (name, done.stdout)
 
 
@@ -984,3 +984,36 @@ def test_zero_offload_cpu_steps_buffers_on_huge_pages_with_unchanged_results(nat
             for size, got in large:
                 assert got > size - (4 << 20), (stage, size, got)
             assert all(got == 0 for _, got in plain_advised), (stage, plain_advised)
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bf16_gradient_steps_as_its_float32_copy(moments, native, monkeypatch):
+    """`step(grads=[bf16 tensor])` (ZeRO-Offload's partitions in the training dtype, which
+    `.grad` cannot hold for a float32 parameter) equals the step on the float32 copy of the
+    same values as `.grad`, bit for bit (widening bf16 is exact): the parameter, both moments
+    and the bf16 copy written beside them, over three AdamW steps; with the native kernel
+    (which reads the 2-byte values itself) and with torch's kernel it falls back to."""
+    if native and not native_kernel_available():
+        pytest.skip("no native kernel here (no compiler)")
+    if not native:
+        monkeypatch.setattr(cpu_adam, "load_kernel", lambda: RuntimeError("planted"))
+    generator = torch.Generator().manual_seed(7)
+    n = 50_003  # several chunks and a tail
+    start = torch.randn(n, generator=generator)
+    options = dict(lr=0.01, weight_decay=0.1, bf16_moments=moments == "bf16")
+    as_grad, as_keyword = (start.clone().requires_grad_() for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's one warning
+        first, second = CPUAdam([as_grad], **options), CPUAdam([as_keyword], **options)
+    copies = [torch.empty(n, dtype=torch.bfloat16) for _ in range(2)]
+    for _ in range(3):
+        low = torch.randn(n, generator=generator).bfloat16()
+        as_grad.grad = low.float()
+        first.step(bf16_out=[copies[0]])
+        second.step(bf16_out=[copies[1]], grads=[low])
+        assert as_keyword.grad is None
+    assert first.uses_native_kernel is native
+    assert torch.equal(as_grad, as_keyword) and torch.equal(copies[0], copies[1])
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(first.state[as_grad][key], second.state[as_keyword][key]), key

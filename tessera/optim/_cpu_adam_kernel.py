@@ -126,7 +126,7 @@ class AdamKernel:
             [ctypes.c_void_p] * 5
             + [ctypes.c_int64]
             + [ctypes.c_float] * 9
-            + [ctypes.c_int] * 4
+            + [ctypes.c_int] * 5
             + [ctypes.c_uint32]
         )
         self._function = function
@@ -200,6 +200,7 @@ class AdamKernel:
             inv_bias2_sqrt,
             int(adamw),
             int(exp_avg.dtype == torch.bfloat16),
+            int(grad.dtype == torch.bfloat16),
             torch.get_num_threads(),
             int(rounding_key is not None),
             rounding_key or 0,
@@ -214,13 +215,14 @@ def check_inputs(
     bf16_out: torch.Tensor | None,
 ) -> None:
     """Raise ValueError unless the kernel may touch these tensors: all contiguous CPU tensors of
-    `param.numel()` elements, `param` and `grad` float32, both moments float32 or both bfloat16,
+    `param.numel()` elements, `param` float32, `grad` float32 or bfloat16 (widened as it is
+    read), both moments float32 or both bfloat16,
     `bf16_out` (if any) bfloat16. The kernel writes `numel` elements through each pointer."""
     numel = param.numel()
     moments = exp_avg.dtype
     expected = {
         "param": (param, (torch.float32,)),
-        "grad": (grad, (torch.float32,)),
+        "grad": (grad, (torch.float32, torch.bfloat16)),
         "exp_avg": (exp_avg, (torch.float32, torch.bfloat16)),
         "exp_avg_sq": (exp_avg_sq, (moments,)),
     }

@@ -34,6 +34,10 @@ static inline float load_moment(const float* moments, int64_t i) { return moment
 static inline float load_moment(const uint16_t* moments, int64_t i) {
   return bf16_to_float(moments[i]);
 }
+// A gradient element as float32: float32 as it is, bfloat16 (ZeRO-Offload's partitions in the
+// training dtype) widened exactly, in the same pass: 2 bytes read instead of 4, no fp32 copy.
+static inline float load_grad(const float* grad, int64_t i) { return grad[i]; }
+static inline float load_grad(const uint16_t* grad, int64_t i) { return bf16_to_float(grad[i]); }
 static inline void store_moment(float* moments, int64_t i, float value) { moments[i] = value; }
 static inline void store_moment(uint16_t* moments, int64_t i, float value) {
   moments[i] = float_to_bf16(value);
@@ -90,8 +94,10 @@ static inline uint16_t float_to_bf16_stochastic(float value, uint32_t random16) 
 // (arithmetic stays fp32; 20 instead of 28 bytes move per parameter).
 // bf16_out, when not null, receives the updated parameter rounded to nearest-even bfloat16.
 // kStochastic (bf16 moments only): the moments are rounded stochastically with rounding_key.
-template <bool kAdamW, bool kCopyOut, typename Moment, bool kStochastic = false>
-static void adam_range(float* __restrict__ param, const float* __restrict__ grad,
+// Grad: float, or uint16_t for a bfloat16 gradient (widened exactly: the same results).
+template <bool kAdamW, bool kCopyOut, typename Moment, bool kStochastic = false,
+          typename Grad = float>
+static void adam_range(float* __restrict__ param, const Grad* __restrict__ grad,
                        Moment* __restrict__ exp_avg, Moment* __restrict__ exp_avg_sq,
                        uint16_t* __restrict__ bf16_out, int64_t begin, int64_t end,
                        float beta1, float beta2, float one_minus_beta1, float one_minus_beta2,
@@ -102,7 +108,7 @@ static void adam_range(float* __restrict__ param, const float* __restrict__ grad
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     float p = param[i];
-    float g = grad[i];
+    float g = load_grad(grad, i);
     if (kAdamW) {
       p = p * decay;
     } else {
@@ -253,12 +259,12 @@ __attribute__((noinline)) static void adam_range_bf16_moments(TESSERA_RANGE_PARA
   adam_range<ADAMW, COPY_OUT, uint16_t, STOCHASTIC>
 #endif
 
-extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
+extern "C" void tessera_cpu_adam(float* param, const void* grad, void* exp_avg,
                                  void* exp_avg_sq, uint16_t* bf16_out, int64_t n,
                                  float beta1, float beta2, float one_minus_beta1,
                                  float one_minus_beta2, float eps, float weight_decay,
                                  float decay, float step_size, float inv_bias2_sqrt,
-                                 int adamw, int bf16_moments, int num_threads,
+                                 int adamw, int bf16_moments, int grad_bf16, int num_threads,
                                  int stochastic_rounding, uint32_t rounding_key) {
   // Chunks of 64 KiB of floats: large enough to stream, small enough to balance threads.
   const int64_t chunk = 16384;
@@ -268,16 +274,27 @@ extern "C" void tessera_cpu_adam(float* param, const float* grad, void* exp_avg,
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t begin = c * chunk;
     const int64_t end = begin + chunk < n ? begin + chunk : n;
-#define TESSERA_ADAM_RANGE(FUNCTION, MOMENT)                                                 \
-  FUNCTION(param, grad, static_cast<MOMENT*>(exp_avg), static_cast<MOMENT*>(exp_avg_sq),     \
-           bf16_out, begin, end, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,        \
-           weight_decay, decay, step_size, inv_bias2_sqrt, rounding_key)
+#define TESSERA_ADAM_RANGE(FUNCTION, MOMENT, GRAD)                                           \
+  FUNCTION(param, static_cast<const GRAD*>(grad), static_cast<MOMENT*>(exp_avg),             \
+           static_cast<MOMENT*>(exp_avg_sq), bf16_out, begin, end, beta1, beta2,             \
+           one_minus_beta1, one_minus_beta2, eps, weight_decay, decay, step_size,            \
+           inv_bias2_sqrt, rounding_key)
+// A bfloat16 gradient always takes the portable loop (the AVX512_BF16 one reads float32).
 #define TESSERA_ADAM_MOMENTS(ADAMW, COPY_OUT)                                                \
-  if (bf16_moments && stochastic_rounding)                                                   \
-    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, true)), uint16_t);               \
+  if (grad_bf16 && bf16_moments && stochastic_rounding)                                      \
+    TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, uint16_t, true, uint16_t>), uint16_t,    \
+                       uint16_t);                                                            \
+  else if (grad_bf16 && bf16_moments)                                                        \
+    TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, uint16_t, false, uint16_t>), uint16_t,   \
+                       uint16_t);                                                            \
+  else if (grad_bf16)                                                                        \
+    TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, float, false, uint16_t>), float,         \
+                       uint16_t);                                                            \
+  else if (bf16_moments && stochastic_rounding)                                              \
+    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, true)), uint16_t, float);        \
   else if (bf16_moments)                                                                     \
-    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, false)), uint16_t);              \
-  else TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, float>), float)
+    TESSERA_ADAM_RANGE((TESSERA_BF16_RANGE(ADAMW, COPY_OUT, false)), uint16_t, float);       \
+  else TESSERA_ADAM_RANGE((adam_range<ADAMW, COPY_OUT, float>), float, float)
     if (adamw && bf16_out) { TESSERA_ADAM_MOMENTS(true, true); }
     else if (adamw) { TESSERA_ADAM_MOMENTS(true, false); }
     else if (bf16_out) { TESSERA_ADAM_MOMENTS(false, true); }

@@ -221,44 +221,55 @@ class CPUAdam(torch.optim.Optimizer):
         closure: Callable[[], float] | None = None,
         *,
         bf16_out: Sequence[torch.Tensor | None] | None = None,
+        grads: Sequence[torch.Tensor | None] | None = None,
     ) -> float | None:
         """One Adam(W) step for every parameter that has a gradient.
 
         `bf16_out`, if given, has one entry per parameter in param-group order (None to skip
         one): a bfloat16 tensor of the parameter's numel that receives the updated value.
+        `grads`, if given, likewise: the gradient to step with instead of `.grad` (None: the
+        `.grad`), float32 or bfloat16 of the parameter's shape. A bfloat16 gradient is widened
+        as the kernel reads it (exactly: the step equals the one on its float32 copy), which
+        `.grad` cannot hold for a float32 parameter: ZeRO-Offload's host partitions in the
+        training dtype, stepped without a float32 copy of them.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         params = [p for group in self.param_groups for p in group["params"]]
-        if bf16_out is not None and len(bf16_out) != len(params):
-            raise ValueError(
-                f"CPUAdam.step: bf16_out has {len(bf16_out)} entries for {len(params)} parameters"
-            )
+        for name, given in (("bf16_out", bf16_out), ("grads", grads)):
+            if given is not None and len(given) != len(params):
+                raise ValueError(
+                    f"CPUAdam.step: {name} has {len(given)} entries for {len(params)} parameters"
+                )
         position = 0
         for group in self.param_groups:
             for param in group["params"]:
                 target = bf16_out[position] if bf16_out is not None else None
+                grad = grads[position] if grads is not None else None
+                grad = param.grad if grad is None else grad
                 position += 1
-                if param.grad is None:
+                if grad is None:
                     continue
                 # Again at every step: add_param_group or `param.data = ...` can change a
                 # parameter after construction, and the kernel would misread its memory.
                 self._check_param(param, f"parameter {position - 1}")
-                self._check_step_inputs(param, target, position - 1)
-                self._update(param, group, target, position - 1)
+                self._check_step_inputs(param, grad, target, position - 1)
+                self._update(param, grad, group, target, position - 1)
         return loss
 
     @staticmethod
-    def _check_step_inputs(param: torch.Tensor, target: torch.Tensor | None, position: int) -> None:
-        grad = param.grad
+    def _check_step_inputs(
+        param: torch.Tensor, grad: torch.Tensor, target: torch.Tensor | None, position: int
+    ) -> None:
         if grad.is_sparse:
             raise ValueError(f"CPUAdam: parameter {position} has a sparse gradient")
-        if grad.dtype != torch.float32 or grad.shape != param.shape:
+        if grad.dtype not in (torch.float32, torch.bfloat16) or grad.shape != param.shape:
             raise TypeError(
                 f"CPUAdam: parameter {position} ({tuple(param.shape)}, float32) has a gradient "
-                f"of dtype {grad.dtype} and shape {tuple(grad.shape)}"
+                f"of dtype {grad.dtype} and shape {tuple(grad.shape)} (float32 or bfloat16 of "
+                "the parameter's shape)"
             )
         if target is not None and (
             target.dtype != torch.bfloat16
@@ -273,13 +284,18 @@ class CPUAdam(torch.optim.Optimizer):
             )
 
     def _update(
-        self, param: torch.Tensor, group: dict[str, Any], target: torch.Tensor | None, position: int
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        target: torch.Tensor | None,
+        position: int,
     ) -> None:
         state = self._state_of(param, group, position)
         beta1, beta2 = group["betas"]
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         if self._kernel is None:
-            self._fallback_update(param, state, group)
+            self._fallback_update(param, grad.float(), state, group)
             if target is not None:
                 target.view(-1).copy_(param.view(-1))
             return
@@ -288,7 +304,7 @@ class CPUAdam(torch.optim.Optimizer):
         key = step_key(state["rounding_seed"], int(step)) if _stochastic(group) else None
         self._kernel(
             param,
-            param.grad.contiguous(),
+            grad.contiguous(),
             state["exp_avg"],
             state["exp_avg_sq"],
             target,
@@ -307,7 +323,10 @@ class CPUAdam(torch.optim.Optimizer):
 
     @staticmethod
     def _fallback_update(
-        param: torch.Tensor, state: dict[str, torch.Tensor], group: dict[str, Any]
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        group: dict[str, Any],
     ) -> None:
         """torch's fused Adam(W) CPU kernel on the same state (it increments `step` itself);
         bf16 moments are widened for it and rounded back."""
@@ -315,7 +334,7 @@ class CPUAdam(torch.optim.Optimizer):
         exp_avg, exp_avg_sq = state["exp_avg"].float(), state["exp_avg_sq"].float()
         torch_adam_functional(
             [param],
-            [param.grad],
+            [grad],
             [exp_avg],
             [exp_avg_sq],
             [],

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tessera.runtime.wait import wait_or_raise
-from tessera.zero.masters import link_outputs
+from tessera.zero.masters import reads_bf16, step_keywords
 
 if TYPE_CHECKING:
     from tessera.zero.shards import ShardLayout
@@ -151,10 +151,16 @@ class DelayedUpdate:
             "the host optimizer step did not finish; it may be stuck or far too slow",
         )
 
-    def grad_buffers(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The step's gradient copies, one like each master (made at the first delayed step)."""
+    def grad_buffers(
+        self, masters: list[torch.Tensor], like: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The step's gradient copies, one like each master, in float32 or, given `like`, in
+        the dtype of each of those (made at the first delayed step)."""
         if not self.grads:
-            self.grads = [torch.zeros_like(master, dtype=torch.float32) for master in masters]
+            dtypes = [t.dtype for t in like] if like is not None else [torch.float32] * len(masters)
+            self.grads = [
+                torch.zeros_like(master, dtype=dtype) for master, dtype in zip(masters, dtypes)
+            ]
         return self.grads
 
     def finish(self, publish: Callable[[], None]) -> None:
@@ -175,25 +181,28 @@ class DelayedUpdate:
             self.steps += 1
             return False
         # The step's own copy of the gradient partition: the next backward (and zero_grad)
-        # write the stage's buffers while the step reads this one.
+        # write the stage's buffers while the step reads this one. In the slices' dtype where
+        # the optimizer reads it (CPUAdam reads bf16), else in the masters' float32.
         masters = [flat.master for flat in layout.flats]
-        for flat, grad in zip(layout.flats, self.grad_buffers(masters)):
-            grad.copy_(layout.step_gradient(flat))
-            flat.master.grad = grad
+        sources = [layout.step_gradient(flat) for flat in layout.flats]
+        reads_low = any(s.dtype == torch.bfloat16 for s in sources) and reads_bf16(optimizer)
+        copies = self.grad_buffers(masters, sources if reads_low else None)
+        for master, copy, source in zip(masters, copies, sources):
+            copy.copy_(source)
+            master.grad = copy if copy.dtype == master.dtype else None
+        # The step's own keywords: CPUAdam's bf16 gradients (these copies) and bf16_out (the
+        # staging buffers, sent by the publish that follows this step's wait).
+        keywords = step_keywords(layout, optimizer, dict(zip(map(id, masters), copies)))
         self.steps += 1
         # The step's own copy of the hyper-parameters, taken here on the training thread: a
         # learning-rate scheduler sets the next step's lr in `param_groups` while this one runs.
         groups = [dict(group) for group in optimizer.param_groups]
-        fused = link_outputs(layout, optimizer)  # the step rounds into the staging buffers too
-        if fused is not None:  # (sent by the publish that follows this step's wait)
-            layout.link.staged(fused[1])
-        outputs = fused[0] if fused is not None else None
-        self.launch(partial(_step_with_groups, optimizer, groups, masters, outputs))
+        self.launch(partial(_step_with_groups, optimizer, groups, masters, keywords))
         return True
 
 
 def _step_with_groups(
-    optimizer: Any, groups: list[dict[str, Any]], masters: list, outputs: list | None = None
+    optimizer: Any, groups: list[dict[str, Any]], masters: list, keywords: dict[str, list]
 ) -> None:
     """The background half of a delayed step: the inner optimizer on the masters only, with the
     hyper-parameters `groups` held when it was launched.
@@ -201,15 +210,12 @@ def _step_with_groups(
     It runs on a shallow twin of the inner optimizer whose `param_groups` are `groups`: the twin
     shares the state (moments, step counts) and the parameters, so the step updates them as the
     optimizer itself would, while the training thread may already set the next step's learning
-    rate in the optimizer's own groups. `outputs`: CPUAdam's `bf16_out` (`link_outputs`)."""
+    rate in the optimizer's own groups. `keywords`: the step's own (`step_keywords`)."""
     twin = object.__new__(type(optimizer))
     twin.__dict__.update(optimizer.__dict__)
     twin.__dict__.pop("step", None)  # an instance wrapper (lr schedulers) steps the original
     twin.param_groups = groups
     with torch.no_grad():
-        if outputs is None:
-            type(optimizer).step(twin)
-        else:
-            type(optimizer).step(twin, bf16_out=outputs)
+        type(optimizer).step(twin, **keywords)
     for master in masters:
         master.grad = None
