@@ -9,8 +9,9 @@ clipping by the global norm, with SGD without momentum (a wrong gradient factor 
 point shows in every element) and with AdamW through `initialize(offload="cpu")`.
 
 The SGD run holds each background step at a gate until the next backward has finished: the step
-then runs after that backward overwrote the stage's gradient buffers, so a step reading them
-instead of its own copy (the partition not double-buffered) fails deterministically.
+then runs after that backward overwrote the stage's gradient buffers (and, with the host step of
+offload, the host link's), so a step reading them instead of its own set (the partition not
+double-buffered) fails deterministically.
 
 Resume: `tessera train` with DPU, checkpointed while a step is in flight, resumed: the same
 parameters, optimizer state and losses as the run that never stopped (`torch.equal`).
@@ -140,7 +141,12 @@ def _equivalence_on_ranks() -> dict[str, Any]:
         ("sgd-zero1", ZeroStage1, sgd),
         ("sgd-zero2", ZeroStage2, sgd),
         ("sgd-zero3", ZeroStage3, {**sgd, "bucket_cap_mb": None, "units": ["blocks.*"]}),
-    ]
+        # the host step (offload's): the link hands its gradient set to the step and takes its
+        # other one for the next backward, whose copies the gate lets land first
+        ("sgd-zero2-host", ZeroStage2, {**sgd, "host_step": True}),
+        ("sgd-zero3-host", ZeroStage3,
+         {**sgd, "host_step": True, "bucket_cap_mb": None, "units": ["blocks.*"]}),
+    ]  # fmt: skip
     for name, stage, options in cases:
         model = _model()
         options = {k: v for k, v in options.items() if v is not None}

@@ -16,9 +16,10 @@ needs: the shard layout (`tessera.zero.shards`: the flats and their gradient sli
 optimizer and the stage's `publish`, never the optimizer itself. Its rules keep the delayed step
 race free:
 
-* the step reads its own copy of the gradient partition (`grads`, fp32, filled on the training
-  thread at launch): the next backward writes the stage's gradient buffers meanwhile, so the
-  partition is double-buffered;
+* the step reads its own gradient partition, which the next backward does not write: the host
+  link's set itself where the step reads it as it is (float32, or bf16 for CPUAdam), the link
+  taking its other set for the next backward's copies (`HostLink.hand_over`, no copy made);
+  else a float32 copy (`grads`, filled on the training thread at launch);
 * the master weights are never the parameters forward reads (under DPU a stage 1/2 fp32 master
   is a copy, not a view of the flat buffer; a stage 3 shard is a copy of its master), so the
   step writes memory that no forward touches;
@@ -151,16 +152,11 @@ class DelayedUpdate:
             "the host optimizer step did not finish; it may be stuck or far too slow",
         )
 
-    def grad_buffers(
-        self, masters: list[torch.Tensor], like: list[torch.Tensor] | None = None
-    ) -> list[torch.Tensor]:
-        """The step's gradient copies, one like each master, in float32 or, given `like`, in
-        the dtype of each of those (made at the first delayed step)."""
+    def grad_buffers(self, masters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's float32 gradient copies, one like each master (made at the first delayed
+        step that needs them)."""
         if not self.grads:
-            dtypes = [t.dtype for t in like] if like is not None else [torch.float32] * len(masters)
-            self.grads = [
-                torch.zeros_like(master, dtype=dtype) for master, dtype in zip(masters, dtypes)
-            ]
+            self.grads = [torch.zeros_like(master, dtype=torch.float32) for master in masters]
         return self.grads
 
     def finish(self, publish: Callable[[], None]) -> None:
@@ -180,15 +176,21 @@ class DelayedUpdate:
         if not self.delaying:
             self.steps += 1
             return False
-        # The step's own copy of the gradient partition: the next backward (and zero_grad)
-        # write the stage's buffers while the step reads this one. In the slices' dtype where
-        # the optimizer reads it (CPUAdam reads bf16), else in the masters' float32.
+        # The step's own gradient partition: the next backward (and zero_grad) write the
+        # stage's buffers while the step reads this one. The host link's set itself where the
+        # step reads it as it is (float32, or bf16 for CPUAdam): the link takes its other set
+        # for the next backward (`HostLink.hand_over`), nothing is copied on this thread. Else a
+        # float32 copy (a bf16 or fp16 partition for another optimizer).
         masters = [flat.master for flat in layout.flats]
         sources = [layout.step_gradient(flat) for flat in layout.flats]
-        reads_low = any(s.dtype == torch.bfloat16 for s in sources) and reads_bf16(optimizer)
-        copies = self.grad_buffers(masters, sources if reads_low else None)
-        for master, copy, source in zip(masters, copies, sources):
-            copy.copy_(source)
+        readable = {torch.float32, torch.bfloat16} if reads_bf16(optimizer) else {torch.float32}
+        if layout.link is not None and all(source.dtype in readable for source in sources):
+            copies = layout.link.hand_over()
+        else:
+            copies = self.grad_buffers(masters)
+            for copy, source in zip(copies, sources):
+                copy.copy_(source)
+        for master, copy in zip(masters, copies):
             master.grad = copy if copy.dtype == master.dtype else None
         # The step's own keywords: CPUAdam's bf16 gradients (these copies) and bf16_out (the
         # staging buffers, sent by the publish that follows this step's wait).

@@ -68,6 +68,9 @@ class HostLink:
         self._lock = threading.Lock()  # copies are issued by the comm thread and the trainer
         self.grads: list[torch.Tensor] = []
         """Per bucket: this rank's reduced gradient partition on the host (compute dtype)."""
+        self.handed: list[torch.Tensor] = []
+        """The other set of `grads`, after `hand_over`: the delayed step's, read while the next
+        backward's copies go into `grads`."""
         self.staging: list[torch.Tensor | None] = []
         """Per bucket: the updated partition in the compute dtype, on the host, before it goes
         up (None where the fp32 master itself is in the compute dtype)."""
@@ -130,6 +133,22 @@ class HostLink:
         soon as its reduction has been queued (called on the communication thread)."""
         self._copy("to_host", index, source.reshape(-1), self.grads[index])
         self._fresh[index] = True
+
+    def hand_over(self) -> list[torch.Tensor]:
+        """Give the gradient partitions (every copy of them finished) to a step that reads them
+        in the background, and take the other set for the next backward's copies (made at the
+        first call): the delayed update's own copy of the partition, without copying it.
+
+        The caller must have read every bucket's gradient (`gradient`) since the last backward,
+        and the previous holder of the other set must be done with it."""
+        self.wait()
+        with self._lock:
+            if not self.handed:
+                self.handed = [self.host_zeros(g.numel(), g.dtype) for g in self.grads]
+            given, self.grads = self.grads, self.handed
+            self.handed = given
+            self._fresh = [False] * len(self._fresh)
+        return given
 
     def forget_gradients(self) -> None:
         """The gradients were cleared (`zero_grad`): the host copies are stale until the next

@@ -110,7 +110,7 @@ def held_bytes(zero: Any) -> dict[str, int]:
     grads += zero.delayed.grads if zero.delayed is not None else []
     grads += list(getattr(zero.masters, "widened", {}).values())  # (kept between steps)
     if zero.link is not None:
-        grads += zero.link.grads
+        grads += zero.link.grads + zero.link.handed
         params += [t for t in zero.link.staging if t is not None]
     states = [
         value
