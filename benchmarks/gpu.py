@@ -150,8 +150,10 @@ class _Bench:
         for block in net.blocks:
             fully_shard(block, **policy)
         fully_shard(net, **policy)
-        optimizer = self.adamw(net.parameters()) if not offload else torch.optim.AdamW(
-            net.parameters(), lr=1e-4
+        optimizer = (
+            self.adamw(net.parameters())
+            if not offload
+            else torch.optim.AdamW(net.parameters(), lr=1e-4)
         )  # (offloaded parameters live on the host: no fused CUDA kernel)
 
         def step() -> None:
