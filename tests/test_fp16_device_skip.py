@@ -7,8 +7,10 @@ loop with `GradScaler` and the same fused AdamW, written here. The loss scale st
 the first steps overflow in fp16 and are skipped (the scale halves each time) and later ones grow
 it (`growth_interval=3`): both rules are exercised. Scaling by powers of two is exact, and both
 sides run the same fused kernel on the same gradients, so the weights agree bit for bit, and the
-scale and the count of skipped steps are the same. ddp is compared with its own host-read path
-(`_host_skip_adamw`), the one every optimizer without `found_inf` takes.
+scale and the count of skipped steps are the same. ddp on one rank (nothing to send, nothing
+cast) equals the plain loop too. ZeRO 1-3 keep fp16 weights beside fp32 masters, not the plain
+loop's: each is compared with its own host-read path (`_host_skip_adamw`, the one every optimizer
+without `found_inf` takes), bit for bit, with the same scale and skips.
 """
 
 from __future__ import annotations
@@ -87,12 +89,11 @@ def _tessera(strategy: str, optimizer=_adamw) -> tuple[dict[str, torch.Tensor], 
 
 def _runs() -> dict[str, tuple]:
     tessera.init()
-    return {
-        "plain": _plain(),
-        "single": _tessera("single"),
-        "ddp": _tessera("ddp"),
-        "ddp host": _tessera("ddp", _host_skip_adamw),
-    }
+    runs = {"plain": _plain(), "single": _tessera("single")}
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
+        runs[strategy] = _tessera(strategy)
+        runs[f"{strategy} host"] = _tessera(strategy, _host_skip_adamw)
+    return runs
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -100,12 +101,15 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_fp16_skipped_on_the_device_equals_grad_scaler(run_ranks):
-    """single against GradScaler's loop; ddp (whose fp16 gradient reduction rounds them to fp16
-    even on one rank: not the plain loop's) against its own host-read path."""
+    """single and ddp against GradScaler's loop; every strategy against its own host-read path
+    (ZeRO: fp16 weights, not the plain loop's); the device path keeps the scale on the device."""
     runs = run_ranks(_runs, 1)[0]
     plain, scale, skipped = runs["plain"]
     assert skipped > 0 and scale > INIT_SCALE / 2**skipped  # both rules ran: backoff and growth
-    for name in ("single", "ddp", "ddp host"):
-        assert runs[name][1:] == (scale, skipped, name != "ddp host"), name
+    for name in ("single", "ddp", "zero1", "zero2", "zero3"):
+        assert runs[name][1:] == (scale, skipped, True), name
+        if name != "single":
+            assert runs[f"{name} host"][1:] == (scale, skipped, False), name
+            assert _same(runs[name][0], runs[f"{name} host"][0]), name
     assert _same(runs["single"][0], plain)
-    assert _same(runs["ddp"][0], runs["ddp host"][0])
+    assert _same(runs["ddp"][0], plain)

@@ -12,8 +12,9 @@ the calling thread and on the communication stream's worker:
   tessera weighs over the ranks) makes none; nor does fp16 where the optimizer's step takes
   `found_inf` (torch's fused Adam/AdamW/SGD, as here; `_skips_on_device`): the inf/nan flag goes
   to that step and the loss scale is updated on the device (`tests/test_fp16_device_skip.py`).
-  fp16 under ZeRO reads once a step (FP16_SYNCS), the skip decision: a Python `if` on whether any
-  rank saw inf/nan, since ZeRO's step does more than the optimizer's (it publishes the shards).
+  That holds under zero1-3 as well (FP16_SYNCS): the fused optimizer steps the masters, and a
+  step it skips leaves them as they were, which publishing again changes nothing of. (With
+  offload or the delayed update, CPUAdam's step takes no flag: one read a step, the skip.)
 - an **operator** is at least one kernel launch (5-10 us of host time). tessera's extra
   operators per step over the plain loop written here are what each strategy needs, counted
   from the code (`_allowed_extra`), not a round number.
@@ -39,9 +40,9 @@ from tessera.comm import stream as comm_stream
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-FP16_SYNCS = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 1, "zero3": 1}
-"""fp16's reads a step: none where the fused optimizer skips on the device, else one: whether
-any rank's gradients hold inf/nan (see the module doc)."""
+FP16_SYNCS = {"single": 0, "ddp": 0, "zero1": 0, "zero2": 0, "zero3": 0}
+"""fp16's reads a step: none where the fused optimizer skips on the device, as here (else one:
+whether any rank's gradients hold inf/nan; see the module doc)."""
 SYNC = str(torch.ops.aten._local_scalar_dense.default)
 VOCAB, WIDTH, ROWS, COLUMNS = 24, 16, 4, 6
 

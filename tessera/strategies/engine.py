@@ -381,8 +381,8 @@ class Engine:
 
     def _skips_on_device(self) -> bool:
         """fp16 without a host sync: where the optimizer's step takes `found_inf` (torch's fused
-        Adam, AdamW, SGD) and the engine's step is that step and `zero_grad` alone; strategies
-        doing more (ZeRO publishes, local SGD counts, a pipeline) read the flag on the host."""
+        Adam, AdamW, SGD) and the engine's step is that step and `zero_grad` alone (ZeRO says so
+        itself); strategies doing more (local SGD counts, a pipeline) read the flag on the host."""
         return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False)) and (
             type(self).optimizer_step is Engine.optimizer_step
         )

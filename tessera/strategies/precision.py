@@ -19,8 +19,9 @@ What each precision means, whatever the strategy:
   scales the loss, `step` unscales the gradients, checks them for inf/nan over every rank, and
   skips the step (halving the scale) when any rank found one; clipping sees unscaled gradients.
   Where the optimizer's step takes `found_inf` (torch's fused Adam/AdamW/SGD) and the strategy's
-  step is that step alone, the skip and the scale stay on the device, as `torch.amp.GradScaler`
-  does: no host read a step (`Engine._skips_on_device`); elsewhere the flag is read once a step.
+  step is that step alone (or, under ZeRO without offload, that step on the masters and a
+  publish), the skip and the scale stay on the device, as `torch.amp.GradScaler` does: no host
+  read a step (`Engine._skips_on_device`); elsewhere the flag is read once a step.
 
 ZeRO keeps its own bf16 path (bf16 parameter buffers, fp32 master shards, and its forward under
 autocast for what is not sharded: frozen layers, keyword inputs, `tessera.zero.bf16_forward`):

@@ -112,6 +112,18 @@ class ZeroEngine(Engine):
         self.zero.step()
         self.zero.zero_grad()
 
+    def _skips_on_device(self) -> bool:
+        """fp16 without a host read where the inner optimizer on the masters takes `found_inf`
+        (torch's fused Adam(W), SGD): a step it skips leaves the masters as they were, and
+        publishing them again gives every rank the parameters it had. Not under offload or the
+        delayed update: CPUAdam's step takes no flag, and it runs on the host."""
+        return (
+            bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+            and self.zero.link is None
+            and self.zero.delayed is None
+            and not self.zero.swapped_masters
+        )
+
     def model_state_bytes(self) -> int:
         """Parameters, gradients and optimizer state held by this rank, counted from storages."""
         return self.zero.memory_usage()["total"]
