@@ -1017,3 +1017,9 @@ def test_a_bf16_gradient_steps_as_its_float32_copy(moments, native, monkeypatch)
     assert torch.equal(as_grad, as_keyword) and torch.equal(copies[0], copies[1])
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(first.state[as_grad][key], second.state[as_keyword][key]), key
+    for wrong in (torch.ones(n, dtype=torch.float16), torch.ones(n + 1, dtype=torch.bfloat16)):
+        with pytest.raises(TypeError, match="float32 or bfloat16 of the parameter's shape"):
+            second.step(grads=[wrong])  # refused before any pointer reaches the kernel
+    with pytest.raises(ValueError, match="grads has 2 entries for 1 parameters"):
+        second.step(grads=[low, low])
+    assert torch.equal(as_grad, as_keyword)  # nothing was stepped by the refused calls
