@@ -86,6 +86,12 @@ class ModelSpec:
         (the head tied to the token embedding); a bare parameter count is one tensor."""
         return 12 * self.layers + 4 if self.layers else 1
 
+    def params_outside_layers(self) -> float:
+        """Parameters outside the transformer layers: the token and position embeddings (the
+        head tied to the first), (V + s) h of eq. (2); ZeRO-3's root unit, kept gathered from
+        the forward to the backward (`zero.stage3`). 0 for a bare parameter count."""
+        return float((self.vocab + self.seq) * self.hidden) if self.is_transformer else 0.0
+
     def tensor_replicated_params(self) -> float:
         """Parameters every tensor-parallel rank holds whole, as Megatron-LM splits a GPT
         (Shoeybi et al. 2019, section 3): the layer norms (two per layer and the final one,

@@ -27,11 +27,14 @@ Two ways to price a step, after what the rate X per device means:
   share (`Cluster.pipeline_message_s`, `pipeline_step_s`: this machine, `plan.pipeline_cost`),
   per micro-batch and stage boundary, forward and backward, spread over the ranks
   (`pipeline_messages`), plus the per-step cost;
-* data parallelism: the gradient all-reduce (ZeRO-1: reduce-scatter + all-gather; ZeRO-2 keeps
-  no full gradient, so each of the m accumulated micro-batches reduce-scatters; ZeRO-3 also
-  gathers the parameters for each micro-batch's forward and backward, 1.5x per micro-batch:
-  Rajbhandari et al. 2020 section 7) of this device's parameters, across nodes when the
-  group spans them; without a pipeline it overlaps the backward pass (DDP's
+* data parallelism, as tessera's engines run it: the gradient all-reduce (ZeRO-1: an all-gather
+  of the parameters after an all-reduce in place on one host, a reduce-scatter across hosts,
+  `zero.stage1`; ZeRO-2: reduce-scatter + all-gather; ZeRO-3 also gathers the parameters for
+  each micro-batch's forward and backward, but for the root unit (embeddings) that it keeps
+  between them, Rajbhandari et al. 2020 section 7) of this device's
+  parameters, across nodes when the group spans them; m accumulated micro-batches reduce
+  once, after the last (the engine's `no_sync`, so ZeRO-2/3 then hold whole gradients)
+  (`data_parallel_collectives`); without a pipeline it overlaps the backward pass (DDP's
   buckets) and only what exceeds it is exposed; after a pipeline flush it is all exposed;
 * bubble: `formulas.bubble_fraction(p, m, v)` of the compute; on a cluster whose devices are
   processes sharing fewer cores (`Cluster.shared_cores`, this machine), a waiting stage lends
@@ -51,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tessera.comm.api import GATHER_ALGORITHMS
 from tessera.comm.cost import choose, predict
 from tessera.plan.cluster import Cluster
 from tessera.plan.formulas import (
@@ -65,6 +69,7 @@ __all__ = [
     "PRECISIONS",
     "Estimate",
     "Strategy",
+    "data_parallel_collectives",
     "enumerate_strategies",
     "estimate",
     "pipeline_messages",
@@ -227,7 +232,9 @@ def _collective(cluster: Cluster, nbytes: float, world: int, kind: str, intra: b
     if world <= 1 or nbytes <= 0:
         return 0.0
     params = cluster.link(intra)
-    algorithms = cluster.algorithms if kind == "all_reduce" else ("native",)
+    algorithms = cluster.algorithms  # gathers: those `comm.all_gather` may choose (`_auto_half`)
+    if kind != "all_reduce":
+        algorithms = tuple(a for a in algorithms if a in GATHER_ALGORITHMS) or ("native",)
     algorithm = choose(nbytes, world, params, candidates=algorithms, kind=kind)
     return predict(algorithm, nbytes, world, params, kind=kind)
 
@@ -248,6 +255,8 @@ def _memory(
         round(shard), s.dp, s.zero, param_bytes=param_b, grad_bytes=grad_b, optimizer_bytes=optim_b
     )
     states = {k: float(v) for k, v in states.items()}
+    if s.zero >= 2 and s.pp == 1 and s.microbatches > 1:  # accumulating, the engine's no_sync
+        states["gradients"] += float(grad_b * round(shard))  # holds whole buckets beside shards
     states["host"] = 0.0
     if s.offload:  # the optimizer step runs on the host (CPU Adam), its state in host memory
         # beside it the gradient partition copied down, and a partition in the parameters'
@@ -309,26 +318,38 @@ def _stepped(s: Strategy, model: ModelSpec, shard: float) -> tuple[float, int]:
     return shard / s.dp, 2 * units
 
 
-def _data_parallel_time(
-    s: Strategy, cluster: Cluster, shard: float, compute: float, precision: str
-) -> float:
-    """Exposed seconds of the dp group's gradient (and ZeRO's parameter) collectives."""
+def data_parallel_collectives(
+    s: Strategy, shard: float, precision: str, one_host: bool, root: float = 0.0
+) -> list[tuple[str, float]]:
+    """The dp group's collectives of one optimizer step, (kind, bytes each), as tessera's engines
+    issue them for a device holding `shard` parameters: DDP all-reduces the gradients; ZeRO-1
+    all-reduces them in place on one host (`zero.stage1`), reduce-scatters across hosts, then
+    all-gathers the parameters; ZeRO-2 reduce-scatters and all-gathers; ZeRO-3 gathers the
+    parameters for each micro-batch's forward and again for its backward, but for the `root`
+    parameters (its root unit, kept from the forward's end to the backward's start).
+    Accumulated micro-batches reduce once, after the last (the engine's `no_sync`)."""
     if s.dp == 1:
-        return 0.0
+        return []
     param_b, grad_b, _ = PRECISIONS[precision]
-    intra = s.dp * s.tp <= cluster.per_node
-    grads = shard * grad_b
-    gather = _collective(cluster, shard * param_b, s.dp, "all_gather", intra)
-    scatter = _collective(cluster, grads, s.dp, "reduce_scatter", intra)
+    grads, params = shard * grad_b, shard * param_b
     m = s.microbatches if s.pp == 1 else 1  # a pipeline's micro-batches are not accumulation
     if s.zero == 0:
-        dp_time = _collective(cluster, grads, s.dp, "all_reduce", intra)
-    elif s.zero == 1:
-        dp_time = scatter + gather
-    elif s.zero == 2:  # no full gradient is kept: each accumulated micro-batch reduce-scatters
-        dp_time = m * scatter + gather
-    else:  # and each micro-batch gathers the parameters for its forward and its backward
-        dp_time = m * (scatter + 2 * gather)
+        return [("all_reduce", grads)]
+    if s.zero == 1:
+        return [("all_reduce" if one_host else "reduce_scatter", grads), ("all_gather", params)]
+    if s.zero == 2:
+        return [("reduce_scatter", grads), ("all_gather", params)]
+    backward = ("all_gather", (shard - root) * param_b)
+    return [("reduce_scatter", grads)] + [("all_gather", params), backward] * m
+
+
+def _data_parallel_time(
+    s: Strategy, cluster: Cluster, shard: float, root: float, compute: float, precision: str
+) -> float:
+    """Exposed seconds of the dp group's gradient (and ZeRO's parameter) collectives."""
+    intra = s.dp * s.tp <= cluster.per_node
+    found = data_parallel_collectives(s, shard, precision, one_host=intra, root=root)
+    dp_time = sum(_collective(cluster, nbytes, s.dp, kind, intra) for kind, nbytes in found)
     if s.pp == 1 and cluster.overlap:  # beside the backward (ZeRO-3's gathers: forward too)
         window = compute if s.zero == 3 else compute * (0.75 if s.recompute else 2 / 3)
         dp_time = max(0.0, dp_time - window)
@@ -378,7 +399,8 @@ def estimate(
     if s.pp > 1:
         comm += _pipeline_time(s, cluster, act_bytes / s.tp)
     shard = _device_params(s, model)
-    comm += _data_parallel_time(s, cluster, shard, compute, precision)
+    root = model.params_outside_layers()
+    comm += _data_parallel_time(s, cluster, shard, root, compute, precision)
     offload = 0.0
     if s.offload:
         part = shard / s.dp
