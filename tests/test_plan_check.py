@@ -18,6 +18,7 @@ from tessera.plan.model import from_module
 from tessera.plan.search import Strategy
 from tessera.train.compare import check_runs, compare_runs, plan_run
 from tessera.train.config_build import build_config
+from tessera.train.significance import faster_p
 from tessera.train.workload import build_workload
 
 SAME = ("strategy", "nproc", "dp", "tp", "pp", "zero", "offload", "nvme_dir", "schedule",
@@ -146,3 +147,24 @@ def test_compare_of_plan_rows_prices_each_at_its_planned_batch_and_probes_as_ask
                            compute_flops=1e9 * micro, precision="fp32")  # fmt: skip
         assert result.predicted_step_s == pytest.approx(planned.step_s, rel=1e-12)
         assert result.measured_step_s == 0.5
+
+
+@pytest.mark.parametrize(
+    ("fast", "slow", "p"),
+    [
+        ([1, 2, 3], [4, 5, 6], 1 / 20),  # every split of 6 into 3 + 3: C(6, 3) = 20
+        ([1, 2, 4], [3, 5, 6], 2 / 20),  # 8 of 9 pairs won: that split and the one above
+        ([1, 2, 3, 4], [5, 6, 7, 8], 1 / 70),  # C(8, 4) = 70
+        ([4, 5, 6], [1, 2, 3], 1.0),  # slower in every pair: every split wins at least as many
+        ([1, 2], [1, 2], 5 / 6),  # ties count half: 2 of 4 pairs; of the 6 splits by
+        # position only [2, 2] against [1, 1] wins fewer (0)
+    ],
+)
+def test_faster_p_is_the_exact_one_sided_mann_whitney_p_value(fast, slow, p):
+    """Textbook values of the exact test (Mann and Whitney 1947), counted by hand."""
+    assert faster_p(fast, slow) == pytest.approx(p, rel=1e-12)
+
+
+def test_faster_p_refuses_an_empty_group():
+    with pytest.raises(ValueError, match="at least one time in each group"):
+        faster_p([], [1.0])
