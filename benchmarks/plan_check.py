@@ -172,6 +172,13 @@ def check(nproc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         row["faster_than_top_p"] = faster_p(row["repeat_medians_s"], top["repeat_medians_s"])
     faster = [row["name"] for row in timed[1:] if row["faster_than_top_p"] < SIGNIFICANCE]
     top_rank = 1 + len(faster)
+    # the check's power: which run rows would pass had the plan put them first
+    would_pass = [
+        t["name"]
+        for t in timed
+        if sum(faster_p(o["repeat_medians_s"], t["repeat_medians_s"]) < SIGNIFICANCE
+               for o in timed if o is not t) <= 1
+    ]  # fmt: skip
     # with r repeats a side the smallest p is 1 / C(2r, r): at r <= 3 no row can be shown faster
     decidable = 1 / math.comb(2 * args.repeats, args.repeats) < SIGNIFICANCE
     spread = statistics.median(max(r["repeat_medians_s"]) / min(r["repeat_medians_s"]) - 1
@@ -190,6 +197,7 @@ def check(nproc: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "top_row_median_rank": top["measured_rank"],
         "rows_faster_than_top": faster,
         "decidable": decidable,
+        "rows_that_would_pass_as_top": would_pass,
         "passed": top_rank <= 2 and decidable,
         "top_row_over_fastest": rows[0]["measured_step_s"] / measured[order[0]].measured_step_s - 1,
         "repeat_spread": spread,
@@ -216,6 +224,7 @@ def markdown(found: dict[str, Any]) -> str:
     ]
     for one in found["checks"]:
         verdict = "PASS" if one["passed"] else "FAIL"
+        others = [name for name in one["rows_that_would_pass_as_top"] if name != one["top_row"]]
         if not one["decidable"]:
             verdict += f" ({found['repeats']} repeats cannot show a row faster: 4 at least)"
         lines += [
@@ -226,7 +235,8 @@ def markdown(found: dict[str, Any]) -> str:
             f"{', '.join(one['rows_faster_than_top']) or 'no row'}; by median alone "
             f"#{one['top_row_median_rank']}, {one['top_row_over_fastest']:+.1%} over the "
             f"fastest; a row's repeats spread by {one['repeat_spread']:.0%} (median over rows). "
-            f"`{one['plan_flags']}`",
+            f"Had the plan put another row first, {len(others)} of the {one['rows_run'] - 1} "
+            f"others would pass: {', '.join(others) or 'none'}. `{one['plan_flags']}`",
             "",
             "| plan # | strategy | predicted ms (plan) | comm + bubble + offload | "
             "at achieved rate | measured ms | comm | # by median | p faster than #1 | "
