@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 import tessera
 from tessera.runtime.devices import BACKEND_ENV
@@ -45,6 +46,19 @@ def _backend_of_the_test(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
         monkeypatch.delenv(BACKEND_ENV, raising=False)
     else:
         monkeypatch.setenv(BACKEND_ENV, "gloo")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """Leave the process group a test joined in the pytest process itself.
+
+    `tessera.setup` without `ctx=` calls `tessera.init`, which joins a one-rank group that
+    outlived its test: a later test on the same xdist worker that asserts no group exists
+    (`test_setup_state`'s refusals "before tessera.init") then failed, depending on the order
+    `--dist worksteal` gave the tests."""
+    yield
+    if dist.is_initialized():
+        tessera.shutdown()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -59,7 +59,7 @@ def export_model(
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {EXPORT_FORMATS}")
-    expected = set(module.state_dict())
+    expected = set(module.state_dict(keep_vars=True))  # the keys (ZeRO-3: storage is freed)
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ValueError(

@@ -207,6 +207,7 @@ class ZeroStage3(ZeroOptimizer):
                 units = tuple(sorted(owned))
                 self._hooks.append(sub.register_forward_pre_hook(partial(self._enter, units)))
                 self._hooks.append(sub.register_forward_hook(self._exit, always_call=True))
+                self._hooks.append(sub.register_state_dict_pre_hook(_refuse_freed_parameters))
         for bucket in self.reducer.buckets:
             for param in bucket.params:
                 hook = partial(self._on_gradient_arrived, self._owner[id(param)])
@@ -392,3 +393,24 @@ class ZeroStage3(ZeroOptimizer):
 
 def _no_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)  # layouts only: no gradient buffer
+
+
+def _refuse_freed_parameters(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """`state_dict()` between steps: raise instead of handing out views of freed storage.
+
+    A ZeRO-3 parameter's storage is freed between uses; torch does not check a view against
+    its storage, so `torch.save(model.state_dict())` wrote a file of garbage and reading one of
+    its tensors could kill the process. `keep_vars=True` (tessera's own `full_state_dict`,
+    which only reads the parameters' identities) is let through."""
+    if keep_vars:
+        return
+    for name, param in module.named_parameters(recurse=False):
+        end = (param.storage_offset() + param.numel()) * param.element_size()
+        if param.numel() and param.untyped_storage().nbytes() < end:
+            raise RuntimeError(
+                f"{prefix}{name} is sharded by ZeRO-3 between steps (its storage is freed): "
+                "`state_dict()` would read freed memory. Call `engine.full_state_dict()` on "
+                "every rank (collective) for the whole model's values, or `engine.save(folder)` "
+                "for a checkpoint."
+            )
+
