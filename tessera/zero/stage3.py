@@ -413,4 +413,3 @@ def _refuse_freed_parameters(module: nn.Module, prefix: str, keep_vars: bool) ->
                 "every rank (collective) for the whole model's values, or `engine.save(folder)` "
                 "for a checkpoint."
             )
-
