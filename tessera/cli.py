@@ -13,6 +13,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -403,10 +404,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except TesseraError as exc:
-        # Under torchrun every worker validates the same config: one message per node suffices.
-        if not isinstance(exc, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"tessera: error: {exc}", file=sys.stderr)
+        _report(exc)
         return 2
+
+
+CONFIG_ERROR_GRACE_S = 10.0
+"""How long a worker other than a node's local rank 0 holds back a config error (`_report`):
+rank 0 validates the same config in the same time, give or take the import jitter of a loaded
+machine (seconds); torchrun's agent looks at its workers every 0.1 s."""
+
+
+def _report(exc: TesseraError) -> None:
+    """Print `tessera: error: ...`, once per node where every worker fails alike.
+
+    Under torchrun every worker validates the same config. Local rank 0 prints at once; the
+    others wait up to CONFIG_ERROR_GRACE_S, within which torchrun, seeing rank 0 fail, stops
+    them, and print only if they outlive it (an error of their own, a LOCAL_RANK beyond the
+    GPUs). A silent rank 1 that exited at once got rank 0 stopped before it had printed: the
+    user saw torchrun's report and no reason."""
+    if isinstance(exc, ConfigError) and os.environ.get("LOCAL_RANK", "0") != "0":
+        time.sleep(CONFIG_ERROR_GRACE_S)
+    print(f"tessera: error: {exc}", file=sys.stderr)
 
 
 if __name__ == "__main__":

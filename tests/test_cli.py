@@ -99,3 +99,22 @@ def test_bench_without_the_benchmark_scripts_says_where_to_find_them(monkeypatch
     assert cli.main(["bench", "comm", "--quick"]) == 2
     error = capsys.readouterr().err
     assert str(tmp_path / "comm.py") in error and "python benchmarks/comm.py" in error, error
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1"])
+def test_a_config_error_is_printed_by_local_rank_0_at_once_and_by_another_after_a_grace(
+    local_rank, monkeypatch, capsys
+):
+    """Under torchrun every worker validates the same config. Rank 1 used to exit at once and
+    silently: torchrun then stopped rank 0 before it printed, and the user saw no reason (a
+    flaky `tessera run -n 2 ... --nproc 3` above). Now rank 0 prints at once; another rank holds
+    back for the grace, within which torchrun stops it when rank 0 failed alike, and prints
+    only if it outlives it (an error of its own)."""
+    import tessera.cli as cli
+
+    slept: list[float] = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert cli.main(["train", "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.count("tessera: error: batch_size must be at least 1") == 1
+    assert slept == ([] if local_rank == "0" else [cli.CONFIG_ERROR_GRACE_S])
