@@ -108,6 +108,18 @@ def _split_at_script(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def _rendezvous_backend(nnodes: str, max_restarts: int) -> str:
+    """torchrun's rendezvous: static for a fixed `--nnodes` run once, else c10d.
+
+    Under c10d every node's agent polls the store, which lives in one agent's process, at each
+    look at its workers; the node hosting it finishes first and exits, and a node whose workers
+    were still exiting then failed on the closed store (`RendezvousConnectionError`, as in
+    pytorch issue 107021) after training had ended well. A static rendezvous reads the store only
+    to start, so a fixed world ends cleanly. An elastic range (MIN:MAX) or restarts, where the
+    nodes meet again, keep c10d."""
+    return "static" if nnodes.isdigit() and max_restarts == 0 else "c10d"
+
+
 def _run(args: argparse.Namespace) -> int:
     """Hand the job to torch.distributed.run (torchrun's elastic agent).
 
@@ -134,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint:
         argv += [
             "--rdzv-backend",
-            args.rdzv_backend,
+            args.rdzv_backend or _rendezvous_backend(args.nnodes, args.max_restarts),
             "--rdzv-endpoint",
             args.rdzv_endpoint,
             "--rdzv-id",
@@ -290,7 +302,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX (elastic)")
     run.add_argument("--node-rank", type=int, default=0, help="rank of this node")
     run.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous")
-    run.add_argument("--rdzv-backend", default="c10d", help="rendezvous backend (default c10d)")
+    run.add_argument(
+        "--rdzv-backend",
+        default=None,
+        help="rendezvous backend (default: static for a fixed --nnodes without restarts, node "
+        "rank 0 on HOST hosting the store; else c10d)",
+    )
     run.add_argument("--rdzv-id", default="tessera", help="job id shared by all nodes")
     run.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure")
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")

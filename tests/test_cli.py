@@ -118,3 +118,29 @@ def test_a_config_error_is_printed_by_local_rank_0_at_once_and_by_another_after_
     assert cli.main(["train", "--batch-size", "0"]) == 2
     assert capsys.readouterr().err.count("tessera: error: batch_size must be at least 1") == 1
     assert slept == ([] if local_rank == "0" else [cli.CONFIG_ERROR_GRACE_S])
+
+
+@pytest.mark.parametrize(
+    ("flags", "backend"),
+    [
+        (["--nnodes", "2"], "static"),  # a fixed world run once: nothing polls the store
+        (["--nnodes", "1:2"], "c10d"),  # elastic: the nodes meet again
+        (["--nnodes", "2", "--max-restarts", "1"], "c10d"),  # restarts: the nodes meet again
+        (["--nnodes", "2", "--rdzv-backend", "c10d"], "c10d"),  # the user's choice is kept
+    ],
+)
+def test_tessera_run_picks_a_rendezvous_that_ends_cleanly(flags, backend, monkeypatch):
+    """Under c10d a node whose workers were still exiting failed on the store of the node that
+    hosted it and had finished (`RendezvousConnectionError` after a good run: a flaky
+    two-node README test); a fixed --nnodes without restarts takes the static rendezvous."""
+    from torch.distributed import run as torchrun
+
+    import tessera.cli as cli
+
+    seen = []
+    monkeypatch.setattr(torchrun, "run", seen.append)
+    argv = ["run", *flags, "--node-rank", "1", "--rdzv-endpoint", "h:1", "-m", "x", "y"]
+    assert cli.main(argv) == 0
+    (args,) = seen
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.node_rank) == (backend, "h:1", 1)
+    assert (args.training_script, args.training_script_args) == ("x", ["y"])
