@@ -21,7 +21,7 @@ For 2 and 4 ranks:
    median over repeats), with compare's own prediction beside (compute at the rate a rank
    achieves on its share, measured once per micro-batch: `probe_each_run=False`);
 5. the check: the planner's top row is among the two fastest measured. A run's step time moves
-   by 10-25% between repeats on this machine while the data-parallel rows at the top of the
+   by 10-30% between repeats on this machine while the data-parallel rows at the top of the
    plan differ by 1-3%: which of them has the lowest median is then a draw, not a measurement.
    So a row counts as faster than the top row only where its repeats are faster by a one-sided
    exact Mann-Whitney test at the 5% level (`faster_p`, on the repeats' medians, the units

@@ -1,6 +1,6 @@
 """Is one strategy faster than another, from repeated runs whose times move between repeats?
 
-On a machine whose step time moves by 10-25% between runs minutes apart, the strategy with the
+On a machine whose step time moves by 10-30% between runs minutes apart, the strategy with the
 lowest median of a few repeats is not shown to be the fastest where the others are within that
 spread: which of several equally fast rows comes first is a draw. `faster_p` is the one-sided
 exact Mann-Whitney test (Mann and Whitney 1947): no assumption about the shape of the times'
