@@ -323,10 +323,10 @@ def _two_sides_ranks() -> dict:
     sides = _TwoSides()
     copy, on_device, numpy = HostLink._copy, ZeroOptimizer._on_device, torch.Tensor.numpy
 
-    def link_copy(self, kind, index, source, target):  # the one sanctioned crossing
+    def link_copy(self, kind, index, source, target, **how):  # the one sanctioned crossing
         sides.crossing = True
         try:
-            copy(self, kind, index, source, target)
+            copy(self, kind, index, source, target, **how)
         finally:
             sides.crossing = False
         sides.tag([target], "host" if kind == "to_host" else "device")

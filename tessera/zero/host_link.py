@@ -22,6 +22,13 @@ from the device's, so the CPU suite runs every copy this class makes. What diffe
   costs a copy of each gradient partition (and, where the master used to alias the parameter
   buffer, of the parameter partition) that a CPU-only run without this class would not pay.
 
+Under a step that writes its result into bf16 staging buffers (CUDA's pinned ones), a publish
+does not wait for its uploads: the buffers come in two sets, and each publish hands the set it
+sends to the copy stream and gives the next step the other one (`release_uploads`). The host
+step that follows, in the background under the delayed update, runs beside the uploads instead
+of after them. DeepSpeed's CPU Adam overlaps the same way, copying each finished tile up while
+it steps the next (its `step_plus_copy`, double-buffered pinned tiles).
+
 Every copy is counted (`copies`), the latest listed in `log` as ("to_host" | "to_device",
 bucket index): the tests check that the copies happen per bucket, during the backward. The link
 knows buckets by index only, not the ZeRO optimizer or its flats: the optimizer drives it.
@@ -32,6 +39,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -64,7 +72,11 @@ class HostLink:
         """Host buffers page-locked and copies asynchronous on `_stream` (a real CUDA device)."""
         self._huge_pages = huge_pages and not self.pinned
         self._stream = torch.cuda.Stream(self.device) if self.pinned else None
-        self._events: list[torch.cuda.Event] = []
+        self._events: list[tuple[Any, bool]] = []
+        """Copies issued and not yet waited for: (CUDA event, an upload from a staging set)."""
+        self._in_flight: list[Any] = []
+        """The uploads the last publish sent from the staging set now in `spare_staging`, not
+        waited for (`release_uploads`): waited for before that set is written again."""
         self._lock = threading.Lock()  # copies are issued by the comm thread and the trainer
         self.grads: list[torch.Tensor] = []
         """Per bucket: this rank's reduced gradient partition on the host (compute dtype)."""
@@ -74,6 +86,14 @@ class HostLink:
         self.staging: list[torch.Tensor | None] = []
         """Per bucket: the updated partition in the compute dtype, on the host, before it goes
         up (None where the fp32 master itself is in the compute dtype)."""
+        self.spare_staging: list[torch.Tensor | None] = []
+        """The other set of `staging`, made at the first `release_uploads` that swaps them:
+        the one the last publish sent, possibly still on its way up."""
+        self._swaps = True
+        """May the staging sets take turns? Not where a step publishes into them (a swapped
+        master's staging buffer holds its only compute-dtype copy: the value of record)."""
+        self._sent_staging = False
+        """An upload read a staging buffer since the last `release_uploads`."""
         self._fresh: list[bool] = []
         """Per bucket: the host gradient was copied since the last `forget_gradients`."""
         self._staged: set[int] = set()
@@ -109,24 +129,39 @@ class HostLink:
         self.grads.append(self.host_zeros(numel, compute_dtype))
         staged = published or (converted and self.pinned)
         self.staging.append(self.host_zeros(numel, compute_dtype) if staged else None)
+        self._swaps = self._swaps and not published
         self._fresh.append(False)
 
     # -- copies ---------------------------------------------------------------------------------
-    def _copy(self, kind: str, index: int, source: torch.Tensor, target: torch.Tensor) -> None:
+    def _copy(
+        self,
+        kind: str,
+        index: int,
+        source: torch.Tensor,
+        target: torch.Tensor,
+        *,
+        from_staging: bool = False,
+    ) -> None:
         """`target.copy_(source)`; on CUDA asynchronously on the side stream, after the work
         the calling thread's stream has queued (which produced `source`)."""
         with self._lock:
             self.log.append((kind, index))
             self.copies[kind] += 1
+            self._sent_staging = self._sent_staging or from_staging
             if self._stream is None:
                 target.copy_(source)
                 return
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._stream):
-                target.copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._events.append(event)
+            self._events.append((self._async_copy(source, target), from_staging))
+
+    def _async_copy(self, source: torch.Tensor, target: torch.Tensor) -> Any:
+        """Queue the copy on the side stream; the event that marks its end."""
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event
 
     def to_host(self, index: int, source: torch.Tensor) -> None:
         """Copy bucket `index`'s reduced gradient partition (a device tensor) to the host, as
@@ -199,24 +234,64 @@ class HostLink:
         differ. The consumer of `target` calls `device_ready` first."""
         source = master.detach().reshape(-1)
         staging = self.staging[index]
-        if source.dtype != target.dtype and staging is not None:
+        converted = source.dtype != target.dtype and staging is not None
+        if converted:
             if index in self._staged:  # rounded by the host step itself
                 self._staged.discard(index)
                 self.copies["staged_by_step"] += 1
                 source = staging
             else:
                 source = staging.copy_(source)
-        self._copy("to_device", index, source, target.reshape(-1))
+        self._copy("to_device", index, source, target.reshape(-1), from_staging=converted)
+
+    def uploads_ready(self) -> None:
+        """Make the calling thread's device stream wait for the uploads the last publish let
+        go (`release_uploads`), and for nothing else on the side stream: for a thread other
+        than the one that published (stage 3's gathers, on the communication thread), whose
+        stream the publish's `device_ready` did not order."""
+        with self._lock:
+            flying = list(self._in_flight)
+        if flying:
+            stream = torch.cuda.current_stream(self.device)
+            for event in flying:
+                stream.wait_event(event)
 
     def device_ready(self) -> None:
         """Make the calling thread's device stream wait for every copy issued so far."""
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
+    def release_uploads(self) -> None:
+        """End of a publish: block until the copies whose host side the next step may write
+        have finished, and let the uploads from staging run on without waiting for them.
+
+        Where this publish sent staging buffers (and no step publishes into them), the sets
+        swap: the next step writes the other set, whose uploads, a publish ago, are waited for
+        first (long finished by now). Else every copy is waited for, as `wait` does."""
+        with self._lock:
+            copies, self._events = self._events, []
+            swap, self._sent_staging = self._sent_staging and self._swaps, False
+        for event, from_staging in copies:
+            if not (swap and from_staging):
+                event.synchronize()
+        if not swap:
+            return
+        for event in self._in_flight:
+            event.synchronize()
+        self._in_flight = [event for event, from_staging in copies if from_staging]
+        if not self.spare_staging:
+            self.spare_staging = [
+                None if buffer is None else self.host_zeros(buffer.numel(), buffer.dtype)
+                for buffer in self.staging
+            ]
+        self.staging, self.spare_staging = self.spare_staging, self.staging
+        self._staged.clear()  # (the step's marks are for the set just sent)
+
     def wait(self) -> None:
-        """Block the host until every copy issued so far has finished (the host may then read
-        what went down and overwrite what went up)."""
+        """Block the host until every copy issued since the last `release_uploads` has
+        finished (the host may then read what went down and overwrite what went up; the
+        uploads a release let go are waited for by the next one)."""
         with self._lock:
             events, self._events = self._events, []
-        for event in events:
+        for event, _ in events:
             event.synchronize()

@@ -111,7 +111,7 @@ def held_bytes(zero: Any) -> dict[str, int]:
     grads += list(getattr(zero.masters, "widened", {}).values())  # (kept between steps)
     if zero.link is not None:
         grads += zero.link.grads + zero.link.handed
-        params += [t for t in zero.link.staging if t is not None]
+        params += [t for t in zero.link.staging + zero.link.spare_staging if t is not None]
     states = [
         value
         for state in zero.optimizer.state.values()

@@ -242,8 +242,10 @@ class ZeroOptimizer:
     def _publish_offloaded(self) -> None:
         """Stages 1/2 under offload: each rank's updated partition goes up into its slice of
         the flat buffer, then the flat is all-gathered in place on the group's stream (bucket
-        k's gather runs while bucket k+1 goes up); returns once every copy and gather has
-        finished, so the host buffers may change again (a delayed step starts right after)."""
+        k's gather runs while bucket k+1 goes up); returns once every copy and gather has been
+        queued and the copies whose host side the next step writes have finished (a delayed
+        step starts right after); a staging set sent up may still be on its way
+        (`HostLink.release_uploads`)."""
         link = self.link
         assert link is not None
         futures = []
@@ -254,7 +256,7 @@ class ZeroOptimizer:
             futures.append(self.collectives.submit(gather, item=index))
         for future in futures:
             self.collectives.wait(future, "all_gather")
-        link.wait()
+        link.release_uploads()
 
     def visible_slice(self, flat: FlatShard) -> torch.Tensor:
         """This rank's slice of `flat` as forward sees it (stages 1/2: of the flat buffer)."""

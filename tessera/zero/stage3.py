@@ -217,6 +217,8 @@ class ZeroStage3(ZeroOptimizer):
     @torch.no_grad()
     def _gather_unit(self, unit: int) -> None:
         """All-gather a unit's flat buffers into their storage (on the communication thread)."""
+        if self.link is not None:  # the shards the last publish sent up may still be on the way
+            self.link.uploads_ready()
         for flat in self._flats_of_unit[unit]:
             storage = flat.flat_param.untyped_storage()
             if storage.nbytes() == 0:
@@ -376,7 +378,7 @@ class ZeroStage3(ZeroOptimizer):
                 else:
                     self.link.to_device(flat.bucket.index, value, shard)
             self.link.device_ready()
-            self.link.wait()  # the host buffers may change again (a delayed step starts)
+            self.link.release_uploads()  # the next step may write its host buffers
             return
         copied = self.mixed_precision is not None or self.delayed is not None
         if copied and not self.swapped_masters:

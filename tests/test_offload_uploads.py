@@ -1,0 +1,169 @@
+"""ZeRO-Offload's uploads on their way while the next host step runs (`HostLink.release_uploads`).
+
+On CUDA a publish queues each updated bf16 partition from a pinned staging buffer to the
+device and returns without waiting for the copies: the next host step writes the other staging
+set. This machine has no side stream, so the test gives the link one that is asynchronous in
+the only way that matters here, a race detector: each queued copy is made at once, but its
+host source is snapshotted, and until the host waits for the copy's event that source must not
+change (a real DMA may read it at any moment until then). Every queued copy is checked, the
+gradient downloads too. The oracle for the values is the same run on this machine's own path
+(no staging: the upload rounds the master itself, synchronously).
+
+Planted and seen failing: the staging sets not swapped (the next step writes the set on its
+way up: a race); the in-flight set's copies not waited for before the set is reused (a race);
+the publish waiting for every upload (the overlap gone: nothing left in flight).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from torch import nn
+
+import tessera
+
+STEPS = 4
+
+
+class TiedDictNet(nn.Module):
+    """Not tessera's: an embedding whose weight is also the output projection, and blocks kept
+    in a ModuleDict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Embedding(40, 24)
+        self.blocks = nn.ModuleDict(
+            {name: nn.Sequential(nn.Linear(24, 24), nn.GELU()) for name in ("a", "b", "c")}
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks.values():
+            x = x + block(x)
+        return x @ self.embed.weight.t()
+
+
+def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    tokens = torch.randint(0, 40, (3, 6), generator=generator)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+class _QueuedCopy:
+    """A copy on the fake side stream: made at once; its source watched until waited for."""
+
+    def __init__(self, source: torch.Tensor, target: torch.Tensor, races: list[str]) -> None:
+        target.copy_(source)
+        self.source, self.snapshot, self.races = source, source.clone(), races
+        self.waited = False
+
+    def check(self) -> None:
+        if not self.waited and not torch.equal(self.source, self.snapshot):
+            self.races.append(f"a source of {self.source.numel()} elements written while queued")
+
+    def synchronize(self) -> None:
+        self.check()
+        self.waited = True
+
+
+def _runs() -> dict[Any, Any]:
+    """bf16 offload runs (zero2/zero3, with and without the delayed update) on the CPU's own
+    path and on a link with staging buffers and the fake asynchronous side stream."""
+    from tessera.zero.host_link import HostLink
+
+    ctx = tessera.init()
+    races: list[str] = []
+    queued: list[_QueuedCopy] = []
+    plain = {name: getattr(HostLink, name) for name in ("add_bucket", "__init__")}
+
+    def add_bucket(self, numel, compute_dtype, *, converted, published):
+        plain["add_bucket"](self, numel, compute_dtype, converted=converted, published=published)
+        if converted and self.staging[-1] is None:  # what a pinned (CUDA) link makes
+            self.staging[-1] = self.host_zeros(numel, compute_dtype)
+
+    def init(self, device, *, huge_pages=False):
+        plain["__init__"](self, device, huge_pages=huge_pages)
+        self._stream = "the fake side stream"
+
+    def async_copy(self, source, target):
+        queued.append(_QueuedCopy(source, target, races))
+        return queued[-1]
+
+    out: dict[Any, Any] = {}
+    for strategy, delayed, asynchronous in itertools.product(
+        ("zero2", "zero3"), (False, True), (False, True)
+    ):
+        fakes = dict(add_bucket=add_bucket, __init__=init, _async_copy=async_copy)
+        fakes.update(device_ready=lambda self: None, uploads_ready=lambda self: None)
+        originals = {name: HostLink.__dict__[name] for name in fakes}
+        if asynchronous:  # the fakes stay in place until the engine is closed
+            for name, fake in fakes.items():
+                setattr(HostLink, name, fake)
+        try:
+            out[strategy, delayed, asynchronous] = _train(ctx, strategy, delayed, queued, races)
+        finally:
+            for name, original in originals.items():
+                setattr(HostLink, name, original)
+        races.clear()
+        queued.clear()
+    return out
+
+
+def test_a_publish_leaves_its_staged_uploads_in_flight_and_no_step_writes_them(run_ranks):
+    """With staging and an asynchronous side stream: the same values, bit for bit, as the
+    synchronous path; after each step the last publish's uploads (one per bucket) are still in
+    flight, not waited for; and no queued copy's host source is written before it is waited
+    for. zero2 (several buckets, a gather per bucket on 2 ranks) and zero3, with and without
+    the delayed update."""
+    for result in run_ranks(_runs, 2):
+        for (strategy, delayed, asynchronous), run in result.items():
+            what = f"{strategy} delayed={delayed}"
+            assert run["races"] == [], (what, run["races"][:3])
+            if not asynchronous:
+                assert run["in_flight"] == [0] * STEPS, what  # copies made on the spot
+                continue
+            synchronous = result[strategy, delayed, False]["state"]
+            for name, value in synchronous.items():
+                assert torch.equal(run["state"][name], value), (what, name)
+            buckets = run["buckets"]
+            assert strategy == "zero3" or buckets >= 3, what
+            assert run["staging_sets"] == (buckets, buckets), what
+            # left in flight by each step: the uploads of the last publish (under the delayed
+            # update the warm-up step's, then each step's of the previous step's result)
+            assert run["in_flight"] == [buckets] * STEPS, (what, run["in_flight"])
+
+
+def _train(ctx, strategy: str, delayed: bool, queued: list, races: list) -> dict[str, Any]:
+    from tessera.zero import OffloadPolicy
+
+    offload = OffloadPolicy(device="cpu", delayed_update=delayed, delayed_update_after=1)
+    engine = tessera.setup(
+        TiedDictNet(), lambda ps: torch.optim.AdamW(ps, lr=0.03, weight_decay=0.1),
+        strategy=strategy, loss_fn=_loss, precision="bf16", offload=offload, ctx=ctx,
+        **({"bucket_cap_mb": 0.0005} if strategy == "zero2" else {}),
+    )  # fmt: skip
+    in_flight = []
+    for step in range(STEPS):
+        engine.train_step(_batch(step, ctx.rank))
+        engine.step()
+        in_flight.append(sum(not copy.waited for copy in queued))
+    engine.zero.finish_step()
+    for copy in queued:
+        copy.check()
+    link = engine.zero.link
+    run = {
+        "state": engine.full_state_dict(),
+        "in_flight": in_flight,
+        "buckets": len(engine.zero.flats),
+        "races": list(races),
+        "staging_sets": (len(link.staging), len(link.spare_staging)),
+    }
+    engine.close()
+    return run
