@@ -203,8 +203,16 @@ def _offload_pairs(bench: _Bench) -> list[tuple[str, str, Callable[[], Step], Ca
         ("zero3 offload=cpu", "zero3", lambda: t("zero3", offload="cpu"), lambda: t("zero3")),
         ("zero3 offload=cpu", "FSDP2 CPUOffloadPolicy", lambda: t("zero3", offload="cpu"),
          lambda: bench.fsdp2(offload=True)),
+        ("zero3 offload=cpu delayed", "zero3",
+         lambda: t("zero3", offload=OffloadPolicy(delayed_update=True, delayed_update_after=2)),
+         lambda: t("zero3")),
         ("zero3 offload=cpu delayed", "FSDP2 CPUOffloadPolicy",
          lambda: t("zero3", offload=OffloadPolicy(delayed_update=True, delayed_update_after=2)),
+         lambda: bench.fsdp2(offload=True)),
+        # (bf16 moments against FSDP2's fp32 ones: less memory traffic, not the same arithmetic)
+        ("zero3 offload=cpu delayed, bf16 moments", "FSDP2 CPUOffloadPolicy",
+         lambda: t("zero3", offload=OffloadPolicy(delayed_update=True, delayed_update_after=2,
+                                                  moments="bf16")),
          lambda: bench.fsdp2(offload=True)),
     ]  # fmt: skip
 
@@ -232,6 +240,38 @@ def _pair_row(bench: _Bench, pair: tuple, steps: int, blocks: int) -> dict[str, 
     row["tessera_step_s"] = statistics.median(ours_s)
     row["anchor_step_s"] = statistics.median(anchor_s)
     return row
+
+
+def _offload_parts(bench: _Bench, repeats: int = 5) -> list[dict[str, Any]]:
+    """The parts of an offload step, each timed alone at the size of one rank's partition of the
+    offload model (its trainable parameters over the ranks): CPUAdam's host step on bf16
+    gradients, writing the bf16 copy that goes up (fp32 and bf16 moments), and the copies of a
+    bf16 partition down and up between the device and pinned host memory. Medians of
+    `repeats`; `bytes_per_param`: what each touches in memory, for the rate."""
+    from tessera.optim import CPUAdam
+
+    numel = sum(p.numel() for p in bench.model().parameters()) // bench.ctx.world_size
+    pinned = bench.device.type == "cuda"
+    rows = []
+    param = torch.nn.Parameter(torch.randn(numel))
+    grad = torch.randn(numel).bfloat16()
+    out = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pinned)
+    for moments, per_param in (("fp32", 28), ("bf16", 20)):
+        adam = CPUAdam([param], lr=1e-5, bf16_moments=moments == "bf16")
+        step = lambda adam=adam: adam.step(grads=[grad], bf16_out=[out])  # noqa: E731
+        row = {"part": f"host step, CPUAdam, {moments} moments", "numel": numel}
+        row.update(seconds=_timed(step, repeats, torch.device("cpu")), bytes_per_param=per_param)
+        row["threads"] = torch.get_num_threads()
+        rows.append(row)
+        del adam
+    device_copy = torch.empty(numel, dtype=torch.bfloat16, device=bench.device)
+    for name, fn in (
+        ("download, device to pinned host", lambda: out.copy_(device_copy, non_blocking=True)),
+        ("upload, pinned host to device", lambda: device_copy.copy_(out, non_blocking=True)),
+    ):
+        seconds = _timed(fn, repeats, bench.device)
+        rows.append({"part": name, "numel": numel, "seconds": seconds, "bytes_per_param": 2})
+    return rows
 
 
 def _all_reduce_rows(device: torch.device, steps: int) -> list[dict[str, Any]]:
@@ -266,6 +306,7 @@ def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     result["offload"] = [
         _pair_row(big, pair, max(1, steps // 2), blocks) for pair in _offload_pairs(big)
     ]
+    result["offload_parts"] = _offload_parts(big)
     return result
 
 
@@ -314,6 +355,18 @@ def _markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {row['tessera']} | {row['anchor']} | {ours * 1e3:.1f} ms | "
             f"{theirs * 1e3:.1f} ms | {theirs / ours:.2f}x |"
+        )
+    parts = result.get("offload_parts", [])
+    if parts:
+        lines += ["", f"The offload step's parts alone, at the partition of one rank "
+                  f"({parts[0]['numel'] / 1e6:.1f}M parameters), medians:", "",
+                  "| part | time | memory touched |", "|---|---|---|"]  # fmt: skip
+    for row in parts:
+        rate = row["numel"] * row["bytes_per_param"] / row["seconds"] / 1e9
+        threads = f", {row['threads']} threads" if "threads" in row else ""
+        lines.append(
+            f"| {row['part']} | {row['seconds'] * 1e3:.1f} ms | {row['bytes_per_param']} "
+            f"B/param: {rate:.1f} GB/s{threads} |"
         )
     for row in result.get("all_reduce", []):
         lines.append(

@@ -278,7 +278,8 @@ class HostLink:
             return
         for event in self._in_flight:
             event.synchronize()
-        self._in_flight = [event for event, from_staging in copies if from_staging]
+        with self._lock:
+            self._in_flight = [event for event, from_staging in copies if from_staging]
         if not self.spare_staging:
             self.spare_staging = [
                 None if buffer is None else self.host_zeros(buffer.numel(), buffer.dtype)
