@@ -190,6 +190,38 @@ def test_bf16_copy_out_after_a_real_step(native):
             assert torch.equal(out, param.detach().reshape(-1).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("kernel", ["native", "fallback"])
+def test_after_each_sees_a_parameter_finished_and_the_next_ones_untouched(request, kernel):
+    """`after_each(position)` comes once per stepped parameter, in group order (two groups, a
+    parameter without a gradient skipped), when that parameter and its bf16 copy are final and
+    the parameters after it have not moved yet: what an upload of it may rely on."""
+    if kernel == "native":
+        request.getfixturevalue("native")
+    params = [p.requires_grad_() for p in _params(seed=5)]
+    for param, grad in zip(params, _grads(5, 0)):
+        param.grad = grad
+    params[2].grad = None
+    before = [p.detach().clone() for p in params]
+    outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.0}]
+    optimizer = CPUAdam(groups, **HYPER)
+    if kernel == "fallback":
+        optimizer._kernel = None
+    seen: list[tuple[int, list[torch.Tensor], torch.Tensor]] = []
+
+    def after_each(position: int) -> None:
+        seen.append((position, [p.detach().clone() for p in params], outs[position].clone()))
+
+    optimizer.step(bf16_out=outs, after_each=after_each)
+    assert [position for position, _, _ in seen] == [0, 1, 3]
+    for position, values, out in seen:
+        assert torch.equal(values[position], params[position].detach())  # final already
+        assert not torch.equal(values[position], before[position])
+        assert torch.equal(out, params[position].detach().reshape(-1).to(torch.bfloat16))
+        for later in range(position + 1, len(params)):
+            assert torch.equal(values[later], before[later])  # not stepped yet
+
+
 def test_bad_input_is_a_clear_error(native):
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         with pytest.raises(TypeError, match=rf"float32 parameters only.*{dtype}"):

@@ -167,3 +167,52 @@ def _train(ctx, strategy: str, delayed: bool, queued: list, races: list) -> dict
     }
     engine.close()
     return run
+
+
+def _step_order_ranks() -> dict[str, list]:
+    """One offload step of zero1/zero2 (several buckets) and zero3, bf16 and fp32: the host
+    step's parameters and the link's copies in the order they happened."""
+    from tessera.optim import CPUAdam
+    from tessera.zero.host_link import HostLink
+
+    ctx = tessera.init()
+    events: list[tuple[str, int]] = []
+    update, copy = CPUAdam._update, HostLink._copy
+
+    def logged_update(self, param, grad, group, target, position):
+        update(self, param, grad, group, target, position)
+        events.append(("step", position))
+
+    def logged_copy(self, kind, index, source, target, **how):
+        copy(self, kind, index, source, target, **how)
+        events.append((kind, index))
+
+    CPUAdam._update, HostLink._copy = logged_update, logged_copy
+    out = {}
+    try:
+        for strategy, precision in itertools.product(("zero1", "zero2", "zero3"), ("bf16", "fp32")):
+            engine = tessera.setup(
+                TiedDictNet(), lambda ps: torch.optim.AdamW(ps, lr=0.03), strategy=strategy,
+                loss_fn=_loss, precision=precision, offload="cpu", ctx=ctx,
+                **({"bucket_cap_mb": 0.0005} if strategy != "zero3" else {}),
+            )  # fmt: skip
+            engine.train_step(_batch(0, ctx.rank))
+            events.clear()
+            engine.step()
+            out[strategy, precision] = (list(events), len(engine.zero.flats))
+            engine.close()
+    finally:
+        CPUAdam._update, HostLink._copy = update, copy
+    return out
+
+
+def test_each_bucket_goes_up_as_soon_as_the_host_step_has_updated_it(run_ranks):
+    """Without the delayed update the host step's result goes up bucket by bucket: each
+    bucket's upload is issued right after its master is stepped, before the next master is
+    (on CUDA the copy then runs beside the rest of the step), once per bucket and step."""
+    for result in run_ranks(_step_order_ranks, 2):
+        for (strategy, precision), (events, buckets) in result.items():
+            what = f"{strategy} {precision}"
+            assert strategy == "zero3" or buckets >= 3, what
+            expected = [e for i in range(buckets) for e in (("step", i), ("to_device", i))]
+            assert [e for e in events if e[0] != "to_host"] == expected, (what, events)

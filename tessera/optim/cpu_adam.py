@@ -222,6 +222,7 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         bf16_out: Sequence[torch.Tensor | None] | None = None,
         grads: Sequence[torch.Tensor | None] | None = None,
+        after_each: Callable[[int], None] | None = None,
     ) -> float | None:
         """One Adam(W) step for every parameter that has a gradient.
 
@@ -232,6 +233,9 @@ class CPUAdam(torch.optim.Optimizer):
         as the kernel reads it (exactly: the step equals the one on its float32 copy), which
         `.grad` cannot hold for a float32 parameter: ZeRO-Offload's host partitions in the
         training dtype, stepped without a float32 copy of them.
+        `after_each(position)`, if given, is called as soon as a parameter (its place in
+        param-group order) and its `bf16_out` are updated, before the next one is stepped: the
+        caller sends a finished parameter on while the rest step (ZeRO-Offload's uploads).
         """
         loss = None
         if closure is not None:
@@ -257,6 +261,8 @@ class CPUAdam(torch.optim.Optimizer):
                 self._check_param(param, f"parameter {position - 1}")
                 self._check_step_inputs(param, grad, target, position - 1)
                 self._update(param, grad, group, target, position - 1)
+                if after_each is not None:
+                    after_each(position - 1)
         return loss
 
     @staticmethod

@@ -18,6 +18,7 @@ gradient slices and where a step publishes, never the optimizer itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,11 +63,18 @@ class HeldMasters(_Masters):
         self.optimizer = make_optimizer([flat.master for flat in self.layout.flats])
         return self.optimizer  # (masters in bucket order)
 
-    def step(self) -> None:
-        """The inner optimizer's step on the masters, each with its gradient slice."""
+    def step(self, after_each: Callable[[FlatShard], None] | None = None) -> None:
+        """The inner optimizer's step on the masters, each with its gradient slice.
+
+        `after_each(flat)`: called once `flat`'s master is updated, while the step goes on with
+        the next one, where the inner optimizer can say so (CPUAdam); else not at all."""
         flats = self.layout.flats
         grads = {id(flat.master): self.layout.step_gradient(flat) for flat in flats}
         keywords = step_keywords(self.layout, self.optimizer, grads)  # CPUAdam's bf16 reads
+        if after_each is not None and reads_bf16(self.optimizer):
+            by_id = {id(flat.master): flat for flat in flats}
+            order = [by_id[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+            keywords["after_each"] = lambda position: after_each(order[position])
         for flat in flats:
             grad = grads[id(flat.master)]  # on the host under offload
             if grad.dtype == flat.master.dtype:
@@ -139,9 +147,10 @@ class SwappedMasters(_Masters):
         """Write a storageless master's value into its file."""
         self.optimizer.write_param(master, value)
 
-    def step(self) -> None:
+    def step(self, after_each: Callable[[FlatShard], None] | None = None) -> None:
         """The streamed step: gradients in their own dtype, converted chunk by chunk, and each
-        updated chunk published into the layout's target."""
+        updated chunk published into the layout's target (`after_each` is not called: the
+        publish sends every flat)."""
         layout = self.layout
         flats = {id(flat.master): flat for flat in layout.flats}
         ordered = [flats[id(master)] for master in self.optimizer.params]  # by optimizer group

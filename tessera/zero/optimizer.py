@@ -38,6 +38,7 @@ accumulation needs without a separate shard (see `stage1`).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -117,6 +118,8 @@ class ZeroOptimizer:
             raise ValueError("the module has no trainable parameters: nothing to shard")
         self.link = HostLink.of(named, host_huge_pages) if host_step else None
         """Offload: the host tensors the step reads and writes, copied to and from the device."""
+        self._sent: dict[int, Future | None] = {}
+        """Flats the last step sent up as it went (index -> its gather): `publish` skips them."""
         stream = stream_for(group)  # construction's collectives, in order with other engines'
         stream.run(_check_same_model, module, group, what=f"ZeRO-{self.stage} model check")
         self.one_host = self.world > 1 and stream.run(comm.same_host, group, what="host check")
@@ -242,21 +245,28 @@ class ZeroOptimizer:
     def _publish_offloaded(self) -> None:
         """Stages 1/2 under offload: each rank's updated partition goes up into its slice of
         the flat buffer, then the flat is all-gathered in place on the group's stream (bucket
-        k's gather runs while bucket k+1 goes up); returns once every copy and gather has been
-        queued and the copies whose host side the next step writes have finished (a delayed
-        step starts right after); a staging set sent up may still be on its way
-        (`HostLink.release_uploads`)."""
+        k's gather runs while bucket k+1 goes up), but for the flats the step sent already
+        (`_sent`); returns once every copy and gather has been queued and the copies whose host
+        side the next step writes have finished (a delayed step starts right after); a staging
+        set sent up may still be on its way (`HostLink.release_uploads`)."""
         link = self.link
         assert link is not None
-        futures = []
-        for index, flat in enumerate(self.flats):
-            mine = flat.flat_param[flat.lo : flat.hi]
-            link.to_device(index, self.masters.published(flat), mine)
-            gather = _gather_uploaded(link, self.collectives, flat.flat_param, mine)
-            futures.append(self.collectives.submit(gather, item=index))
+        sent, self._sent = self._sent, {}
+        futures = [sent[i] if i in sent else self._send(i) for i in range(len(self.flats))]
         for future in futures:
-            self.collectives.wait(future, "all_gather")
+            if future is not None:
+                self.collectives.wait(future, "all_gather")
         link.release_uploads()
+
+    def _send(self, index: int) -> Future | None:
+        """Under offload: flat `index`'s updated partition up into its slice of the flat
+        buffer, and its all-gather queued after it (stages 1/2; stage 3 overrides)."""
+        assert self.link is not None
+        flat = self.flats[index]
+        mine = flat.flat_param[flat.lo : flat.hi]
+        self.link.to_device(index, self.masters.published(flat), mine)
+        gather = _gather_uploaded(self.link, self.collectives, flat.flat_param, mine)
+        return self.collectives.submit(gather, item=index)
 
     def visible_slice(self, flat: FlatShard) -> torch.Tensor:
         """This rank's slice of `flat` as forward sees it (stages 1/2: of the flat buffer)."""
@@ -351,7 +361,17 @@ class ZeroOptimizer:
             self.layout, self.optimizer, self.publish
         ):
             return  # in the background; published by the next step
-        self.masters.step()
+        # Under offload each flat goes up as soon as the host step has updated it, while the
+        # step goes on with the next one (DeepSpeed's CPU Adam does the same per tile); the
+        # publish then sends the rest. Kept only once the step has finished (a step that
+        # raised has sent nothing that a later publish may skip).
+        sent: dict[int, Future | None] = {}
+
+        def send(flat: FlatShard) -> None:
+            sent[flat.bucket.index] = self._send(flat.bucket.index)
+
+        self.masters.step(after_each=send if self.link is not None else None)
+        self._sent = sent
         self.publish()
 
     @torch.no_grad()

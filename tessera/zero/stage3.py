@@ -364,19 +364,30 @@ class ZeroStage3(ZeroOptimizer):
         super().step(closure)
 
     @torch.no_grad()
+    def _send(self, index: int) -> None:
+        """Under offload: flat `index`'s updated partition up into its shard (a host shard
+        under offload_params: the gathers copy it up); nothing where the gathers read the
+        master itself. No collective: the next gathers read the shards."""
+        assert self.link is not None
+        flat, shard = self.flats[index], self.layout.shards[index]
+        if self._in_files() or shard.data_ptr() == flat.master.data_ptr():
+            return
+        value = self.masters.published(flat)  # on the host
+        if self._offload_params:
+            shard.copy_(value)
+        else:
+            self.link.to_device(index, value, shard)
+
+    @torch.no_grad()
     def publish(self) -> None:
         """Refresh each shard from its master (no collective: the next gathers read them)."""
         self._release_unused()  # also after load_shards replaced the masters
         shards = self.layout.shards
         if self.link is not None:  # under offload: each partition goes up into its shard
-            for flat, shard in zip(self.flats, shards):
-                if self._in_files() or shard.data_ptr() == flat.master.data_ptr():
-                    continue  # the gathers read the master itself
-                value = self.masters.published(flat)  # on the host
-                if self._offload_params:  # a host shard: the gathers copy it up
-                    shard.copy_(value)
-                else:
-                    self.link.to_device(flat.bucket.index, value, shard)
+            sent, self._sent = self._sent, {}
+            for index in range(len(self.flats)):
+                if index not in sent:
+                    self._send(index)
             self.link.device_ready()
             self.link.release_uploads()  # the next step may write its host buffers
             return
