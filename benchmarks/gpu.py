@@ -57,7 +57,10 @@ fenced by a synchronisation per step) weighs twice as much."""
 OFFLOAD_BATCH = 8
 CPU_SHAPE = dict(n_layer=2, n_embd=64, n_head=2, block_size=64, vocab_size=512)
 TESTS_TIMEOUT_S = 240  # of the 6 minutes the whole check may take on one GPU
-GPU_TESTS = ["tests/test_gpu.py", "tests/test_setup.py", "tests/test_offload_device.py"]
+GPU_TESTS = [
+    "tests/test_gpu.py", "tests/test_setup.py", "tests/test_offload_device.py",
+    "tests/test_offload_uploads.py",
+]  # fmt: skip
 
 Step = Callable[[], None]
 

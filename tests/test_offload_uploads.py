@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -216,3 +217,68 @@ def test_each_bucket_goes_up_as_soon_as_the_host_step_has_updated_it(run_ranks):
             assert strategy == "zero3" or buckets >= 3, what
             expected = [e for i in range(buckets) for e in (("step", i), ("to_device", i))]
             assert [e for e in events if e[0] != "to_host"] == expected, (what, events)
+
+
+# --- on a GPU ---------------------------------------------------------------------------------
+
+
+def _cuda_runs() -> dict[Any, Any]:
+    """On CUDA (one rank per GPU): bf16 offload runs of zero2/zero3, with and without the
+    delayed update, once as they run and once with every copy waited for at each publish (the
+    link's release made a full wait: nothing in flight while the next host step runs)."""
+    import os
+
+    from tessera.zero import OffloadPolicy
+    from tessera.zero.host_link import HostLink
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS starts
+    torch.use_deterministic_algorithms(True)  # (an op without a deterministic kernel raises)
+    ctx = tessera.init()
+    assert ctx.device.type == "cuda"
+    out: dict[Any, Any] = {}
+    overlapping = HostLink.release_uploads
+    for strategy, delayed, waiting in itertools.product(
+        ("zero2", "zero3"), (False, True), (False, True)
+    ):
+        if waiting:
+            HostLink.release_uploads = HostLink.wait
+        try:
+            offload = OffloadPolicy(device="cpu", delayed_update=delayed, delayed_update_after=1)
+            engine = tessera.setup(
+                TiedDictNet().to(ctx.device),
+                lambda ps: torch.optim.AdamW(ps, lr=0.03, weight_decay=0.1),
+                strategy=strategy, loss_fn=_loss, precision="bf16", offload=offload, ctx=ctx,
+                **({"bucket_cap_mb": 0.0005} if strategy == "zero2" else {}),
+            )  # fmt: skip
+            link = engine.zero.link
+            assert link.pinned and all(s is None or s.is_pinned() for s in link.staging)
+            for step in range(STEPS):
+                tokens, target = _batch(step, ctx.rank)
+                engine.train_step((tokens.to(ctx.device), target.to(ctx.device)))
+                engine.step()
+            engine.zero.finish_step()
+            swapped = bool(link.spare_staging)
+            state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
+            engine.close()
+        finally:
+            HostLink.release_uploads = overlapping
+        out[strategy, delayed, waiting] = (state, swapped)
+    return out
+
+
+@pytest.mark.gpu
+def test_uploads_left_in_flight_on_cuda_change_nothing(run_ranks):
+    """On CUDA the uploads a publish leaves in flight (pinned staging, a side stream) give the
+    same parameters, bit for bit, as waiting for every copy: the same kernels run in the same
+    order on the device (deterministic algorithms only), so any difference is a host buffer
+    written while its copy was still queued. The staging sets did take turns."""
+    world = max(n for n in (1, 2) if n <= torch.cuda.device_count())
+    for result in run_ranks(_cuda_runs, world, deadline_s=600):
+        for (strategy, delayed, waiting), (state, swapped) in result.items():
+            if waiting:
+                continue
+            what = f"{strategy} delayed={delayed}"
+            assert swapped, what
+            reference, _ = result[strategy, delayed, True]
+            for name, value in reference.items():
+                assert torch.equal(state[name], value), (what, name)
