@@ -274,6 +274,39 @@ def _offload_parts(bench: _Bench, repeats: int = 5) -> list[dict[str, Any]]:
     ):
         seconds = _timed(fn, repeats, bench.device)
         rows.append({"part": name, "numel": numel, "seconds": seconds, "bytes_per_param": 2})
+    return rows  # (the buffers go with this frame, before the engines of _offload_halves)
+
+
+def _offload_halves(bench: _Bench, repeats: int) -> list[dict[str, Any]]:
+    """A zero2 offload step split into its two calls, each fenced by a device synchronisation:
+    `train_step` (forward, backward, the downloads) and `step` (the host step and the uploads;
+    under the delayed update, the wait for the step launched one call before, which ran beside
+    the train_step)."""
+    from tessera.zero import OffloadPolicy
+
+    rows = []
+    delayed = OffloadPolicy(delayed_update=True, delayed_update_after=2)
+    for name, offload in (("offload=cpu", "cpu"), ("offload=cpu delayed", delayed)):
+        engine = tessera.setup(
+            bench.model(), bench.adamw, strategy="zero2", loss_fn=_loss, offload=offload,
+            precision="bf16" if bench.dtype is not None else "fp32",
+        )  # fmt: skip
+        halves: dict[str, Step] = {
+            "train_step": lambda engine=engine: engine.train_step((bench.x, bench.y)),
+            "step": engine.step,
+        }
+        times: dict[str, list[float]] = {half: [] for half in halves}
+        for index in range(3 + repeats):  # (3 unmeasured: the delayed update's warm-up is 2)
+            for half, fn in halves.items():
+                _sync(bench.device)
+                began = time.perf_counter()
+                fn()
+                _sync(bench.device)
+                if index >= 3:
+                    times[half].append(time.perf_counter() - began)
+        for half, values in times.items():
+            rows.append({"part": f"zero2 {name}: `{half}`", "seconds": statistics.median(values)})
+        engine.close()
     return rows
 
 
@@ -309,7 +342,7 @@ def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     result["offload"] = [
         _pair_row(big, pair, max(1, steps // 2), blocks) for pair in _offload_pairs(big)
     ]
-    result["offload_parts"] = _offload_parts(big)
+    result["offload_parts"] = _offload_parts(big) + _offload_halves(big, repeats=5)
     return result
 
 
@@ -365,12 +398,12 @@ def _markdown(result: dict[str, Any]) -> str:
                   f"({parts[0]['numel'] / 1e6:.1f}M parameters), medians:", "",
                   "| part | time | memory touched |", "|---|---|---|"]  # fmt: skip
     for row in parts:
-        rate = row["numel"] * row["bytes_per_param"] / row["seconds"] / 1e9
-        threads = f", {row['threads']} threads" if "threads" in row else ""
-        lines.append(
-            f"| {row['part']} | {row['seconds'] * 1e3:.1f} ms | {row['bytes_per_param']} "
-            f"B/param: {rate:.1f} GB/s{threads} |"
-        )
+        touched = ""
+        if "bytes_per_param" in row:
+            rate = row["numel"] * row["bytes_per_param"] / row["seconds"] / 1e9
+            threads = f", {row['threads']} threads" if "threads" in row else ""
+            touched = f"{row['bytes_per_param']} B/param: {rate:.1f} GB/s{threads}"
+        lines.append(f"| {row['part']} | {row['seconds'] * 1e3:.1f} ms | {touched} |")
     for row in result.get("all_reduce", []):
         lines.append(
             f"\nall_reduce {row['size_mb']} MB: NCCL {row['native_s'] * 1e3:.3f} ms, tessera auto "
