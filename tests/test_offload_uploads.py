@@ -17,6 +17,7 @@ the publish waiting for every upload (the overlap gone: nothing left in flight).
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -82,6 +83,7 @@ def _runs() -> dict[Any, Any]:
     ctx = tessera.init()
     races: list[str] = []
     queued: list[_QueuedCopy] = []
+    waits: list[tuple[str, int]] = []
     plain = {name: getattr(HostLink, name) for name in ("add_bucket", "__init__")}
 
     def add_bucket(self, numel, compute_dtype, *, converted, published):
@@ -93,6 +95,9 @@ def _runs() -> dict[Any, Any]:
         plain["__init__"](self, device, huge_pages=huge_pages)
         self._stream = "the fake side stream"
 
+    def uploads_ready(self):  # a stream's wait for the uploads: which thread, with how many
+        waits.append((threading.current_thread().name, len(self._in_flight)))
+
     def async_copy(self, source, target):
         queued.append(_QueuedCopy(source, target, races))
         return queued[-1]
@@ -102,7 +107,7 @@ def _runs() -> dict[Any, Any]:
         ("zero2", "zero3"), (False, True), (False, True)
     ):
         fakes = dict(add_bucket=add_bucket, __init__=init, _async_copy=async_copy)
-        fakes.update(device_ready=lambda self: None, uploads_ready=lambda self: None)
+        fakes.update(device_ready=lambda self: None, uploads_ready=uploads_ready)
         originals = {name: HostLink.__dict__[name] for name in fakes}
         if asynchronous:  # the fakes stay in place until the engine is closed
             for name, fake in fakes.items():
@@ -112,8 +117,10 @@ def _runs() -> dict[Any, Any]:
         finally:
             for name, original in originals.items():
                 setattr(HostLink, name, original)
+        out[strategy, delayed, asynchronous]["waits"] = list(waits)
         races.clear()
         queued.clear()
+        waits.clear()
     return out
 
 
@@ -122,7 +129,7 @@ def test_a_publish_leaves_its_staged_uploads_in_flight_and_no_step_writes_them(r
     synchronous path; after each step the last publish's uploads (one per bucket) are still in
     flight, not waited for; and no queued copy's host source is written before it is waited
     for. zero2 (several buckets, a gather per bucket on 2 ranks) and zero3, with and without
-    the delayed update."""
+    the delayed update; stage 3's gathers, on another thread, wait for the uploads in flight."""
     for result in run_ranks(_runs, 2):
         for (strategy, delayed, asynchronous), run in result.items():
             what = f"{strategy} delayed={delayed}"
@@ -139,6 +146,13 @@ def test_a_publish_leaves_its_staged_uploads_in_flight_and_no_step_writes_them(r
             # left in flight by each step: the uploads of the last publish (under the delayed
             # update the warm-up step's, then each step's of the previous step's result)
             assert run["in_flight"] == [buckets] * STEPS, (what, run["in_flight"])
+            # stage 3's gathers run on the communication thread, whose stream the publish did
+            # not order: each waits there for the uploads in flight (every forward after the
+            # first publish, and the backward's gathers again)
+            waited = [n for thread, n in run["waits"] if thread.startswith("tessera-stream")]
+            if strategy == "zero3":
+                assert set(waited) <= {0, buckets}, (what, waited)  # (0: before any publish)
+                assert waited.count(buckets) >= 2 * (STEPS - 1), (what, waited)
 
 
 def _train(ctx, strategy: str, delayed: bool, queued: list, races: list) -> dict[str, Any]:

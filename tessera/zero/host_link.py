@@ -250,11 +250,9 @@ class HostLink:
         than the one that published (stage 3's gathers, on the communication thread), whose
         stream the publish's `device_ready` did not order."""
         with self._lock:
-            flying = list(self._in_flight)
-        if flying:
-            stream = torch.cuda.current_stream(self.device)
-            for event in flying:
-                stream.wait_event(event)
+            last = self._in_flight[-1] if self._in_flight else None
+        if last is not None:  # (the side stream runs its copies in order: the last one is enough)
+            torch.cuda.current_stream(self.device).wait_event(last)
 
     def device_ready(self) -> None:
         """Make the calling thread's device stream wait for every copy issued so far."""
