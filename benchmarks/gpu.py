@@ -307,6 +307,8 @@ def _offload_halves(bench: _Bench, repeats: int) -> list[dict[str, Any]]:
         for half, values in times.items():
             rows.append({"part": f"zero2 {name}: `{half}`", "seconds": statistics.median(values)})
         engine.close()
+        if bench.device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
