@@ -9,9 +9,14 @@ change (a real DMA may read it at any moment until then). Every queued copy is c
 gradient downloads too. The oracle for the values is the same run on this machine's own path
 (no staging: the upload rounds the master itself, synchronously).
 
+Without the delayed update each bucket also goes up as soon as the host step has updated it:
+the order of steps and copies is checked. On a GPU (`gpu`-marked) the overlapping run is held
+to the same run with every copy waited for, bit for bit.
+
 Planted and seen failing: the staging sets not swapped (the next step writes the set on its
 way up: a race); the in-flight set's copies not waited for before the set is reused (a race);
-the publish waiting for every upload (the overlap gone: nothing left in flight).
+the publish waiting for every upload (the overlap gone: nothing left in flight); stage 3's
+gathers not waiting for the uploads on their thread; every upload after the whole step.
 """
 
 from __future__ import annotations
