@@ -13,7 +13,9 @@
    - `single` with `--compile` (`Module.compile`) against the plain loop compiled the same way;
    - `ddp` against torch DDP (`torch-ddp`), `zero3` against FSDP2 (`fully_shard`);
    - ZeRO-2/3 with `offload="cpu"` against the same stage without offload, and ZeRO-3's
-     offload against FSDP2 with `CPUOffloadPolicy` (the issue's anchor).
+     offload against FSDP2 with `CPUOffloadPolicy` (the issue's anchor);
+   - the offload step decomposed: CPUAdam's host step, the download and the upload, each alone
+     at one rank's partition, and a zero2 offload step split into `train_step` and `step`.
    A pair whose tessera side cannot run here (offload from GPU memory before it exists) is
    recorded with its error instead of stopping the check.
 3. Ratios (anchor time / tessera time: above 1, tessera is faster) and all-reduce against NCCL
