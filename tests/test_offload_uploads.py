@@ -148,6 +148,11 @@ def test_a_publish_leaves_its_staged_uploads_in_flight_and_no_step_writes_them(r
             buckets = run["buckets"]
             assert strategy == "zero3" or buckets >= 3, what
             assert run["staging_sets"] == (buckets, buckets), what
+            # both sets are counted in memory_usage (the synchronous path has none)
+            one, other = run["staging_bytes"]
+            assert one == other > 0, (what, one, other)
+            extra = run["params_bytes"] - result[strategy, delayed, False]["params_bytes"]
+            assert extra == one + other, (what, extra, one, other)
             # left in flight by each step: the uploads of the last publish (under the delayed
             # update the warm-up step's, then each step's of the previous step's result)
             assert run["in_flight"] == [buckets] * STEPS, (what, run["in_flight"])
@@ -164,9 +169,10 @@ def _train(ctx, strategy: str, delayed: bool, queued: list, races: list) -> dict
     from tessera.zero import OffloadPolicy
 
     offload = OffloadPolicy(device="cpu", delayed_update=delayed, delayed_update_after=1)
+    model, factory = _recipe()  # (groups by shape, a frozen block)
     engine = tessera.setup(
-        TiedDictNet(), lambda ps: torch.optim.AdamW(ps, lr=0.03, weight_decay=0.1),
-        strategy=strategy, loss_fn=_loss, precision="bf16", offload=offload, ctx=ctx,
+        model, factory, strategy=strategy, loss_fn=_loss, precision="bf16", offload=offload,
+        ctx=ctx,
         **({"bucket_cap_mb": 0.0005} if strategy == "zero2" else {}),
     )  # fmt: skip
     in_flight = []
@@ -184,14 +190,37 @@ def _train(ctx, strategy: str, delayed: bool, queued: list, races: list) -> dict
         "buckets": len(engine.zero.flats),
         "races": list(races),
         "staging_sets": (len(link.staging), len(link.spare_staging)),
+        "staging_bytes": [
+            sum(t.numel() * t.element_size() for t in buffers if t is not None)
+            for buffers in (link.staging, link.spare_staging)
+        ],
+        "params_bytes": engine.zero.memory_usage()["params"],
     }
     engine.close()
     return run
 
 
+def _recipe() -> tuple[nn.Module, Any]:
+    """The model with a frozen block, and a factory grouping its parameters by shape as nanoGPT
+    does, the group without weight decay listed first (ZeRO orders its buckets by group)."""
+    model = TiedDictNet()
+    model.blocks["c"].requires_grad_(False)
+
+    def factory(_: Any) -> torch.optim.Optimizer:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            [{"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0},
+             {"params": [p for p in trainable if p.ndim >= 2], "weight_decay": 0.1}],
+            lr=0.03,
+        )  # fmt: skip
+
+    return model, factory
+
+
 def _step_order_ranks() -> dict[str, list]:
-    """One offload step of zero1/zero2 (several buckets) and zero3, bf16 and fp32: the host
-    step's parameters and the link's copies in the order they happened."""
+    """One offload step of zero1/zero2 (several buckets) and zero3, bf16 and fp32, on `_recipe`:
+    the host step's parameters and the link's copies in the order they happened, and which
+    bucket each parameter of the host step (in group order) is the master of."""
     from tessera.optim import CPUAdam
     from tessera.zero.host_link import HostLink
 
@@ -211,15 +240,19 @@ def _step_order_ranks() -> dict[str, list]:
     out = {}
     try:
         for strategy, precision in itertools.product(("zero1", "zero2", "zero3"), ("bf16", "fp32")):
+            model, factory = _recipe()
             engine = tessera.setup(
-                TiedDictNet(), lambda ps: torch.optim.AdamW(ps, lr=0.03), strategy=strategy,
-                loss_fn=_loss, precision=precision, offload="cpu", ctx=ctx,
+                model, factory, strategy=strategy, loss_fn=_loss, precision=precision,
+                offload="cpu", ctx=ctx,
                 **({"bucket_cap_mb": 0.0005} if strategy != "zero3" else {}),
             )  # fmt: skip
             engine.train_step(_batch(0, ctx.rank))
             events.clear()
             engine.step()
-            out[strategy, precision] = (list(events), len(engine.zero.flats))
+            zero = engine.zero
+            masters = [m for group in zero.optimizer.param_groups for m in group["params"]]
+            bucket_of = {id(flat.master): flat.bucket.index for flat in zero.flats}
+            out[strategy, precision] = (list(events), [bucket_of[id(m)] for m in masters])
             engine.close()
     finally:
         CPUAdam._update, HostLink._copy = update, copy
@@ -229,12 +262,17 @@ def _step_order_ranks() -> dict[str, list]:
 def test_each_bucket_goes_up_as_soon_as_the_host_step_has_updated_it(run_ranks):
     """Without the delayed update the host step's result goes up bucket by bucket: each
     bucket's upload is issued right after its master is stepped, before the next master is
-    (on CUDA the copy then runs beside the rest of the step), once per bucket and step."""
+    (on CUDA the copy then runs beside the rest of the step), once per bucket and step. With
+    the user's optimizer groups (by shape) and a frozen block: the bucket that goes up is the
+    one whose master was just stepped."""
     for result in run_ranks(_step_order_ranks, 2):
-        for (strategy, precision), (events, buckets) in result.items():
+        for (strategy, precision), (events, bucket_of) in result.items():
             what = f"{strategy} {precision}"
-            assert strategy == "zero3" or buckets >= 3, what
-            expected = [e for i in range(buckets) for e in (("step", i), ("to_device", i))]
+            assert strategy == "zero3" or len(bucket_of) >= 3, what
+            expected = [
+                e for position, bucket in enumerate(bucket_of)
+                for e in (("step", position), ("to_device", bucket))
+            ]  # fmt: skip
             assert [e for e in events if e[0] != "to_host"] == expected, (what, events)
 
 
