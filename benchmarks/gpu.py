@@ -69,7 +69,17 @@ Step = Callable[[], None]
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work: first asleep, on a blocking event behind the current
+    stream's work, then `torch.cuda.synchronize` for the rest (side streams: the offload's
+    uploads). `synchronize` alone spins a core for as long as it waits (CUDA's default for one
+    context on many cores). Under the delayed update that core is one of the background host
+    step's, and real training, which does not fence every step, does not spin there: the fence
+    would slow the host step it is timing (on 2 CPU cores, a busy thread beside CPUAdam's two
+    made its step 1.7-1.9x slower: BENCHMARKS offload, "Host-step experiments")."""
     if device.type == "cuda":
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        done.synchronize()
         torch.cuda.synchronize(device)
 
 
