@@ -18,7 +18,9 @@
      at one rank's partition, and a zero2 offload step split into `train_step` and `step`
      (the delayed update also with its host step on one thread fewer).
    A pair whose tessera side cannot run here (offload from GPU memory before it exists) is
-   recorded with its error instead of stopping the check.
+   recorded with its error instead of stopping the check. The offload rows run first (their
+   figures are the ones still open), and the rows measured so far are rewritten after each
+   into benchmarks/results/gpu-partial.json: a run stopped at a time limit keeps them.
 3. Ratios (anchor time / tessera time: above 1, tessera is faster) and all-reduce against NCCL
    (with 2+ GPUs) into benchmarks/results/gpu.json, gpu.md and BENCHMARKS.md's `## gpu` section,
    with the device named. `--cpu` writes benchmarks/results/gpu-cpu.json only (CPU timings say
@@ -49,6 +51,9 @@ from tessera.models import GPT, GPTConfig
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SIZES_MB = (1, 16, 128)
+PARTIAL_SUFFIX = "-partial.json"
+"""`gpu-partial.json`: the rows measured so far, rewritten after each; removed once the run has
+written its results. A run stopped at its time limit leaves it behind."""
 GPU_SHAPE = dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50304)
 OFFLOAD_SHAPE = dict(n_layer=24, n_embd=1024, n_head=16, block_size=1024, vocab_size=50304)
 """GPT-2 medium (355M): the issue's FSDP2 anchor, 602 ms with CPUOffloadPolicy against 141 ms
@@ -365,16 +370,32 @@ def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     result["torch"] = torch.__version__
     result["precision"] = "bf16 autocast, fused AdamW" if cuda else "fp32, AdamW"
     result["shape"] = {**bench.shape, "batch": batch}
+    partial = RESULTS / f"{'gpu-cpu' if cpu else 'gpu'}{PARTIAL_SUFFIX}"
+
+    def save() -> None:  # what is measured so far, should the run be stopped at its time limit
+        if bench.ctx.rank == 0:
+            RESULTS.mkdir(exist_ok=True)
+            partial.write_text(json.dumps(result, indent=2))
+
     if bench.ctx.world_size > 1:
         result["all_reduce"] = _all_reduce_rows(bench.device, steps)
-    result["training"] = [_pair_row(bench, pair, steps, blocks) for pair in _pairs(bench)]
+    # The offload rows first: the ones whose figures are still open (issue 30).
     offload_batch = batch if cpu else OFFLOAD_BATCH
     big = _Bench(cpu, offload_batch, None if cpu else OFFLOAD_SHAPE)  # GPT-2 medium on a GPU
     result["offload_shape"] = {**big.shape, "batch": offload_batch}
-    result["offload"] = [
-        _pair_row(big, pair, max(1, steps // 2), blocks) for pair in _offload_pairs(big)
-    ]
-    result["offload_parts"] = _offload_parts(big) + _offload_halves(big, repeats=5)
+    result["offload"] = []
+    for pair in _offload_pairs(big):
+        result["offload"].append(_pair_row(big, pair, max(1, steps // 2), blocks))
+        save()
+    result["offload_parts"] = _offload_parts(big)
+    save()
+    result["offload_parts"] += _offload_halves(big, repeats=5)
+    save()
+    del big
+    result["training"] = []
+    for pair in _pairs(bench):
+        result["training"].append(_pair_row(bench, pair, steps, blocks))
+        save()
     return result
 
 
@@ -479,6 +500,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     RESULTS.mkdir(exist_ok=True)
     name = "gpu-cpu" if args.cpu else "gpu"
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / f"{name}{PARTIAL_SUFFIX}").unlink(missing_ok=True)
     markdown = _markdown(result)
     if not args.cpu:
         (RESULTS / "gpu.md").write_text(markdown)
