@@ -375,7 +375,9 @@ def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     def save() -> None:  # what is measured so far, should the run be stopped at its time limit
         if bench.ctx.rank == 0:
             RESULTS.mkdir(exist_ok=True)
-            partial.write_text(json.dumps(result, indent=2))
+            scratch = partial.with_suffix(".tmp")
+            scratch.write_text(json.dumps(result, indent=2))
+            scratch.replace(partial)  # whole or not at all, should the run be stopped mid-write
 
     if bench.ctx.world_size > 1:
         result["all_reduce"] = _all_reduce_rows(bench.device, steps)
