@@ -362,12 +362,36 @@ def _all_reduce_rows(device: torch.device, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _host() -> dict[str, Any]:
+    """The host the offload step runs on: its CPU, cores, threads, NUMA nodes and transparent
+    huge pages (the host step is bound by this machine's memory bandwidth, not the GPU's)."""
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return ""
+
+    models = [line.split(":", 1)[1].strip() for line in read("/proc/cpuinfo").splitlines()
+              if line.startswith("model name")]  # fmt: skip
+    nodes = [n for n in Path("/sys/devices/system/node").glob("node[0-9]*")]
+    huge = read("/sys/kernel/mm/transparent_hugepage/enabled").strip()
+    return {
+        "cpu": models[0] if models else "unknown",
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "numa_nodes": len(nodes) or None,
+        "transparent_huge_pages": huge or None,
+    }
+
+
 def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
     bench = _Bench(cpu, batch)
     cuda = bench.device.type == "cuda"
     name = f"{torch.cuda.get_device_name()} (NCCL)" if cuda else "CPU (gloo, --cpu)"
     result: dict[str, Any] = {"world": bench.ctx.world_size, "device": name}
     result["torch"] = torch.__version__
+    result["host"] = _host()
     result["precision"] = "bf16 autocast, fused AdamW" if cuda else "fp32, AdamW"
     result["shape"] = {**bench.shape, "batch": batch}
     partial = RESULTS / f"{'gpu-cpu' if cpu else 'gpu'}{PARTIAL_SUFFIX}"
@@ -419,6 +443,18 @@ def _gpu_tests(log: str | None = None) -> str:
     return lines[-1] if lines else f"pytest exited {done.returncode}: {done.stderr[-300:]}"
 
 
+def _host_line(host: dict[str, Any] | None) -> str:
+    """The host in one sentence (older results have none)."""
+    if not host:
+        return "Host: not recorded."
+    nodes = host["numa_nodes"]
+    return (
+        f"Host: {host['cpu']}, {host['cpus']} CPUs, torch on {host['torch_threads']} threads, "
+        f"{nodes if nodes else 'unknown'} NUMA node{'s' if nodes != 1 else ''}, transparent "
+        f"huge pages `{host['transparent_huge_pages']}`."
+    )
+
+
 def _markdown(result: dict[str, Any]) -> str:
     shape = result["shape"]
     lines = [
@@ -428,6 +464,8 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{shape['n_layer']} x {shape['n_embd']}, block {shape['block_size']}, batch "
         f"{shape['batch']} per rank, {result['precision']}. Medians; anchor time / tessera "
         "time (above 1: tessera faster). Written by `benchmarks/gpu.py` (`make gpu-check`).",
+        "",
+        _host_line(result.get("host")),
         "",
         f"gpu tests: `{result['gpu_tests']}`",
         "",
