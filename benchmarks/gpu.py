@@ -285,6 +285,13 @@ def _offload_parts(bench: _Bench, repeats: int = 5) -> list[dict[str, Any]]:
         row["threads"] = torch.get_num_threads()
         rows.append(row)
         del adam
+    # The host's memory bandwidth as torch's own kernels reach it, for the rates above: CPUAdam
+    # is bound by it (BENCHMARKS cpu_adam: the same yardstick on this project's CPU).
+    left, right = torch.ones(numel), torch.ones(numel)
+    seconds = _timed(lambda: left.add_(right), repeats, torch.device("cpu"))
+    rows.append({"part": "yardstick: in-place add of two fp32 tensors on the host",
+                 "numel": numel, "seconds": seconds, "bytes_per_param": 12,
+                 "threads": torch.get_num_threads()})  # fmt: skip
     device_copy = torch.empty(numel, dtype=torch.bfloat16, device=bench.device)
     for name, fn in (
         ("download, device to pinned host", lambda: out.copy_(device_copy, non_blocking=True)),
