@@ -49,7 +49,8 @@ from tessera import comm
 from tessera.models import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = Path(os.environ.get("TESSERA_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
+"""Where the results go; `TESSERA_BENCH_RESULTS` (the suite's `--cpu` run: a folder of its own)."""
 SIZES_MB = (1, 16, 128)
 PARTIAL_SUFFIX = "-partial.json"
 """`gpu-partial.json`: the rows measured so far, rewritten after each; removed once the run has
