@@ -406,7 +406,7 @@ def _rank(cpu: bool, steps: int, blocks: int, batch: int) -> dict[str, Any]:
 
     def save() -> None:  # what is measured so far, should the run be stopped at its time limit
         if bench.ctx.rank == 0:
-            RESULTS.mkdir(exist_ok=True)
+            RESULTS.mkdir(parents=True, exist_ok=True)
             scratch = partial.with_suffix(".tmp")
             scratch.write_text(json.dumps(result, indent=2))
             scratch.replace(partial)  # whole or not at all, should the run be stopped mid-write
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     )[0]
     result["gpu_tests"] = gpu_tests
     result["seconds"] = round(time.perf_counter() - started, 1)
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     name = "gpu-cpu" if args.cpu else "gpu"
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2))
     (RESULTS / f"{name}{PARTIAL_SUFFIX}").unlink(missing_ok=True)
