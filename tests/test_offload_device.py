@@ -625,8 +625,9 @@ def test_the_host_step_reads_bf16_gradients_without_a_fresh_float32_copy(run_ran
 
 
 def _staged_ranks() -> dict[str, Any]:
-    """bf16 offload="cpu" runs (zero2/zero3, with and without the delayed update), each with
-    the host staging buffers CUDA gets (pinned there; forced here) and without them."""
+    """bf16 offload="cpu" runs (zero2/zero3, zero3 with its parameter partitions on the host
+    too, with and without the delayed update), each with the host staging buffers CUDA gets
+    (pinned there; forced here) and without them."""
     from tessera.zero import OffloadPolicy
     from tessera.zero.host_link import HostLink
 
@@ -639,12 +640,15 @@ def _staged_ranks() -> dict[str, Any]:
             self.staging[-1] = self.host_zeros(numel, compute_dtype)
 
     out = {}
-    for strategy, delayed in itertools.product(("zero2", "zero3"), (False, True)):
-        offload = OffloadPolicy(device="cpu", delayed_update=delayed, delayed_update_after=1)
+    for strategy, delayed in itertools.product(("zero2", "zero3", "zero3-params"), (False, True)):
+        offload = OffloadPolicy(
+            device="cpu", delayed_update=delayed, delayed_update_after=1,
+            params=strategy == "zero3-params",
+        )  # fmt: skip
         for staged in (False, True):
             HostLink.add_bucket = staging_add if staged else plain_add
             try:
-                engine = _engine(ctx, strategy, "bf16", offload)
+                engine = _engine(ctx, strategy.removesuffix("-params"), "bf16", offload)
             finally:
                 HostLink.add_bucket = plain_add
             _train(engine, ctx, range(STEPS))
@@ -662,7 +666,9 @@ def test_the_host_step_rounds_the_uploaded_partition_itself(run_ranks):
     writes it there in its own pass (`bf16_out`) and the upload sends it as it is: no rounding
     pass of its own on the training thread. Same values, bit for bit, as rounding it apart
     (the run without staging), for zero2/zero3, with and without the delayed update; and every
-    upload of a step's result was one the step had rounded."""
+    upload of a step's result was one the step had rounded. With ZeRO-3's parameter partitions
+    on the host (`params=True`), the host shard takes the step's rounding too, not a second one
+    of the master."""
     got = run_ranks(_staged_ranks, 1)[0]
     for (strategy, delayed, staged), run in got.items():
         if not staged:
@@ -672,6 +678,10 @@ def test_the_host_step_rounds_the_uploaded_partition_itself(run_ranks):
         for name, value in apart["state"].items():
             assert torch.equal(run["state"][name], value), (what, name)
         assert apart["copies"]["staged_by_step"] == 0, what
+        if strategy == "zero3-params":  # (its uploads are the gathers' copies of the shards)
+            rounded = run["copies"]["staged_by_step"]
+            assert rounded == run["buckets"] * (STEPS - delayed), (what, run["copies"])
+            continue
         # every upload is a step's result (a bucket per step; under the delayed update the last
         # step is still in flight at the end: full_state_dict reads its masters, nothing goes up)
         uploads = run["copies"]["to_device"]

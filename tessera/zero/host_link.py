@@ -236,13 +236,18 @@ class HostLink:
         staging = self.staging[index]
         converted = source.dtype != target.dtype and staging is not None
         if converted:
-            if index in self._staged:  # rounded by the host step itself
-                self._staged.discard(index)
-                self.copies["staged_by_step"] += 1
-                source = staging
-            else:
-                source = staging.copy_(source)
+            rounded = self.take_staged(index)
+            source = staging.copy_(source) if rounded is None else rounded
         self._copy("to_device", index, source, target.reshape(-1), from_staging=converted)
+
+    def take_staged(self, index: int) -> torch.Tensor | None:
+        """Bucket `index`'s staging buffer if the host step rounded its updated partition into
+        it (`staged`), for one use (counted in `staged_by_step`); else None."""
+        if index not in self._staged:
+            return None
+        self._staged.discard(index)
+        self.copies["staged_by_step"] += 1
+        return self.staging[index]
 
     def uploads_ready(self) -> None:
         """Make the calling thread's device stream wait for the uploads the last publish let

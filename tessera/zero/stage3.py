@@ -373,8 +373,9 @@ class ZeroStage3(ZeroOptimizer):
         if self._in_files() or shard.data_ptr() == flat.master.data_ptr():
             return
         value = self.masters.published(flat)  # on the host
-        if self._offload_params:
-            shard.copy_(value)
+        if self._offload_params:  # the host step's own bf16 rounding where it made one
+            rounded = self.link.take_staged(index)
+            shard.copy_(value if rounded is None else rounded)
         else:
             self.link.to_device(index, value, shard)
 
